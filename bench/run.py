@@ -1,0 +1,17 @@
+"""Run every benchmark under bench/ and print its figures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BENCHES = ["poll_cost.py"]
+
+if __name__ == "__main__":
+    failed = 0
+    for name in BENCHES:
+        print(f"== {name}", flush=True)
+        failed |= subprocess.run([sys.executable, str(HERE / name), *sys.argv[1:]]).returncode
+    sys.exit(failed)

@@ -1,0 +1,185 @@
+"""The `gpuwatch` command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from gpuwatch import __version__
+
+# Exit codes of `gpuwatch status`; --help lists them, docs/cli.md explains them.
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2  # Typer's own code for a bad flag
+EXIT_NVML_UNAVAILABLE = 3
+EXIT_PARTIAL = 4
+#: sysexits' EX_CONFIG; the systemd unit does not restart on it (RestartPreventExitStatus).
+EXIT_CONFIG = 78
+
+STATUS_EXIT_CODES = f"""\b
+Exit codes:
+  {EXIT_OK}  every GPU and process list was read
+  {EXIT_ERROR}  gpuwatch itself failed
+  {EXIT_USAGE}  bad command-line usage
+  {EXIT_NVML_UNAVAILABLE}  NVML unavailable (no driver, no library, init failed): host view only
+  {EXIT_PARTIAL}  NVML answered, but some GPU or call failed (the output marks which)
+  {EXIT_CONFIG} bad configuration (the message names the key)
+"""
+
+app = typer.Typer(
+    name="gpuwatch",
+    help="Which processes hold GPU memory on this node, which belong to jobs that are gone, "
+         "and what leaks.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"gpuwatch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Optional[bool] = typer.Option(
+        None, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    pass
+
+
+_CONFIG_OPTION = typer.Option(
+    None, "--config",
+    help="Config file (default $GPUWATCH_CONFIG, else /etc/gpuwatch/gpuwatch.toml).")
+_RUNTIME_OPTION = typer.Option(
+    None, "--runtime-dir", help="Where agent.sock and state.sock live "
+    "(default $GPUWATCH_RUNTIME_DIR, else /run/gpuwatch).")
+
+
+def _load_config(config: Optional[Path], overrides: dict[str, Any]) -> Any:
+    from gpuwatch.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides=overrides)
+    except ConfigError as exc:
+        typer.echo(f"gpuwatch: bad configuration: {exc}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
+
+
+@app.command(epilog=STATUS_EXIT_CODES)
+def status(
+    as_json: bool = typer.Option(False, "--json",
+                                 help="Print the status document (docs/json.md)."),
+    poll: bool = typer.Option(False, "--poll", help="Poll once here even if a daemon is running."),
+    runtime_dir: Optional[Path] = _RUNTIME_OPTION,
+    config: Optional[Path] = _CONFIG_OPTION,
+) -> None:
+    """GPUs, and the processes holding their memory as trees with user, job and RSS.
+
+    Uses the running daemon's view when its state socket answers, else polls once; the output
+    says which.
+    """
+    from gpuwatch.sinks.status_view import render_status
+
+    cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
+    doc = _status_document(cfg.daemon.runtime_dir, ask_daemon=not poll)
+    if as_json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_status(doc, width=shutil.get_terminal_size((160, 40)).columns))
+    raise typer.Exit(status_exit_code(doc))
+
+
+def _status_document(runtime_dir: Path, ask_daemon: bool) -> dict[str, Any]:
+    from gpuwatch.poll import Poller
+    from gpuwatch.sinks.document import SOURCE_POLL, status_document
+    from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+
+    why = "--poll given"
+    if ask_daemon:
+        try:
+            return fetch_status(runtime_dir / STATE_SOCKET_NAME)
+        except StateUnavailable as exc:
+            why = str(exc)
+    poller = Poller()
+    try:
+        snapshot = poller.poll()
+    finally:
+        poller.close()
+    return status_document(snapshot, source=SOURCE_POLL, source_detail=why)
+
+
+@app.command()
+def daemon(
+    listen: Optional[str] = typer.Option(
+        None, "--listen", help="HOST:PORT for /metrics (default :9966, all interfaces)."),
+    interval: Optional[float] = typer.Option(None, "--interval", help="Seconds between polls."),
+    config: Optional[Path] = _CONFIG_OPTION,
+    runtime_dir: Optional[Path] = _RUNTIME_OPTION,
+    state_dir: Optional[Path] = typer.Option(
+        None, "--state-dir", help="Where the audit log lives "
+        "(default $GPUWATCH_STATE_DIR, else /var/lib/gpuwatch)."),
+    log_format: Optional[str] = typer.Option(None, "--log-format", help="text or json."),
+    log_level: Optional[str] = typer.Option(None, "--log-level",
+                                            help="debug, info, warning or error."),
+) -> None:
+    """The node daemon: polls NVML and /proc, serves Prometheus /metrics and the state socket.
+
+    A bad configuration exits with 78 and names the key. SIGHUP reloads the configuration.
+    """
+    from gpuwatch.daemon import Daemon
+    from gpuwatch.logs import setup_logging
+
+    overrides = {"daemon.listen": listen, "daemon.interval": interval,
+                 "daemon.runtime_dir": runtime_dir, "daemon.state_dir": state_dir,
+                 "daemon.log_format": log_format, "daemon.log_level": log_level}
+    cfg = _load_config(config, overrides)
+    setup_logging(cfg.daemon.log_format, cfg.daemon.log_level)
+    try:
+        code = Daemon(cfg, config_path=config, overrides=overrides).run()
+    except OSError as exc:  # the port or a directory is not ours to take
+        typer.echo(f"gpuwatch daemon: {exc}", err=True)
+        raise typer.Exit(EXIT_ERROR) from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def demo(
+    listen: str = typer.Option("127.0.0.1:9966", "--listen",
+                               help="HOST:PORT for the demo daemon's /metrics (another free "
+                                    "port is taken if this one is busy)."),
+    workers: int = typer.Option(2, "--workers", min=1, max=64, help="Workers in the job."),
+    duration: Optional[float] = typer.Option(
+        None, "--duration", help="Stop after this many seconds (default: until Ctrl+C)."),
+) -> None:
+    """A simulated node with a real job on fake GPUs, watched by the real daemon. No GPU needed."""
+    from gpuwatch.simulate.demo import run_demo
+
+    raise typer.Exit(run_demo(listen, workers, duration))
+
+
+def status_exit_code(doc: dict[str, Any]) -> int:
+    if not doc["nvml"]["available"]:
+        return EXIT_NVML_UNAVAILABLE
+    if any(g["errors"] for g in doc["gpus"]):
+        return EXIT_PARTIAL
+    return EXIT_OK
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

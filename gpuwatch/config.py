@@ -1,0 +1,201 @@
+"""Configuration: defaults < the TOML file < GPUWATCH_* variables < command-line flags.
+
+Every key lives in a section (`[daemon] interval = 2`) and is named `section.key` in messages.
+Unknown keys and bad values are errors that name the key and where the value came from, so a typo
+fails at start (or is refused on SIGHUP) instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.9/3.10 only
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = Path("/etc/gpuwatch/gpuwatch.toml")
+#: Chosen to clash with none of node_exporter (9100), dcgm-exporter (9400), process-exporter
+#: (9256), nvidia_gpu_exporter (9835) or nvitop-exporter (5050), which share GPU nodes with us.
+DEFAULT_PORT = 9966
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and the source of the bad value."""
+
+
+def _setting(default: Any, check: Callable[[Any], Any], help: str, env: Optional[str] = None
+             ) -> Any:
+    return field(default=default, metadata={"check": check, "help": help, "env": env})
+
+
+# -- value checks: each returns the normalised value or raises ValueError with the expectation --
+def _positive_float(v: Any) -> float:
+    try:
+        f = float(v) if not isinstance(v, bool) else 0.0
+    except (TypeError, ValueError):
+        f = 0.0
+    if not 0 < f < float("inf"):
+        raise ValueError("a number > 0")
+    return f
+
+
+def _positive_int(v: Any) -> int:
+    try:
+        i = int(v) if not isinstance(v, (bool, float)) else 0
+    except (TypeError, ValueError):
+        i = 0
+    if i < 1:
+        raise ValueError("an integer >= 1")
+    return i
+
+
+def _path(v: Any) -> Path:
+    if not isinstance(v, (str, Path)) or not str(v):
+        raise ValueError("a path")
+    return Path(v)
+
+
+def _listen(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError("HOST:PORT")
+    split_listen(v)
+    return v
+
+
+def _one_of(*choices: str) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if v not in choices:
+            raise ValueError("one of " + ", ".join(choices))
+        return str(v)
+    return check
+
+
+def split_listen(value: str) -> tuple[str, int]:
+    """'HOST:PORT', '[::1]:PORT' or ':PORT' (all interfaces) -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("HOST:PORT with a port from 0 to 65535")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    listen: str = _setting(f":{DEFAULT_PORT}", _listen,
+                           "address for /metrics; ':PORT' listens on all interfaces",
+                           env="GPUWATCH_LISTEN")
+    interval: float = _setting(2.0, _positive_float, "seconds between polls",
+                               env="GPUWATCH_INTERVAL")
+    runtime_dir: Path = _setting(Path("/run/gpuwatch"), _path,
+                                 "agent.sock and state.sock live here",
+                                 env="GPUWATCH_RUNTIME_DIR")
+    state_dir: Path = _setting(Path("/var/lib/gpuwatch"), _path,
+                               "the reaper's audit log lives here", env="GPUWATCH_STATE_DIR")
+    log_format: str = _setting("text", _one_of("text", "json"), "text or json",
+                               env="GPUWATCH_LOG_FORMAT")
+    log_level: str = _setting("info", _one_of("debug", "info", "warning", "error"),
+                              "log threshold", env="GPUWATCH_LOG_LEVEL")
+    nvml_retry_max: float = _setting(60.0, _positive_float,
+                                     "longest wait between NVML re-initialisation attempts")
+    state_socket_group: str = _setting("gpuwatch", str,
+                                       "group allowed to read state.sock besides root")
+
+
+@dataclass(frozen=True)
+class ExporterConfig:
+    max_process_series: int = _setting(
+        1000, _positive_int,
+        "most processes with per-process series; the rest are dropped and counted")
+
+
+@dataclass(frozen=True)
+class HistoryConfig:
+    samples: int = _setting(300, _positive_int, "samples kept per process")
+    max_processes: int = _setting(4096, _positive_int,
+                                  "processes with history; the oldest-seen are forgotten first")
+
+
+@dataclass(frozen=True)
+class Config:
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    exporter: ExporterConfig = field(default_factory=ExporterConfig)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+
+
+def _apply(config: Config, section: str, key: str, value: Any, origin: str) -> Config:
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"{section}: unknown section ({origin}); known: "
+                          + ", ".join(sorted(sections)))
+    part = getattr(config, section)
+    by_name = {f.name: f for f in fields(part)}
+    if key not in by_name:
+        raise ConfigError(f"{section}.{key}: unknown key ({origin}); known in [{section}]: "
+                          + ", ".join(sorted(by_name)))
+    try:
+        normalised = by_name[key].metadata["check"](value)
+    except ValueError as exc:
+        raise ConfigError(f"{section}.{key}: expected {exc}, got {value!r} ({origin})") from None
+    return replace(config, **{section: replace(part, **{key: normalised})})
+
+
+def load_config(path: Optional[Path] = None,
+                environ: Optional[Mapping[str, str]] = None,
+                overrides: Optional[Mapping[str, Any]] = None) -> Config:
+    """Build the configuration.
+
+    `path` is the --config flag; without it GPUWATCH_CONFIG, then the default path if it exists.
+    `overrides` are command-line flags as {"daemon.interval": 5}; None values are ignored.
+    """
+    env = os.environ if environ is None else environ
+    config = Config()
+    explicit = path is not None or "GPUWATCH_CONFIG" in env
+    file_path = path or Path(env.get("GPUWATCH_CONFIG", DEFAULT_CONFIG_PATH))
+    if explicit or file_path.exists():
+        config = _apply_file(config, file_path)
+    for section, cls in _sections().items():
+        for f in fields(cls):
+            name = f.metadata.get("env")
+            if name and name in env:
+                config = _apply(config, section, f.name, env[name], f"environment {name}")
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            section, _, key = dotted.partition(".")
+            config = _apply(config, section, key, value, "command line")
+    return config
+
+
+def _apply_file(config: Config, path: Path) -> Config:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section}: expected a [{section}] table, got {table!r} ({path})")
+        for key, value in table.items():
+            config = _apply(config, section, key, value, str(path))
+    return config
+
+
+def describe() -> list[tuple[str, Any, str, Optional[str]]]:
+    """(key, default, help, environment variable) for every setting, for docs and --help."""
+    out = []
+    for section, cls in _sections().items():
+        for f in fields(cls):
+            out.append((f"{section}.{f.name}", f.default, f.metadata["help"],
+                        f.metadata.get("env")))
+    return out

@@ -1,0 +1,253 @@
+"""The node daemon: poll, keep bounded history, serve /metrics and the state socket.
+
+One thread polls; the HTTP and state-socket threads only read the latest immutable snapshot, so a
+scrape never waits on NVML and never sees half a poll. Signals only set flags: SIGTERM/SIGINT stop,
+SIGHUP reloads the configuration (a bad one is refused and the running one kept).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+
+from gpuwatch import __version__, systemd_notify
+from gpuwatch.config import Config, ConfigError, load_config, split_listen
+from gpuwatch.history import History
+from gpuwatch.logs import setup_logging
+from gpuwatch.model import NodeSnapshot
+from gpuwatch.poll import Poller
+from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
+from gpuwatch.sinks.exporter import SnapshotCollector, dropped_by_cap
+from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
+from gpuwatch.sources.nvml import NvmlSource
+
+log = logging.getLogger("gpuwatch.daemon")
+
+#: Written to the runtime directory so that the CLI, the demo and tests find the live daemon.
+DAEMON_INFO_NAME = "daemon.json"
+_POLL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class Daemon:
+    def __init__(self, config: Config, config_path: Optional[Path] = None,
+                 overrides: Optional[dict[str, Any]] = None,
+                 poller: Optional[Poller] = None) -> None:
+        self.config = config
+        self._config_path = config_path
+        self._overrides = dict(overrides or {})
+        d = config.daemon
+        self.poller = poller or Poller(nvml=NvmlSource(retry_initial=1.0,
+                                                       retry_max=d.nvml_retry_max))
+        self.history = History(config.history.samples, config.history.max_processes)
+        self._latest: Optional[NodeSnapshot] = None
+        self._document: tuple[Optional[NodeSnapshot], Optional[bytes]] = (None, None)
+        self._document_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._reload_requested = False
+        self._nvml_was_up: Optional[bool] = None
+
+        # `_created` series double every counter for no use on a node exporter.
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self.collector = SnapshotCollector(lambda: self._latest,
+                                           config.exporter.max_process_series)
+        self.registry.register(self.collector)
+        self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=self.registry)
+        self.poll_errors = Counter(
+            "gpuwatch_poll_errors", "Problems met while polling, by source (nvml, procfs, poll: "
+            "a poll that raised).", ["source"], registry=self.registry)
+        self.poll_duration = Histogram(
+            "gpuwatch_poll_duration_seconds", "Wall time of each poll.", buckets=_POLL_BUCKETS,
+            registry=self.registry)
+        self.series_dropped = Counter(
+            "gpuwatch_process_series_dropped",
+            "Processes that mattered but got no per-process series because of "
+            "exporter.max_process_series, summed over polls.", registry=self.registry)
+        self.reloads = Counter("gpuwatch_config_reloads", "Configuration reloads by result.",
+                               ["result"], registry=self.registry)
+        for source in ("nvml", "procfs", "poll"):
+            self.poll_errors.labels(source)
+        for result in ("applied", "refused"):
+            self.reloads.labels(result)
+
+        self._http: Any = None
+        self._state_server: Optional[StateServer] = None
+        self.metrics_url: Optional[str] = None
+
+    # -- what the sinks read -----------------------------------------------------------------
+    @property
+    def latest(self) -> Optional[NodeSnapshot]:
+        return self._latest
+
+    def document_bytes(self) -> Optional[bytes]:
+        """The status document of the latest snapshot, serialised once per poll."""
+        snapshot = self._latest
+        if snapshot is None:
+            return None
+        with self._document_lock:
+            cached_for, body = self._document
+            if cached_for is not snapshot:
+                body = json.dumps(status_document(snapshot, source=SOURCE_DAEMON)).encode()
+                self._document = (snapshot, body)
+            return body
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def run(self) -> int:
+        d = self.config.daemon
+        for directory, mode in ((d.runtime_dir, 0o755), (d.state_dir, 0o750)):
+            directory.mkdir(parents=True, exist_ok=True, mode=mode)
+        self._install_signal_handlers()
+        host, port = split_listen(d.listen)
+        self._http, _ = start_http_server(port, addr=host or "0.0.0.0", registry=self.registry)
+        bound_port = self._http.server_address[1]
+        self.metrics_url = f"http://{_url_host(host)}:{bound_port}/metrics"
+        self._state_server = StateServer(d.runtime_dir / STATE_SOCKET_NAME, self.document_bytes,
+                                         group=d.state_socket_group)
+        self._state_server.start()
+        self._write_daemon_info(bound_port)
+        log.info("gpuwatch %s serving %s; state socket %s; polling every %g s",
+                 __version__, self.metrics_url, self._state_server.path, d.interval)
+        try:
+            self._loop()
+        finally:
+            systemd_notify.stopping()
+            self._shutdown()
+        log.info("stopped")
+        return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # embedded in a test thread: stop() is the way out
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        signal.signal(signal.SIGHUP, self._on_sighup)
+
+    def _on_sighup(self, *_: Any) -> None:
+        self._reload_requested = True
+        self._wake.set()
+
+    def _loop(self) -> None:
+        watchdog = systemd_notify.watchdog_interval()
+        next_poll = time.monotonic()
+        next_ping = time.monotonic()
+        ready = False
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self._reload_requested:
+                self._reload_requested = False
+                self.reload()
+            if now >= next_poll:
+                self.poll_once()
+                # Catch up by skipping, not by polling back to back after a slow poll.
+                next_poll = max(next_poll + self.config.daemon.interval, time.monotonic())
+                if not ready:
+                    ready = True
+                    systemd_notify.ready(status=self._status_line())
+            if watchdog is not None and time.monotonic() >= next_ping:
+                systemd_notify.watchdog_ping()
+                next_ping = time.monotonic() + watchdog
+            wake_at = next_poll if watchdog is None else min(next_poll, next_ping)
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            self._wake.clear()
+
+    def poll_once(self) -> None:
+        try:
+            snapshot = self.poller.poll()
+        except Exception:
+            # A bug or an unexpected state must not end monitoring: log, count, poll again.
+            log.exception("poll failed; the next poll follows as scheduled")
+            self.poll_errors.labels("poll").inc()
+            return
+        self.history.record(snapshot)
+        self._latest = snapshot
+        self.polls.inc()
+        self.poll_duration.observe(snapshot.poll_duration_seconds)
+        for error in snapshot.errors:
+            self.poll_errors.labels(error.source).inc()
+        self.series_dropped.inc(dropped_by_cap(snapshot, self.collector.max_process_series))
+        self._log_nvml_transition(snapshot)
+
+    def _log_nvml_transition(self, snapshot: NodeSnapshot) -> None:
+        up = snapshot.nvml.available
+        if up == self._nvml_was_up:
+            return
+        if up:
+            log.info("NVML up: %s, %d GPU(s)", snapshot.nvml.message, len(snapshot.gpus))
+        else:
+            log.warning("%s; monitoring host processes only, retrying NVML with backoff up to "
+                        "%g s", snapshot.nvml.message, self.config.daemon.nvml_retry_max)
+        self._nvml_was_up = up
+        systemd_notify.status(self._status_line())
+
+    def _status_line(self) -> str:
+        s = self._latest
+        if s is None:
+            return "starting"
+        return f"{s.nvml.message}; {len(s.gpus)} GPU(s), {len(s.gpu_holders)} GPU process(es)"
+
+    def reload(self) -> bool:
+        systemd_notify.reloading()
+        try:
+            new = load_config(self._config_path, overrides=self._overrides)
+        except ConfigError as exc:
+            log.error("configuration reload refused, keeping the running one: %s", exc)
+            self.reloads.labels("refused").inc()
+            systemd_notify.ready(status=self._status_line())
+            return False
+        old = self.config
+        for key in ("listen", "runtime_dir", "state_dir"):
+            if getattr(new.daemon, key) != getattr(old.daemon, key):
+                log.warning("daemon.%s changed; it takes effect at the next restart", key)
+        self.config = new
+        self.collector.max_process_series = new.exporter.max_process_series
+        self.history.resize(new.history.samples, new.history.max_processes)
+        nvml = self.poller.nvml
+        nvml.retry_max = new.daemon.nvml_retry_max
+        setup_logging(new.daemon.log_format, new.daemon.log_level)
+        self.reloads.labels("applied").inc()
+        log.info("configuration reloaded")
+        systemd_notify.ready(status=self._status_line())
+        return True
+
+    def _write_daemon_info(self, port: int) -> None:
+        d = self.config.daemon
+        info = {"pid": os.getpid(), "version": __version__, "metrics_url": self.metrics_url,
+                "port": port, "state_socket": str(d.runtime_dir / STATE_SOCKET_NAME)}
+        path = d.runtime_dir / DAEMON_INFO_NAME
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, path)
+
+    def _shutdown(self) -> None:
+        if self._state_server is not None:
+            self._state_server.stop()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        (self.config.daemon.runtime_dir / DAEMON_INFO_NAME).unlink(missing_ok=True)
+        self.poller.close()
+
+
+def _url_host(host: str) -> str:
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,206 @@
+"""The node snapshot: one immutable picture of a GPU node per poll.
+
+Sources (NVML, /proc) each produce a part; `gpuwatch.poll` joins them into a `NodeSnapshot`;
+detectors, the exporter and the CLI only ever read snapshots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Optional
+
+#: Kinds of NVML process lists a PID was found in.
+COMPUTE = "compute"
+GRAPHICS = "graphics"
+
+
+@dataclass(frozen=True)
+class NvmlCallError:
+    """One NVML call that failed, kept so that a partial read says what is missing and why."""
+
+    call: str
+    code: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.call}: {self.message}"
+
+
+@dataclass(frozen=True)
+class SourceError:
+    """A problem a source met during a poll; counted by source in the exporter."""
+
+    source: str  # "nvml" | "procfs"
+    message: str
+
+
+@dataclass(frozen=True)
+class GpuProcessUsage:
+    """One PID in one device's NVML process lists."""
+
+    gpu_index: int
+    gpu_uuid: Optional[str]
+    pid: int
+    #: None when NVML reports the figure as not available (it is unknown, not zero).
+    memory_bytes: Optional[int]
+    kinds: frozenset[str] = frozenset({COMPUTE})
+    #: MIG instance ids; None on a GPU without MIG.
+    gpu_instance_id: Optional[int] = None
+    compute_instance_id: Optional[int] = None
+
+    @property
+    def kind(self) -> str:
+        return "+".join(sorted(self.kinds))
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    uuid: Optional[str] = None
+    name: Optional[str] = None
+    pci_bus_id: Optional[str] = None
+    memory_total_bytes: Optional[int] = None
+    memory_used_bytes: Optional[int] = None
+    memory_free_bytes: Optional[int] = None
+    memory_reserved_bytes: Optional[int] = None
+    utilization_gpu_percent: Optional[int] = None
+    utilization_memory_percent: Optional[int] = None
+    mig_enabled: Optional[bool] = None
+    processes: tuple[GpuProcessUsage, ...] = ()
+    #: Calls that failed on this device; the fields they would fill stay None.
+    errors: tuple[NvmlCallError, ...] = ()
+    #: True when the device answered GPU_IS_LOST: it needs a reset, nothing on it is trustworthy.
+    lost: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def attributed_memory_bytes(self) -> int:
+        return sum(p.memory_bytes or 0 for p in self.processes)
+
+    @property
+    def unattributed_memory_bytes(self) -> Optional[int]:
+        """Used memory that no listed process accounts for (driver reservations excluded).
+
+        None when the device's used memory, or any process's figure, is unknown.
+        """
+        if self.memory_used_bytes is None:
+            return None
+        if any(p.memory_bytes is None for p in self.processes):
+            return None
+        return max(0, self.memory_used_bytes - self.attributed_memory_bytes)
+
+
+@dataclass(frozen=True)
+class NvmlStatus:
+    available: bool
+    #: Why NVML is unavailable, readable as it is: "NVML Shared Library Not Found".
+    error: Optional[str] = None
+    error_code: Optional[int] = None
+    driver_version: Optional[str] = None
+    nvml_version: Optional[str] = None
+    cuda_driver_version: Optional[str] = None
+    device_count: Optional[int] = None
+
+    @property
+    def message(self) -> str:
+        if self.available:
+            return f"NVML {self.nvml_version or '?'}, driver {self.driver_version or '?'}"
+        return f"NVML unavailable: {self.error or 'unknown reason'}"
+
+
+@dataclass(frozen=True)
+class NvmlReading:
+    """What the NVML source produced in one poll."""
+
+    status: NvmlStatus
+    gpus: tuple[GpuDevice, ...] = ()
+    errors: tuple[SourceError, ...] = ()
+
+
+@dataclass(frozen=True)
+class Job:
+    """The job a process belongs to, and where that was learnt."""
+
+    id: str
+    #: "slurm" | "torchelastic" | "kubernetes" | "container" | "systemd"
+    source: str
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.id}"
+
+
+@dataclass(frozen=True)
+class HostProcess:
+    pid: int
+    #: False when NVML lists the PID but /proc has no such process: another PID namespace
+    #: (a container's driver view), or it exited between the two reads.
+    in_procfs: bool = True
+    ppid: Optional[int] = None
+    #: Seconds since the epoch; with `pid` it identifies a process across PID reuse.
+    start_time: Optional[float] = None
+    name: Optional[str] = None
+    #: Command line with secrets redacted.
+    cmdline: tuple[str, ...] = ()
+    user: Optional[str] = None
+    uid: Optional[int] = None
+    #: psutil's status names: "running", "sleeping", "disk-sleep", "zombie", ...
+    state: Optional[str] = None
+    rss_bytes: Optional[int] = None
+    num_threads: Optional[int] = None
+    cgroup: Optional[str] = None
+    job: Optional[Job] = None
+    #: Distributed-launch variables from the environment (LOCAL_RANK, RANK, SLURM_PROCID, ...):
+    #: evidence that this is a training worker. Nothing else of the environment is kept.
+    launch_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    gpu_usage: tuple[GpuProcessUsage, ...] = ()
+    #: What could not be read about this process (permission, vanished mid-read).
+    read_errors: tuple[str, ...] = ()
+
+    @property
+    def holds_gpu(self) -> bool:
+        return bool(self.gpu_usage)
+
+    @property
+    def gpu_memory_bytes(self) -> Optional[int]:
+        """Total GPU memory over all devices; None when holding GPUs but every figure is unknown."""
+        known = [u.memory_bytes for u in self.gpu_usage if u.memory_bytes is not None]
+        if not known:
+            return None if self.gpu_usage else 0
+        return sum(known)
+
+    @property
+    def identity(self) -> tuple[int, Optional[float]]:
+        return (self.pid, self.start_time)
+
+
+@dataclass(frozen=True)
+class ProcessReading:
+    """What the host-process source produced in one poll."""
+
+    processes: Mapping[int, HostProcess]
+    errors: tuple[SourceError, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    taken_at: float
+    hostname: str
+    nvml: NvmlStatus
+    gpus: tuple[GpuDevice, ...]
+    #: GPU holders, their ancestors up to PID 1, and (without NVML) processes that look like GPU
+    #: workers; keyed by PID.
+    processes: Mapping[int, HostProcess]
+    errors: tuple[SourceError, ...] = ()
+    poll_duration_seconds: float = 0.0
+
+    @property
+    def gpu_holders(self) -> list[HostProcess]:
+        return [p for p in self.processes.values() if p.holds_gpu]
+
+    def children_of(self, pid: int) -> list[HostProcess]:
+        return sorted((p for p in self.processes.values() if p.ppid == pid), key=lambda p: p.pid)

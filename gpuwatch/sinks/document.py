@@ -1,0 +1,103 @@
+"""The status document: the versioned JSON shape of a snapshot (and later its findings).
+
+`gpuwatch status --json` prints it, the daemon's state socket serves it and the table view renders
+it, so there is one serialisation and scripts see exactly what people see. docs/json.md describes
+every field; bump SCHEMA_VERSION on any incompatible change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from gpuwatch import __version__
+from gpuwatch.model import GpuDevice, GpuProcessUsage, HostProcess, NodeSnapshot
+
+SCHEMA_VERSION = 1
+
+#: Where the document came from: a running daemon's view (with history) or one poll of our own.
+SOURCE_DAEMON = "daemon"
+SOURCE_POLL = "poll"
+
+
+def status_document(snapshot: NodeSnapshot, source: str = SOURCE_POLL,
+                    findings: Sequence[dict[str, Any]] = (),
+                    source_detail: Optional[str] = None) -> dict[str, Any]:
+    nvml = snapshot.nvml
+    return {
+        "schema": SCHEMA_VERSION,
+        "gpuwatch_version": __version__,
+        "source": source,
+        "source_detail": source_detail,
+        "node": snapshot.hostname,
+        "taken_at": round(snapshot.taken_at, 3),
+        "poll_duration_seconds": round(snapshot.poll_duration_seconds, 6),
+        "nvml": {
+            "available": nvml.available,
+            "error": nvml.error,
+            "error_code": nvml.error_code,
+            "driver_version": nvml.driver_version,
+            "nvml_version": nvml.nvml_version,
+            "cuda_driver_version": nvml.cuda_driver_version,
+            "device_count": nvml.device_count,
+        },
+        "gpus": [_gpu(g) for g in snapshot.gpus],
+        "processes": [_process(p) for p in sorted(snapshot.processes.values(),
+                                                   key=lambda p: p.pid)],
+        "findings": list(findings),
+        "errors": [{"source": e.source, "message": e.message} for e in snapshot.errors],
+    }
+
+
+def _gpu(g: GpuDevice) -> dict[str, Any]:
+    return {
+        "index": g.index,
+        "uuid": g.uuid,
+        "name": g.name,
+        "pci_bus_id": g.pci_bus_id,
+        "memory_total_bytes": g.memory_total_bytes,
+        "memory_used_bytes": g.memory_used_bytes,
+        "memory_free_bytes": g.memory_free_bytes,
+        "memory_reserved_bytes": g.memory_reserved_bytes,
+        "unattributed_memory_bytes": g.unattributed_memory_bytes,
+        "utilization_gpu_percent": g.utilization_gpu_percent,
+        "utilization_memory_percent": g.utilization_memory_percent,
+        "mig_enabled": g.mig_enabled,
+        "process_count": len(g.processes),
+        "lost": g.lost,
+        "errors": [{"call": e.call, "code": e.code, "message": e.message} for e in g.errors],
+    }
+
+
+def _usage(u: GpuProcessUsage) -> dict[str, Any]:
+    return {
+        "index": u.gpu_index,
+        "uuid": u.gpu_uuid,
+        "memory_bytes": u.memory_bytes,
+        "type": u.kind,
+        "gpu_instance_id": u.gpu_instance_id,
+        "compute_instance_id": u.compute_instance_id,
+    }
+
+
+def _process(p: HostProcess) -> dict[str, Any]:
+    return {
+        "pid": p.pid,
+        "ppid": p.ppid,
+        "start_time": p.start_time,
+        "name": p.name,
+        "user": p.user,
+        "uid": p.uid,
+        "state": p.state,
+        "rss_bytes": p.rss_bytes,
+        "num_threads": p.num_threads,
+        "gpu_memory_bytes": p.gpu_memory_bytes,
+        "gpus": [_usage(u) for u in p.gpu_usage],
+        "holds_gpu": p.holds_gpu,
+        "job": {"id": p.job.id, "source": p.job.source} if p.job is not None else None,
+        "cgroup": p.cgroup,
+        "launch_env": dict(p.launch_env),
+        "cmdline": list(p.cmdline),
+        "in_procfs": p.in_procfs,
+        "read_errors": list(p.read_errors),
+    }

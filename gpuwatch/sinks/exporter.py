@@ -1,0 +1,144 @@
+"""Prometheus exporter: a custom collector that renders the latest snapshot on every scrape.
+
+Metrics are built fresh from the snapshot each time, so a process that exited leaves no stale
+series behind, and a scrape never polls: it only reads what the daemon's last poll produced.
+docs/metrics.md lists every metric; names and labels are an interface for dashboards and alerts.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterable, Iterator
+from typing import Callable, Optional
+
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuwatch import __version__
+from gpuwatch.model import HostProcess, NodeSnapshot
+
+# Label names for a process. `job_id`, not `job`: Prometheus owns `job` (the scrape job) and
+# would rename ours to `exported_job` (docs/design-notes.md).
+PROCESS_LABELS = ("pid", "name", "user", "job_id", "job_source")
+
+
+def process_labels(p: HostProcess) -> list[str]:
+    return [
+        str(p.pid),
+        p.name or "",
+        p.user or "",
+        p.job.id if p.job else "",
+        p.job.source if p.job else "",
+    ]
+
+
+def dropped_by_cap(snapshot: NodeSnapshot, cap: int) -> int:
+    return max(0, len(processes_that_matter(snapshot)) - cap)
+
+
+def processes_that_matter(snapshot: NodeSnapshot) -> list[HostProcess]:
+    """Processes that get per-process series, the most GPU memory first (the cap keeps those)."""
+    holders = [p for p in snapshot.processes.values() if p.holds_gpu]
+    return sorted(holders, key=lambda p: (-(p.gpu_memory_bytes or 0), -(p.rss_bytes or 0), p.pid))
+
+
+class SnapshotCollector(Collector):
+    def __init__(self, latest: Callable[[], Optional[NodeSnapshot]],
+                 max_process_series: int = 1000) -> None:
+        self._latest = latest
+        self.max_process_series = max_process_series
+
+    def describe(self) -> Iterable[Metric]:
+        # Registering must not call collect(): there may be no snapshot yet.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        build = InfoMetricFamily("gpuwatch_build", "Version of the running gpuwatch.")
+        build.add_metric([], {"version": __version__, "python": platform.python_version()})
+        yield build
+        snapshot = self._latest()
+        if snapshot is None:
+            return
+        yield from self._node(snapshot)
+        yield from self._gpus(snapshot)
+        yield from self._processes(snapshot)
+
+    def _node(self, s: NodeSnapshot) -> Iterator[Metric]:
+        yield _gauge("gpuwatch_nvml_up",
+                     "1 when NVML answered the last poll, 0 when it is unavailable.",
+                     [], [([], 1.0 if s.nvml.available else 0.0)])
+        if s.nvml.available:
+            info = InfoMetricFamily("gpuwatch_nvml", "NVML and driver versions.")
+            info.add_metric([], {"driver_version": s.nvml.driver_version or "",
+                                 "nvml_version": s.nvml.nvml_version or "",
+                                 "cuda_driver_version": s.nvml.cuda_driver_version or ""})
+            yield info
+        yield _gauge("gpuwatch_last_poll_timestamp_seconds",
+                     "When the snapshot being served was taken (seconds since the epoch).",
+                     [], [([], s.taken_at)])
+        yield _gauge("gpuwatch_last_poll_duration_seconds",
+                     "Wall time of the poll that produced the snapshot being served.",
+                     [], [([], s.poll_duration_seconds)])
+
+    def _gpus(self, s: NodeSnapshot) -> Iterator[Metric]:
+        labels = ["gpu", "uuid", "name"]
+        total, used, reserved, unattributed, util, ok = [], [], [], [], [], []
+        for g in s.gpus:
+            key = [str(g.index), g.uuid or "", g.name or ""]
+            ok.append((key, 0.0 if g.errors else 1.0))
+            if g.memory_total_bytes is not None:
+                total.append((key, float(g.memory_total_bytes)))
+            if g.memory_used_bytes is not None:
+                used.append((key, float(g.memory_used_bytes)))
+            if g.memory_reserved_bytes is not None:
+                reserved.append((key, float(g.memory_reserved_bytes)))
+            if g.unattributed_memory_bytes is not None:
+                unattributed.append((key, float(g.unattributed_memory_bytes)))
+            if g.utilization_gpu_percent is not None:
+                util.append((key, g.utilization_gpu_percent / 100.0))
+        yield _gauge("gpuwatch_gpu_read_ok",
+                     "1 when every NVML call for the GPU succeeded in the last poll.", labels, ok)
+        yield _gauge("gpuwatch_gpu_memory_total_bytes", "Total memory of the GPU.", labels, total)
+        yield _gauge("gpuwatch_gpu_memory_used_bytes",
+                     "GPU memory in use (driver reservations excluded where NVML separates them).",
+                     labels, used)
+        yield _gauge("gpuwatch_gpu_memory_reserved_bytes",
+                     "GPU memory reserved by the driver.", labels, reserved)
+        yield _gauge("gpuwatch_gpu_unattributed_memory_bytes",
+                     "Used GPU memory that no process listed by NVML accounts for.",
+                     labels, unattributed)
+        yield _gauge("gpuwatch_gpu_utilization_ratio",
+                     "Share of the last sample period in which a kernel ran on the GPU (0-1).",
+                     labels, util)
+
+    def _processes(self, s: NodeSnapshot) -> Iterator[Metric]:
+        matter = processes_that_matter(s)
+        exported = matter[: self.max_process_series]
+        gpu_labels = [*PROCESS_LABELS, "gpu", "uuid"]
+        gpu_mem, rss, start = [], [], []
+        for p in exported:
+            base = process_labels(p)
+            for u in p.gpu_usage:
+                if u.memory_bytes is not None:
+                    gpu_mem.append(([*base, str(u.gpu_index), u.gpu_uuid or ""],
+                                    float(u.memory_bytes)))
+            if p.rss_bytes is not None:
+                rss.append((base, float(p.rss_bytes)))
+            if p.start_time is not None:
+                start.append((base, p.start_time))
+        yield _gauge("gpuwatch_process_gpu_memory_bytes",
+                     "GPU memory a process holds on one GPU, as NVML reports it.",
+                     gpu_labels, gpu_mem)
+        yield _gauge("gpuwatch_process_resident_memory_bytes",
+                     "Resident host memory (RSS) of a process that matters.", PROCESS_LABELS, rss)
+        yield _gauge("gpuwatch_process_start_time_seconds",
+                     "Start time of a process that matters; with pid it identifies the process.",
+                     PROCESS_LABELS, start)
+
+
+def _gauge(name: str, doc: str, labels: list[str] | tuple[str, ...],
+           samples: Iterable[tuple[list[str], float]]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=list(labels))
+    for values, value in samples:
+        family.add_metric(values, value)
+    return family

@@ -1,0 +1,1 @@
+"""Sources: each reads one part of the node (NVML, /proc, the agent socket) for a snapshot."""

@@ -1,0 +1,303 @@
+"""NVML source: devices, their memory, and which PIDs hold how much of it.
+
+Initialises NVML once and reuses it. Every NVML error becomes data: NVML being unavailable is a
+status with a readable reason, one device failing marks that device and the others are still read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+from gpuwatch.model import (
+    COMPUTE,
+    GRAPHICS,
+    GpuDevice,
+    GpuProcessUsage,
+    NvmlCallError,
+    NvmlReading,
+    NvmlStatus,
+    SourceError,
+)
+
+# NVML reports "no MIG instance" as an all-ones 32-bit id.
+_NO_INSTANCE = 0xFFFFFFFF
+# Errors after which the library handle itself is suspect, so the next poll initialises again.
+# UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, LIB_RM_VERSION_MISMATCH
+_REINIT_ERRORS = frozenset({1, 9, 12, 18})
+
+
+def _load_pynvml() -> Any:
+    import pynvml
+
+    return pynvml
+
+
+class _StaticInfo:
+    """What does not change while a device stays healthy: read once, dropped on any error."""
+
+    __slots__ = ("handle", "mig_enabled", "name", "pci_bus_id", "uuid")
+
+    def __init__(self, handle: Any, uuid: Optional[str], name: Optional[str],
+                 pci_bus_id: Optional[str], mig_enabled: Optional[bool]) -> None:
+        self.handle = handle
+        self.uuid = uuid
+        self.name = name
+        self.pci_bus_id = pci_bus_id
+        self.mig_enabled = mig_enabled
+
+
+class NvmlSource:
+    """Reads NVML through nvidia-ml-py.
+
+    After a failed initialisation the next attempts back off exponentially from `retry_initial`
+    to `retry_max` seconds, so a node without a driver is not hammered; the first `read()` always
+    tries, and a success resets the backoff.
+    """
+
+    def __init__(self, retry_initial: float = 0.0, retry_max: float = 60.0,
+                 nvml: Optional[Any] = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._nvml = nvml
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self._clock = clock
+        self._initialised = False
+        self._failures = 0
+        self._next_try = 0.0
+        self._status = NvmlStatus(available=False, error="not initialised yet")
+        self._static: dict[int, _StaticInfo] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _init(self) -> NvmlStatus:
+        if self._nvml is None:
+            try:
+                self._nvml = _load_pynvml()
+            except ImportError as exc:  # a broken install, not a missing driver
+                return NvmlStatus(available=False, error=f"nvidia-ml-py is not importable: {exc}")
+        nv = self._nvml
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as exc:
+            return NvmlStatus(available=False, error=_message(nv, exc), error_code=_code(exc))
+        except OSError as exc:  # ctypes failing below pynvml's own checks
+            return NvmlStatus(available=False, error=str(exc))
+        self._initialised = True
+        self._failures = 0
+        self._static.clear()
+        return NvmlStatus(
+            available=True,
+            driver_version=_optional(nv, nv.nvmlSystemGetDriverVersion),
+            nvml_version=_optional(nv, nv.nvmlSystemGetNVMLVersion),
+            cuda_driver_version=_cuda_version(_optional(nv, nv.nvmlSystemGetCudaDriverVersion)),
+        )
+
+    def close(self) -> None:
+        if self._initialised and self._nvml is not None:
+            with contextlib.suppress(self._nvml.NVMLError):
+                self._nvml.nvmlShutdown()
+        self._initialised = False
+        self._static.clear()
+
+    @property
+    def status(self) -> NvmlStatus:
+        return self._status
+
+    # -- one poll --------------------------------------------------------------------------
+    def read(self) -> NvmlReading:
+        if not self._initialised:
+            now = self._clock()
+            if now < self._next_try:
+                return NvmlReading(status=self._status)
+            self._status = self._init()
+            if not self._initialised:
+                delay = min(self.retry_max, self.retry_initial * 2 ** min(self._failures, 30))
+                self._failures += 1
+                self._next_try = now + delay
+                return NvmlReading(
+                    status=self._status,
+                    errors=(SourceError("nvml", self._status.message),),
+                )
+        nv = self._nvml
+        try:
+            count = nv.nvmlDeviceGetCount()
+        except nv.NVMLError as exc:
+            return self._lost_library(exc)
+        gpus = tuple(self._read_device(i) for i in range(count))
+        self._status = _with_count(self._status, count)
+        errors = tuple(
+            SourceError("nvml", f"GPU {g.index}: {e}") for g in gpus for e in g.errors
+        )
+        return NvmlReading(status=self._status, gpus=gpus, errors=errors)
+
+    def _lost_library(self, exc: Exception) -> NvmlReading:
+        nv = self._nvml
+        code = _code(exc)
+        self._status = NvmlStatus(available=False, error=_message(nv, exc), error_code=code)
+        if code in _REINIT_ERRORS:
+            self.close()
+        return NvmlReading(status=self._status, errors=(SourceError("nvml", self._status.message),))
+
+    def _static_info(self, index: int, errors: list[NvmlCallError]) -> Optional[_StaticInfo]:
+        info = self._static.get(index)
+        if info is not None:
+            return info
+        nv = self._nvml
+        try:
+            handle = nv.nvmlDeviceGetHandleByIndex(index)
+        except nv.NVMLError as exc:
+            errors.append(_call_error(nv, "nvmlDeviceGetHandleByIndex", exc))
+            return None
+        calls: list[NvmlCallError] = []
+        uuid = _call(nv, calls, "nvmlDeviceGetUUID", nv.nvmlDeviceGetUUID, handle)
+        name = _call(nv, calls, "nvmlDeviceGetName", nv.nvmlDeviceGetName, handle)
+        pci = _call(nv, calls, "nvmlDeviceGetPciInfo", nv.nvmlDeviceGetPciInfo, handle)
+        mig = _optional(nv, nv.nvmlDeviceGetMigMode, handle)
+        info = _StaticInfo(
+            handle=handle,
+            uuid=uuid,
+            name=name,
+            pci_bus_id=_text(pci.busId) if pci is not None else None,
+            mig_enabled=bool(mig[0]) if mig is not None else None,
+        )
+        errors.extend(calls)
+        if not calls:  # cache only a complete read, so a flaky device is asked again
+            self._static[index] = info
+        return info
+
+    def _read_device(self, index: int) -> GpuDevice:
+        nv = self._nvml
+        errors: list[NvmlCallError] = []
+        info = self._static_info(index, errors)
+        if info is None:
+            return GpuDevice(index=index, errors=tuple(errors), lost=_is_lost(nv, errors))
+        handle = info.handle
+        memory = self._memory(handle, errors)
+        util = _call(nv, errors, "nvmlDeviceGetUtilizationRates",
+                     nv.nvmlDeviceGetUtilizationRates, handle)
+        processes = self._processes(index, info.uuid, handle, errors)
+        if errors:
+            self._static.pop(index, None)
+        total, used, free, reserved = memory if memory is not None else (None,) * 4
+        return GpuDevice(
+            index=index,
+            uuid=info.uuid,
+            name=info.name,
+            pci_bus_id=info.pci_bus_id,
+            memory_total_bytes=total,
+            memory_used_bytes=used,
+            memory_free_bytes=free,
+            memory_reserved_bytes=reserved,
+            utilization_gpu_percent=util.gpu if util is not None else None,
+            utilization_memory_percent=util.memory if util is not None else None,
+            mig_enabled=info.mig_enabled,
+            processes=processes,
+            errors=tuple(errors),
+            lost=_is_lost(nv, errors),
+        )
+
+    def _memory(self, handle: Any, errors: list[NvmlCallError]
+                ) -> Optional[tuple[int, int, int, Optional[int]]]:
+        """(total, used, free, reserved); v2 separates driver reservations from used memory."""
+        nv = self._nvml
+        version = getattr(nv, "nvmlMemory_v2", None)
+        if version is not None:
+            try:
+                m = nv.nvmlDeviceGetMemoryInfo(handle, version=version)
+                return int(m.total), int(m.used), int(m.free), int(m.reserved)
+            except nv.NVMLError as exc:
+                # Drivers before R510 lack the v2 call; anything else is a real failure.
+                if _code(exc) not in (nv.NVML_ERROR_FUNCTION_NOT_FOUND, nv.NVML_ERROR_NOT_SUPPORTED,
+                                      getattr(nv, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", -1)):
+                    errors.append(_call_error(nv, "nvmlDeviceGetMemoryInfo_v2", exc))
+                    return None
+        m = _call(nv, errors, "nvmlDeviceGetMemoryInfo", nv.nvmlDeviceGetMemoryInfo, handle)
+        if m is None:
+            return None
+        return int(m.total), int(m.used), int(m.free), None
+
+    def _processes(self, index: int, uuid: Optional[str], handle: Any,
+                   errors: list[NvmlCallError]) -> tuple[GpuProcessUsage, ...]:
+        """Compute and graphics lists merged: a PID in both appears once, with both kinds."""
+        nv = self._nvml
+        merged: dict[tuple[int, Optional[int], Optional[int]], GpuProcessUsage] = {}
+        for kind, fn_name in ((COMPUTE, "nvmlDeviceGetComputeRunningProcesses"),
+                              (GRAPHICS, "nvmlDeviceGetGraphicsRunningProcesses")):
+            listed = _call(nv, errors, fn_name, getattr(nv, fn_name), handle)
+            for p in listed or ():
+                gi = _instance(getattr(p, "gpuInstanceId", None))
+                ci = _instance(getattr(p, "computeInstanceId", None))
+                key = (int(p.pid), gi, ci)
+                used = p.usedGpuMemory
+                seen = merged.get(key)
+                if seen is not None:
+                    # The two lists report the same per-process figure; keep a known one.
+                    memory = seen.memory_bytes if seen.memory_bytes is not None else used
+                    merged[key] = GpuProcessUsage(index, uuid, key[0], memory,
+                                                  seen.kinds | {kind}, gi, ci)
+                else:
+                    merged[key] = GpuProcessUsage(index, uuid, key[0],
+                                                  int(used) if used is not None else None,
+                                                  frozenset({kind}), gi, ci)
+        return tuple(sorted(merged.values(), key=lambda u: (u.pid, u.gpu_instance_id or 0)))
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _code(exc: Exception) -> int:
+    return int(getattr(exc, "value", -1))
+
+
+def _message(nv: Any, exc: Exception) -> str:
+    try:
+        return str(nv.nvmlErrorString(_code(exc)))
+    except Exception:  # the library itself may be what failed
+        return str(exc)
+
+
+def _call_error(nv: Any, call: str, exc: Exception) -> NvmlCallError:
+    return NvmlCallError(call=call, code=_code(exc), message=_message(nv, exc))
+
+
+def _call(nv: Any, errors: list[NvmlCallError], name: str, fn: Callable[..., Any], *args: Any
+          ) -> Any:
+    try:
+        return fn(*args)
+    except nv.NVMLError as exc:
+        errors.append(_call_error(nv, name, exc))
+        return None
+
+
+def _optional(nv: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """A call whose absence is normal on some GPUs or drivers: failures are not errors."""
+    try:
+        value = fn(*args)
+    except nv.NVMLError:
+        return None
+    return _text(value) if isinstance(value, bytes) else value
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _cuda_version(raw: Optional[int]) -> Optional[str]:
+    if not raw:
+        return None
+    return f"{raw // 1000}.{(raw % 1000) // 10}"
+
+
+def _instance(value: Optional[int]) -> Optional[int]:
+    if value is None or value == _NO_INSTANCE:
+        return None
+    return int(value)
+
+
+def _is_lost(nv: Any, errors: list[NvmlCallError]) -> bool:
+    """GPU_IS_LOST or RESET_REQUIRED: the device needs a reset; nothing it says is trustworthy."""
+    lost_codes = {nv.NVML_ERROR_GPU_IS_LOST, getattr(nv, "NVML_ERROR_RESET_REQUIRED", -1)}
+    return any(e.code in lost_codes for e in errors)
+
+
+def _with_count(status: NvmlStatus, count: int) -> NvmlStatus:
+    return status if status.device_count == count else replace(status, device_count=count)

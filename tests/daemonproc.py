@@ -1,0 +1,97 @@
+"""A real `gpuwatch daemon` process for tests, and reading what it serves."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuwatch.simulate.demo import wait_for
+
+T = TypeVar("T")
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@dataclass
+class RunningDaemon:
+    proc: subprocess.Popen[bytes]
+    runtime_dir: Path
+    metrics_url: str
+    log_path: Path
+    config_path: Path
+
+    def scrape_text(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            return str(r.read().decode())
+
+    def scrape(self) -> Samples:
+        """{(name, sorted labels): value} of every sample /metrics serves."""
+        out: Samples = {}
+        for family in text_string_to_metric_families(self.scrape_text()):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_metrics(self, what: str, probe: Callable[[Samples], Optional[T]],
+                         timeout: float = 20) -> T:
+        return wait_for(what, lambda: probe(self.scrape()), timeout, alive=self.proc)
+
+    def wait_for_log(self, text: str, timeout: float = 20) -> None:
+        wait_for(f"log line {text!r}", lambda: True if text in self.log() else None, timeout)
+
+
+def value(samples: Samples, name: str, **labels: str) -> Optional[float]:
+    """The value of the one sample with `name` whose labels include `labels`."""
+    found = [v for (n, ls), v in samples.items()
+             if n == name and all(dict(ls).get(k) == want for k, want in labels.items())]
+    assert len(found) <= 1, f"{name} {labels} matches {len(found)} samples"
+    return found[0] if found else None
+
+
+def pids_with_series(samples: Samples, name: str) -> set[int]:
+    return {int(dict(ls)["pid"]) for (n, ls), _ in samples.items() if n == name}
+
+
+@contextlib.contextmanager
+def running_daemon(env: Mapping[str, str], tmp_path: Path, config: str = "",
+                   args: tuple[str, ...] = ("--interval", "0.2")) -> Iterator[RunningDaemon]:
+    """Start the daemon on 127.0.0.1 (a free port), wait until it serves, stop it after."""
+    runtime = Path(env.get("GPUWATCH_RUNTIME_DIR", tmp_path / "run"))
+    config_path = tmp_path / "gpuwatch.toml"
+    config_path.write_text(config)
+    log_path = tmp_path / "daemon.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch", "daemon", "--listen", "127.0.0.1:0",
+             "--config", str(config_path), "--runtime-dir", str(runtime), *args],
+            env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        info = wait_for("daemon.json", lambda: _info(runtime), 30, alive=proc)
+        yield RunningDaemon(proc, runtime, info["metrics_url"], log_path, config_path)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _info(runtime: Path) -> Optional[dict[str, str]]:
+    try:
+        return json.loads((runtime / "daemon.json").read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,72 @@
+"""Real processes for tests: simulated jobs, short-lived children, and the CLI as a user runs it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from gpuwatch.simulate.demo import wait_for
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass
+class RunningJob:
+    launcher: subprocess.Popen[bytes]
+    workers: list[int]
+    run_id: str
+
+    @property
+    def launcher_pid(self) -> int:
+        return self.launcher.pid
+
+
+@contextlib.contextmanager
+def running_job(tmp_path: Path, workers: int = 2,
+                env: Optional[Mapping[str, str]] = None) -> Iterator[RunningJob]:
+    """A launcher and its workers (gpuwatch.simulate.job), killed as a group afterwards."""
+    ready = tmp_path / f"job-{len(list(tmp_path.glob('job-*.json')))}.json"
+    full_env = {**os.environ, **(env or {})}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch.simulate.job", "--workers", str(workers),
+         "--ready", str(ready)], env=full_env, start_new_session=True)
+    try:
+        info = wait_for("job start", lambda: _load(ready), 20, alive=launcher)
+        yield RunningJob(launcher, [int(p) for p in info["workers"]], info["run_id"])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
+def _load(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def gpuwatch(args: list[str], env: Mapping[str, str], timeout: float = 60
+             ) -> subprocess.CompletedProcess[str]:
+    """Run the CLI as a user would, in its own process (so LD_LIBRARY_PATH takes effect)."""
+    return subprocess.run([sys.executable, "-m", "gpuwatch", *args], env=dict(env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def status_json(env: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
+    result = gpuwatch(["status", "--json"], env)
+    assert result.stdout, result.stderr
+    return result.returncode, json.loads(result.stdout)
+
+
+def processes_by_pid(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {p["pid"]: p for p in doc["processes"]}

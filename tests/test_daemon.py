@@ -1,0 +1,232 @@
+"""`gpuwatch daemon` as systemd runs it: real processes, the fake driver, real signals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.cli import EXIT_CONFIG
+from gpuwatch.config import load_config
+from gpuwatch.daemon import Daemon
+from gpuwatch.model import NodeSnapshot
+from gpuwatch.poll import Poller
+from gpuwatch.simulate import fakenvml
+from gpuwatch.simulate.demo import wait_for
+from gpuwatch.simulate.fakenvml import FakeNode
+from tests.daemonproc import pids_with_series, running_daemon, value
+from tests.realprocs import GIB, gpuwatch, running_job
+
+
+def test_daemon_serves_per_process_series_for_a_real_job_and_stops_on_sigterm(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with running_job(tmp_path, workers=2, env={"SLURM_JOB_ID": "777"}) as job, \
+            running_daemon(cli_env, tmp_path) as d:
+        w0, w1 = job.workers
+        fake_node.hold(w0, device=0, used=3 * GIB)
+        fake_node.hold(w1, device=1, used=5 * GIB)
+        samples = d.wait_for_metrics(
+            "both workers' series",
+            lambda s: s if pids_with_series(s, "gpuwatch_process_gpu_memory_bytes") == {w0, w1}
+            else None)
+        assert value(samples, "gpuwatch_nvml_up") == 1
+        assert value(samples, "gpuwatch_process_gpu_memory_bytes", pid=str(w0), gpu="0",
+                     job_id="777", job_source="slurm") == 3 * GIB
+        assert value(samples, "gpuwatch_process_gpu_memory_bytes", pid=str(w1), gpu="1") == 5 * GIB
+        assert value(samples, "gpuwatch_process_resident_memory_bytes", pid=str(w1)) > 0
+        assert value(samples, "gpuwatch_gpu_memory_used_bytes", gpu="1") == 5 * GIB
+        assert value(samples, "gpuwatch_polls_total") >= 1
+        assert "cmdline" not in d.scrape_text() and "--worker" not in d.scrape_text()
+
+        # The state socket serves the CLI; only root and the gpuwatch group may read it.
+        sock = d.runtime_dir / "state.sock"
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o660
+        status = gpuwatch(["status"], cli_env)
+        assert status.returncode == 0 and "from the running daemon" in status.stdout
+        assert f"├─ {w0}" in status.stdout
+
+        started = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(10) == 0
+        assert time.monotonic() - started < 5
+        assert not sock.exists() and not (d.runtime_dir / "daemon.json").exists()
+
+
+def test_series_of_a_process_vanish_when_it_exits(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with running_job(tmp_path, workers=2) as job, running_daemon(cli_env, tmp_path) as d:
+        w0, w1 = job.workers
+        fake_node.hold(w0, device=0, used=GIB)
+        fake_node.hold(w1, device=0, used=GIB)
+        d.wait_for_metrics("two series", lambda s: pids_with_series(
+            s, "gpuwatch_process_gpu_memory_bytes") == {w0, w1} or None)
+        os.kill(w1, signal.SIGKILL)
+        samples = d.wait_for_metrics("the dead worker's series to go", lambda s: s if (
+            pids_with_series(s, "gpuwatch_process_gpu_memory_bytes") == {w0}) else None)
+        for name in ("gpuwatch_process_resident_memory_bytes",
+                     "gpuwatch_process_start_time_seconds"):
+            assert pids_with_series(samples, name) == {w0}
+
+
+def test_nvml_lost_while_running_is_reported_and_recovered_with_metrics_answering_throughout(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    config = "[daemon]\nnvml_retry_max = 0.5\n"
+    with running_job(tmp_path, workers=1) as job, \
+            running_daemon(cli_env, tmp_path, config=config) as d:
+        fake_node.hold(job.workers[0], device=0, used=GIB)
+        d.wait_for_metrics("NVML up", lambda s: value(s, "gpuwatch_nvml_up") == 1 or None)
+
+        fake_node.fail("*", fakenvml.DRIVER_NOT_LOADED)  # the driver goes away
+        samples = d.wait_for_metrics("NVML down",
+                                     lambda s: s if value(s, "gpuwatch_nvml_up") == 0 else None)
+        assert value(samples, "gpuwatch_poll_errors_total", source="nvml") >= 1
+        d.wait_for_log("NVML unavailable: Driver Not Loaded")
+        d.wait_for_metrics("polls to go on", lambda s: (
+            value(s, "gpuwatch_polls_total") > value(samples, "gpuwatch_polls_total")) or None)
+
+        fake_node.clear_failures()  # and comes back
+        samples = d.wait_for_metrics("NVML back", lambda s: s if (
+            value(s, "gpuwatch_nvml_up") == 1
+            and job.workers[0] in pids_with_series(s, "gpuwatch_process_gpu_memory_bytes"))
+            else None)
+        d.wait_for_log("NVML up")
+        assert d.proc.poll() is None
+
+
+def test_the_daemon_starts_and_serves_without_any_nvml(cli_env: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    env = {k: v for k, v in cli_env.items() if k != fakenvml.STATE_ENV}  # the fake: no driver
+    with running_daemon(env, tmp_path) as d:
+        samples = d.wait_for_metrics("a first poll", lambda s: s if value(
+            s, "gpuwatch_polls_total") else None)
+        assert value(samples, "gpuwatch_nvml_up") == 0
+        d.wait_for_log("monitoring host processes only")
+
+
+def test_a_bad_config_at_start_exits_78_naming_the_key(cli_env: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[daemon]\ninterval = 0\n")
+    result = gpuwatch(["daemon", "--config", str(bad)], cli_env, timeout=30)
+    assert result.returncode == EXIT_CONFIG
+    assert "daemon.interval: expected a number > 0, got 0" in result.stderr
+    assert str(bad) in result.stderr
+
+
+def test_sighup_applies_a_good_config_and_refuses_a_bad_one_keeping_the_old(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with running_job(tmp_path, workers=2) as job, running_daemon(cli_env, tmp_path) as d:
+        for pid in job.workers:
+            fake_node.hold(pid, device=0, used=GIB)
+        d.wait_for_metrics("two series", lambda s: len(pids_with_series(
+            s, "gpuwatch_process_gpu_memory_bytes")) == 2 or None)
+
+        d.config_path.write_text("[exporter]\nmax_process_series = 0\n")
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_for_log("configuration reload refused")
+        assert "exporter.max_process_series: expected an integer >= 1, got 0" in d.log()
+        samples = d.scrape()
+        assert value(samples, "gpuwatch_config_reloads_total", result="refused") == 1
+        assert len(pids_with_series(samples, "gpuwatch_process_gpu_memory_bytes")) == 2
+
+        d.config_path.write_text("[exporter]\nmax_process_series = 1\n")
+        d.proc.send_signal(signal.SIGHUP)
+        samples = d.wait_for_metrics("the cap to apply", lambda s: s if len(pids_with_series(
+            s, "gpuwatch_process_gpu_memory_bytes")) == 1 else None)
+        assert value(samples, "gpuwatch_config_reloads_total", result="applied") == 1
+        d.wait_for_metrics("the cap's drops to be counted", lambda s: (
+            value(s, "gpuwatch_process_series_dropped_total") >= 1) or None)
+        assert d.proc.poll() is None
+
+
+def test_sd_notify_ready_watchdog_and_stopping_arrive_on_a_real_socket(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    path = tmp_path / "notify.sock"
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(str(path))
+    receiver.settimeout(10)
+    env = {**cli_env, "NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000"}
+    messages: list[str] = []
+
+    def received(wanted: str) -> None:
+        deadline = time.monotonic() + 15
+        while not any(wanted in m for m in messages):
+            assert time.monotonic() < deadline, f"{wanted!r} never came: {messages}"
+            messages.append(receiver.recv(4096).decode())
+
+    try:
+        with running_daemon(env, tmp_path, args=("--interval", "5")) as d:
+            received("READY=1")
+            ready_at = len(messages)
+            received("WATCHDOG=1")
+            # With a 5 s poll interval the watchdog (every 0.2 s) still comes in time.
+            pings = sum("WATCHDOG=1" in m for m in messages[ready_at:])
+            while pings < 3:
+                messages.append(receiver.recv(4096).decode())
+                pings = sum("WATCHDOG=1" in m for m in messages[ready_at:])
+            d.proc.send_signal(signal.SIGHUP)
+            received("RELOADING=1")
+            d.proc.send_signal(signal.SIGTERM)
+            received("STOPPING=1")
+            assert d.proc.wait(10) == 0
+        assert "STATUS=" in messages[0] and "GPU" in messages[0]
+    finally:
+        receiver.close()
+
+
+def test_a_poll_that_raises_is_logged_counted_and_followed_by_the_next(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class FlakyPoller(Poller):
+        """The real poller, made to raise on its second poll as a bug would."""
+
+        calls = 0
+
+        def poll(self) -> NodeSnapshot:
+            FlakyPoller.calls += 1
+            if FlakyPoller.calls == 2:
+                raise RuntimeError("boom in the poll")
+            return super().poll()
+
+    config = load_config(environ={"GPUWATCH_CONFIG": "/dev/null"}, overrides={
+        "daemon.listen": "127.0.0.1:0", "daemon.interval": 0.05,
+        "daemon.runtime_dir": tmp_path / "run", "daemon.state_dir": tmp_path / "state"})
+    daemon = Daemon(config, poller=FlakyPoller())
+    runner = threading.Thread(target=daemon.run)
+    runner.start()
+    try:
+        wait_for("polls after the failure", lambda: FlakyPoller.calls >= 4 or None, 20)
+        errors = daemon.registry.get_sample_value("gpuwatch_poll_errors_total",
+                                                  {"source": "poll"})
+        assert errors == 1
+        assert daemon.registry.get_sample_value("gpuwatch_polls_total") >= 2
+        assert any("poll failed" in r.message and r.exc_info for r in caplog.records)
+        assert daemon.latest is not None
+    finally:
+        daemon.stop()
+        runner.join(10)
+    assert not runner.is_alive()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None and not os.environ.get("CI"),
+                    reason="promtool is not installed (make test installs it)")
+def test_promtool_finds_nothing_to_report_in_the_real_metrics(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with running_job(tmp_path, workers=2) as job, running_daemon(cli_env, tmp_path) as d:
+        fake_node.hold(job.workers[0], device=0, used=GIB)
+        fake_node.hold(job.workers[1], device=1, used=None)
+        fake_node.fail("nvmlDeviceGetUtilizationRates", fakenvml.NOT_SUPPORTED, device=1)
+        d.wait_for_metrics("a worker's series", lambda s: pids_with_series(
+            s, "gpuwatch_process_gpu_memory_bytes") or None)
+        text = d.scrape_text()
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == ""

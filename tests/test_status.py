@@ -1,0 +1,192 @@
+"""`gpuwatch status` on real process trees under the fake NVML driver."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.cli import EXIT_NVML_UNAVAILABLE, EXIT_OK, EXIT_PARTIAL
+from gpuwatch.simulate import fakenvml
+from gpuwatch.simulate.fakenvml import FakeNode
+from tests.realprocs import GIB, MIB, gpuwatch, processes_by_pid, running_job, status_json
+
+
+def test_launcher_and_two_workers_show_as_one_tree_with_memory_per_gpu_and_the_job(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with running_job(tmp_path, workers=2, env={"SLURM_JOB_ID": "4242"}) as job:
+        w0, w1 = job.workers
+        fake_node.hold(w0, device=0, used=3 * GIB)
+        fake_node.hold(w1, device=1, used=5 * GIB)
+
+        code, doc = status_json(cli_env)
+        assert code == EXIT_OK
+        assert doc["schema"] == 1 and doc["source"] == "poll" and doc["findings"] == []
+        procs = processes_by_pid(doc)
+        for pid, gpu, used in ((w0, 0, 3 * GIB), (w1, 1, 5 * GIB)):
+            p = procs[pid]
+            assert p["ppid"] == job.launcher_pid
+            assert [(u["index"], u["memory_bytes"]) for u in p["gpus"]] == [(gpu, used)]
+            assert p["gpus"][0]["uuid"] == fake_node.devices[gpu].uuid
+            assert p["gpu_memory_bytes"] == used
+            assert p["job"] == {"id": "4242", "source": "slurm"}
+            assert p["launch_env"]["LOCAL_RANK"] in ("0", "1")
+            assert p["rss_bytes"] > 0 and p["user"] and p["start_time"] > 0
+        launcher = procs[job.launcher_pid]
+        assert not launcher["holds_gpu"] and launcher["job"] == {"id": "4242", "source": "slurm"}
+        assert 1 in procs  # ancestors are followed up to PID 1
+        by_index = {g["index"]: g for g in doc["gpus"]}
+        assert by_index[0]["memory_used_bytes"] == 3 * GIB
+        assert by_index[1]["memory_used_bytes"] == 5 * GIB
+        assert by_index[0]["unattributed_memory_bytes"] == 0
+
+        table = gpuwatch(["status"], cli_env)
+        assert table.returncode == EXIT_OK, table.stderr
+        lines = table.stdout.splitlines()
+        root = _line_of(lines, str(job.launcher_pid))
+        first = _line_of(lines, f"├─ {w0}")
+        last = _line_of(lines, f"└─ {w1}")
+        assert root < first < last
+        assert "0:3.0 GiB" in lines[first] and "1:5.0 GiB" in lines[last]
+        assert "slurm:4242" in lines[first]
+        assert "one poll" in lines[0]
+
+
+def test_without_any_nvml_library_status_says_so_and_still_shows_worker_processes(
+        tmp_path: Path, cli_env: dict[str, str]) -> None:
+    if _real_nvml_present():
+        pytest.skip("this machine has a real libnvidia-ml.so.1")
+    env = {k: v for k, v in cli_env.items() if k not in ("LD_LIBRARY_PATH", fakenvml.STATE_ENV)}
+    with running_job(tmp_path, workers=1) as job:
+        result = gpuwatch(["status"], env)
+        assert result.returncode == EXIT_NVML_UNAVAILABLE
+        assert "NVML unavailable: NVML Shared Library Not Found" in result.stdout
+        assert str(job.workers[0]) in result.stdout  # its LOCAL_RANK marks it a worker
+        code, doc = status_json(env)
+        assert code == EXIT_NVML_UNAVAILABLE
+        assert doc["nvml"]["available"] is False and doc["gpus"] == []
+        assert job.workers[0] in processes_by_pid(doc)
+
+
+def test_a_library_whose_init_fails_gives_the_reason_and_the_host_view(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    fake_node.fail("nvmlInitWithFlags", fakenvml.DRIVER_NOT_LOADED)
+    with running_job(tmp_path, workers=1) as job:
+        code, doc = status_json(cli_env)
+        assert code == EXIT_NVML_UNAVAILABLE
+        assert doc["nvml"]["error"] == "Driver Not Loaded"
+        assert doc["nvml"]["error_code"] == fakenvml.DRIVER_NOT_LOADED
+        assert job.workers[0] in processes_by_pid(doc)
+
+
+def test_a_lost_gpu_is_marked_while_the_other_is_still_read(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with running_job(tmp_path, workers=2) as job:
+        fake_node.hold(job.workers[0], device=0, used=2 * GIB)
+        fake_node.hold(job.workers[1], device=1, used=2 * GIB)
+        fake_node.fail("*", fakenvml.GPU_IS_LOST, device=1)
+        code, doc = status_json(cli_env)
+        assert code == EXIT_PARTIAL
+        gpu0, gpu1 = doc["gpus"]
+        assert gpu0["errors"] == [] and gpu0["memory_used_bytes"] == 2 * GIB
+        assert gpu1["lost"] is True and gpu1["errors"]
+        assert all(e["message"] == "GPU is lost" for e in gpu1["errors"])
+        procs = processes_by_pid(doc)
+        assert procs[job.workers[0]]["gpu_memory_bytes"] == 2 * GIB
+        assert job.workers[1] not in procs or not procs[job.workers[1]]["holds_gpu"]
+        table = gpuwatch(["status"], cli_env)
+        assert "LOST (needs a reset)" in table.stdout
+
+
+def test_a_failing_process_list_call_is_reported_and_the_rest_of_the_device_kept(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with running_job(tmp_path, workers=1) as job:
+        fake_node.hold(job.workers[0], device=0, used=GIB)
+        fake_node.fail("nvmlDeviceGetComputeRunningProcesses_v3", fakenvml.TIMEOUT, device=0)
+        code, doc = status_json(cli_env)
+        assert code == EXIT_PARTIAL
+        gpu0 = doc["gpus"][0]
+        assert gpu0["memory_total_bytes"] > 0 and gpu0["memory_used_bytes"] == GIB
+        assert [e["call"] for e in gpu0["errors"]] == ["nvmlDeviceGetComputeRunningProcesses"]
+        assert gpu0["errors"][0]["message"] == "Timeout"
+        assert doc["gpus"][1]["errors"] == []
+
+
+def test_memory_not_available_for_a_pid_is_unknown_not_zero(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with running_job(tmp_path, workers=2) as job:
+        fake_node.hold(job.workers[0], device=0, used=None)
+        fake_node.hold(job.workers[1], device=0, used=GIB)
+        code, doc = status_json(cli_env)
+        assert code == EXIT_OK
+        procs = processes_by_pid(doc)
+        assert procs[job.workers[0]]["gpus"][0]["memory_bytes"] is None
+        assert procs[job.workers[0]]["gpu_memory_bytes"] is None
+        assert procs[job.workers[1]]["gpu_memory_bytes"] == GIB
+        assert doc["gpus"][0]["unattributed_memory_bytes"] is None
+        table = gpuwatch(["status"], cli_env)
+        assert "0:?" in table.stdout
+
+
+def test_a_pid_nvml_lists_but_proc_lacks_is_kept_and_marked(
+        fake_node: FakeNode, cli_env: dict[str, str]) -> None:
+    ghost = _unused_pid()
+    fake_node.hold(ghost, device=1, used=3 * GIB, ghost=True)
+    code, doc = status_json(cli_env)
+    assert code == EXIT_OK
+    p = processes_by_pid(doc)[ghost]
+    assert p["in_procfs"] is False and p["gpu_memory_bytes"] == 3 * GIB
+    assert p["name"] is None and p["ppid"] is None
+    table = gpuwatch(["status"], cli_env)
+    assert "not in /proc" in table.stdout
+
+
+def test_eight_gpus_with_sixty_four_real_processes_poll_without_error(
+        tmp_path: Path, fake_nvml_lib: Path, cli_env: dict[str, str]) -> None:
+    node = FakeNode(tmp_path / "state8", fake_nvml_lib, gpus=8)
+    holders = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+               for _ in range(64)]
+    try:
+        for i, p in enumerate(holders):
+            node.processes.append(fakenvml.FakeProcess(device=i % 8, pid=p.pid,
+                                                       used=GIB + i * MIB))
+        node.write()
+        env = {**cli_env, **node.env(cli_env)}
+        code, doc = status_json(env)
+        assert code == EXIT_OK and doc["errors"] == []
+        assert len(doc["gpus"]) == 8
+        holding = {p["pid"]: p for p in doc["processes"] if p["holds_gpu"]}
+        assert set(holding) == {p.pid for p in holders}
+        assert all(holding[p.pid]["gpu_memory_bytes"] == GIB + i * MIB
+                   for i, p in enumerate(holders))
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait()
+
+
+def _line_of(lines: list[str], needle: str) -> int:
+    matches = [i for i, line in enumerate(lines) if needle in line]
+    assert matches, f"{needle!r} not in:\n" + "\n".join(lines)
+    return matches[0]
+
+
+def _unused_pid() -> int:
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    for pid in range(pid_max - 1, 1, -1):
+        if not Path(f"/proc/{pid}").exists():
+            return pid
+    raise AssertionError("no free PID")
+
+
+def _real_nvml_present() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True

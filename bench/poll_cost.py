@@ -13,12 +13,9 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from gpuwatch.simulate.fakenvml import FakeNode, FakeProcess, build_fake_nvml
+from node import FakeNode, bench_node, idle_processes, stop
 
 # Runs inside a child whose LD_LIBRARY_PATH points at the fake driver.
 _MEASURE = r"""
@@ -39,14 +36,10 @@ print(json.dumps({"cpu": cpu, "wall": wall, "holders": len(snap.gpu_holders),
 """
 
 
-def _spawn_idle(n: int) -> list[subprocess.Popen[bytes]]:
-    return [subprocess.Popen(["sleep", "3600"]) for _ in range(n)]
-
-
-def measure(node: FakeNode, polls: int) -> dict[str, object]:
+def measure(node: FakeNode, polls: int) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(polls)], env=node.env(),
                          check=True, capture_output=True, text=True).stdout
-    result: dict[str, object] = json.loads(out)
+    result: dict[str, Any] = json.loads(out)
     return result
 
 
@@ -58,41 +51,27 @@ def main() -> None:
     parser.add_argument("--host-procs", type=int, default=2000)
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        lib = build_fake_nvml(Path(tmp) / "lib")
-        node = FakeNode(Path(tmp) / "state", lib, gpus=args.gpus)
-        holders = _spawn_idle(args.gpu_procs)
-        idle: list[subprocess.Popen[bytes]] = []
+    with bench_node(args.gpus, args.gpu_procs) as b:
+        rows = [("quiet host", measure(b.node, args.polls))]
+        idle = idle_processes(args.host_procs)
         try:
-            for i, p in enumerate(holders):
-                node.processes.append(
-                    FakeProcess(device=i % args.gpus, pid=p.pid, used=(1 << 30) + i * (1 << 20)))
-            node.write()
-            rows = [("quiet host", measure(node, args.polls))]
-            idle = _spawn_idle(args.host_procs)
-            rows.append((f"+{args.host_procs} idle host processes", measure(node, args.polls)))
+            rows.append((f"+{args.host_procs} idle host processes", measure(b.node, args.polls)))
         finally:
-            for p in holders + idle:
-                p.kill()
-            for p in holders + idle:
-                p.wait()
+            stop(idle)
 
     print(f"poll cost: {args.gpus} fake GPUs, {args.gpu_procs} real GPU processes, "
           f"{args.polls} polls each")
     print(f"{'host':<32} {'CPU ms/poll (median)':>21} {'p95':>7} {'wall ms (median)':>17}"
           f" {'procs in snapshot':>18}")
-    base = None
     for label, r in rows:
-        cpu = sorted(r["cpu"])  # type: ignore[arg-type]
-        wall = r["wall"]
-        med = statistics.median(cpu) * 1e3
-        base = base or med
-        print(f"{label:<32} {med:>21.2f} {cpu[int(len(cpu) * 0.95)] * 1e3:>7.2f}"
-              f" {statistics.median(wall) * 1e3:>17.2f} {r['processes']:>18}")  # type: ignore[arg-type]
+        cpu = sorted(r["cpu"])
+        print(f"{label:<32} {statistics.median(cpu) * 1e3:>21.2f} "
+              f"{cpu[int(len(cpu) * 0.95)] * 1e3:>7.2f} {statistics.median(r['wall']) * 1e3:>17.2f}"
+              f" {r['processes']:>18}")
         if r["errors"]:
             print(f"  errors: {r['errors'][:3]}")
-    med_busy = statistics.median(rows[1][1]["cpu"]) * 1e3  # type: ignore[arg-type]
-    print(f"ratio busy/quiet host: {med_busy / base:.2f}x")
+    quiet, busy = (statistics.median(r["cpu"]) for _, r in rows)
+    print(f"ratio busy/quiet host: {busy / quiet:.2f}x")
 
 
 if __name__ == "__main__":

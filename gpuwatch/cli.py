@@ -11,6 +11,7 @@ from typing import Any, Optional
 import typer
 
 from gpuwatch import __version__
+from gpuwatch.config import EXIT_CONFIG
 
 # Exit codes of `gpuwatch status`; --help lists them, docs/cli.md explains them.
 EXIT_OK = 0
@@ -18,8 +19,6 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2  # Typer's own code for a bad flag
 EXIT_NVML_UNAVAILABLE = 3
 EXIT_PARTIAL = 4
-#: sysexits' EX_CONFIG; the systemd unit does not restart on it (RestartPreventExitStatus).
-EXIT_CONFIG = 78
 
 STATUS_EXIT_CODES = f"""\b
 Exit codes:
@@ -135,20 +134,11 @@ def daemon(
 
     A bad configuration exits with 78 and names the key. SIGHUP reloads the configuration.
     """
-    from gpuwatch.daemon import Daemon
-    from gpuwatch.logs import setup_logging
+    from gpuwatch.daemon import exec_daemon
 
-    overrides = {"daemon.listen": listen, "daemon.interval": interval,
-                 "daemon.runtime_dir": runtime_dir, "daemon.state_dir": state_dir,
-                 "daemon.log_format": log_format, "daemon.log_level": log_level}
-    cfg = _load_config(config, overrides)
-    setup_logging(cfg.daemon.log_format, cfg.daemon.log_level)
-    try:
-        code = Daemon(cfg, config_path=config, overrides=overrides).run()
-    except OSError as exc:  # the port or a directory is not ours to take
-        typer.echo(f"gpuwatch daemon: {exc}", err=True)
-        raise typer.Exit(EXIT_ERROR) from None
-    raise typer.Exit(code)
+    exec_daemon(config, {"daemon.listen": listen, "daemon.interval": interval,
+                         "daemon.runtime_dir": runtime_dir, "daemon.state_dir": state_dir,
+                         "daemon.log_format": log_format, "daemon.log_level": log_level})
 
 
 @app.command()

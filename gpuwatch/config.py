@@ -25,6 +25,11 @@ DEFAULT_CONFIG_PATH = Path("/etc/gpuwatch/gpuwatch.toml")
 DEFAULT_PORT = 9966
 
 
+#: sysexits' EX_CONFIG: the exit code for a bad configuration. The systemd unit does not restart
+#: on it (RestartPreventExitStatus): a typo will not fix itself.
+EXIT_CONFIG = 78
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and the source of the bad value."""
 

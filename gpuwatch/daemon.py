@@ -7,10 +7,12 @@ SIGHUP reloads the configuration (a bad one is refused and the running one kept)
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +27,7 @@ from prometheus_client import (
 )
 
 from gpuwatch import __version__, systemd_notify
-from gpuwatch.config import Config, ConfigError, load_config, split_listen
+from gpuwatch.config import EXIT_CONFIG, Config, ConfigError, load_config, split_listen
 from gpuwatch.history import History
 from gpuwatch.logs import setup_logging
 from gpuwatch.model import NodeSnapshot
@@ -109,8 +111,13 @@ class Daemon:
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
         d = self.config.daemon
-        for directory, mode in ((d.runtime_dir, 0o755), (d.state_dir, 0o750)):
-            directory.mkdir(parents=True, exist_ok=True, mode=mode)
+        for key, directory, mode in (("runtime_dir", d.runtime_dir, 0o755),
+                                     ("state_dir", d.state_dir, 0o750)):
+            try:
+                directory.mkdir(parents=True, exist_ok=True, mode=mode)
+            except OSError as exc:
+                raise OSError(f"daemon.{key} {directory}: cannot use it as a directory: "
+                              f"{exc.strerror}") from None
         self._install_signal_handlers()
         host, port = split_listen(d.listen)
         self._http, _ = start_http_server(port, addr=host or "0.0.0.0", registry=self.registry)
@@ -247,7 +254,52 @@ class Daemon:
         self.poller.close()
 
 
+def main(argv: Optional[list[str]] = None) -> int:
+    """The daemon process's own entry point: `gpuwatch daemon` execs into it.
+
+    The CLI framework (Typer, which imports pydantic for every command) costs the process about
+    10 MiB it would keep for its whole life; the daemon needs none of it, so it starts afresh
+    with only this parser. Flags arrive as `--set section.key=value` config overrides.
+    """
+    parser = argparse.ArgumentParser(prog="gpuwatch daemon")
+    parser.add_argument("--config", type=Path, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        overrides[key] = value
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"gpuwatch: bad configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    setup_logging(config.daemon.log_format, config.daemon.log_level)
+    try:
+        return Daemon(config, config_path=args.config, overrides=overrides).run()
+    except OSError as exc:  # the port or a directory is not ours to take
+        print(f"gpuwatch daemon: {exc}", file=sys.stderr)
+        return 1
+
+
+def exec_daemon(config: Optional[Path], overrides: dict[str, Any]) -> None:
+    """Replace this process (same PID, as systemd expects) with a lean daemon process."""
+    argv = [sys.executable, "-m", "gpuwatch.daemon"]
+    if config is not None:
+        argv += ["--config", str(config)]
+    argv += [f"--set={key}={value}" for key, value in overrides.items() if value is not None]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)
+
+
 def _url_host(host: str) -> str:
     if host in ("", "0.0.0.0", "::"):
         return "127.0.0.1"
     return f"[{host}]" if ":" in host else host
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The daemon's RSS stays flat: RSS after 10,000 polls against RSS after 100.
+
+The node is not static while it runs: every half second one GPU process exits and a new one takes
+its place, so the per-identity caches and the history must forget as well as learn.
+
+    python bench/daemon_rss.py [--polls 10000] [--interval 0.005]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+from node import (
+    GIB,
+    bench_node,
+    free_port,
+    idle_processes,
+    polls_total,
+    rss_bytes,
+    stop,
+    wait_http,
+)
+
+from gpuwatch.simulate.fakenvml import FakeProcess
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--polls", type=int, default=10_000)
+    parser.add_argument("--early", type=int, default=100)
+    parser.add_argument("--interval", type=float, default=0.005)
+    args = parser.parse_args()
+    port = free_port()
+    with bench_node() as b:
+        env = b.node.env()
+        env.update(GPUWATCH_CONFIG="/dev/null", GPUWATCH_RUNTIME_DIR=str(b.tmp / "run"),
+                   GPUWATCH_STATE_DIR=str(b.tmp / "gpuwatch-state"))
+        url = f"http://127.0.0.1:{port}/metrics"
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch", "daemon", "--listen", f"127.0.0.1:{port}",
+             "--interval", str(args.interval), "--log-level", "warning"], env=env)
+        churned: list[subprocess.Popen[bytes]] = []
+        try:
+            wait_http(url, daemon)
+            marks = [args.early, 1_000, 3_000, 6_000]
+            readings: list[tuple[float, int]] = []
+            started = time.monotonic()
+            replaced = 0
+            while (polls := polls_total(url)) < args.polls:
+                if marks and polls >= marks[0]:
+                    readings.append((polls, rss_bytes(daemon.pid)))
+                    marks.pop(0)
+                victim = b.node.processes.pop(0)
+                newcomer = idle_processes(1)[0]
+                churned.append(newcomer)
+                b.node.processes.append(FakeProcess(device=victim.device, pid=newcomer.pid,
+                                                    used=GIB + replaced))
+                b.node.write()
+                for p in b.holders + churned:
+                    if p.pid == victim.pid:
+                        p.kill()
+                        p.wait()
+                replaced += 1
+                time.sleep(0.5)
+            readings.append((polls, rss_bytes(daemon.pid)))
+            elapsed = time.monotonic() - started
+        finally:
+            stop([daemon, *churned])
+    print(f"daemon RSS on 8 fake GPUs x 64 GPU processes, {replaced} processes replaced "
+          f"during the run ({elapsed:.0f} s)")
+    for polls, rss in readings:
+        print(f"after {polls:>6.0f} polls: {rss / 2**20:7.2f} MiB")
+    (first_at, first), (last_at, last) = readings[0], readings[-1]
+    print(f"growth from {first_at:.0f} to {last_at:.0f} polls: {100 * (last - first) / first:+.1f}%"
+          " (goal: within 5%)")
+
+
+if __name__ == "__main__":
+    main()

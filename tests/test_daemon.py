@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -101,14 +102,35 @@ def test_nvml_lost_while_running_is_reported_and_recovered_with_metrics_answerin
         assert d.proc.poll() is None
 
 
-def test_the_daemon_starts_and_serves_without_any_nvml(cli_env: dict[str, str],
-                                                        tmp_path: Path) -> None:
-    env = {k: v for k, v in cli_env.items() if k != fakenvml.STATE_ENV}  # the fake: no driver
-    with running_daemon(env, tmp_path) as d:
+def test_nvml_absent_at_start_then_the_driver_appears_and_is_picked_up(
+        fake_nvml_lib: Path, cli_env: dict[str, str], tmp_path: Path) -> None:
+    node = FakeNode(tmp_path / "late-driver.state", fake_nvml_lib, gpus=1)  # not written yet
+    env = {**cli_env, **node.env(cli_env)}
+    with running_job(tmp_path, workers=1) as job, running_daemon(
+            env, tmp_path, config="[daemon]\nnvml_retry_max = 0.5\n") as d:
         samples = d.wait_for_metrics("a first poll", lambda s: s if value(
             s, "gpuwatch_polls_total") else None)
         assert value(samples, "gpuwatch_nvml_up") == 0
         d.wait_for_log("monitoring host processes only")
+        status = gpuwatch(["status", "--json"], env)
+        assert status.returncode == 3  # from the daemon's view: NVML unavailable
+
+        node.hold(job.workers[0], device=0, used=GIB)  # the driver is loaded
+        d.wait_for_metrics("NVML and the worker's series", lambda s: (
+            value(s, "gpuwatch_nvml_up") == 1
+            and job.workers[0] in pids_with_series(s, "gpuwatch_process_gpu_memory_bytes"))
+            or None)
+
+
+def test_json_logs_are_one_object_a_line(cli_env: dict[str, str], tmp_path: Path) -> None:
+    env = {k: v for k, v in cli_env.items() if k != fakenvml.STATE_ENV}
+    with running_daemon(env, tmp_path, args=("--interval", "0.2", "--log-format", "json")) as d:
+        d.wait_for_log("monitoring host processes only")
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(10) == 0
+    entries = [json.loads(line) for line in d.log().splitlines() if line.strip()]
+    assert {"ts", "level", "logger", "msg"} <= set(entries[0])
+    assert any(e["level"] == "warning" and "NVML unavailable" in e["msg"] for e in entries)
 
 
 def test_a_bad_config_at_start_exits_78_naming_the_key(cli_env: dict[str, str],

@@ -133,7 +133,8 @@ def run_demo(listen: str, workers: int, duration: Optional[float]) -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-demo-"))
     try:
         with simulated_node(work_dir, listen=listen, workers=workers) as sim:
-            gpuwatch = shutil.which("gpuwatch") or f"{sys.executable} -m gpuwatch"
+            beside = Path(sys.executable).with_name("gpuwatch")  # the venv's own script
+            gpuwatch = str(beside) if beside.exists() else f"{sys.executable} -m gpuwatch"
             pids = " ".join(map(str, sim.workers))
             print(f"""gpuwatch demo: no GPU needed. A simulated node: 2 GPUs behind a fake NVML
 driver, and a real job on them (launcher {sim.launcher.pid}, workers {pids}),

@@ -9,6 +9,7 @@ its place, so the per-identity caches and the history must forget as well as lea
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -59,7 +60,8 @@ def main() -> None:
                 b.node.processes.append(FakeProcess(device=victim.device, pid=newcomer.pid,
                                                     used=GIB + replaced))
                 b.node.write()
-                for p in b.holders + churned:
+                os.kill(victim.pid, 9)
+                for p in churned:
                     if p.pid == victim.pid:
                         p.kill()
                         p.wait()

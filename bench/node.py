@@ -29,12 +29,30 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 @dataclass
 class BenchNode:
     node: FakeNode
-    holders: list[subprocess.Popen[bytes]]
+    holders: list[int]
     tmp: Path
 
 
-def idle_processes(n: int) -> list[subprocess.Popen[bytes]]:
-    return [subprocess.Popen(["sleep", "3600"]) for _ in range(n)]
+def _spawn_tree(n: int, new_session: bool) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """A shell that starts `n` idle children and waits: a launcher with its own process tree."""
+    shell = subprocess.Popen(
+        ["sh", "-c", f"i=0; while [ $i -lt {n} ]; do sleep 3600 & echo $!; i=$((i+1)); done; "
+                     "echo started; wait"], stdout=subprocess.PIPE, start_new_session=new_session)
+    assert shell.stdout is not None
+    pids = []
+    for line in shell.stdout:
+        if line == b"started\n":
+            return shell, pids
+        pids.append(int(line))
+    raise RuntimeError("the launcher shell ended early")
+
+
+def _stop_tree(shell: subprocess.Popen[bytes], pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    shell.kill()
+    shell.wait()
 
 
 @contextlib.contextmanager
@@ -42,15 +60,29 @@ def bench_node(gpus: int = 8, gpu_procs: int = 64) -> Iterator[BenchNode]:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         node = FakeNode(tmp / "state", build_fake_nvml(tmp / "lib"), gpus=gpus)
-        holders = idle_processes(gpu_procs)
+        launcher, holders = _spawn_tree(gpu_procs, new_session=False)
         try:
-            for i, p in enumerate(holders):
+            for i, pid in enumerate(holders):
                 node.processes.append(
-                    FakeProcess(device=i % gpus, pid=p.pid, used=GIB + i * MIB))
+                    FakeProcess(device=i % gpus, pid=pid, used=GIB + i * MIB))
             node.write()
             yield BenchNode(node, holders, tmp)
         finally:
-            stop(holders)
+            _stop_tree(launcher, holders)
+
+
+def idle_processes(n: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen(["sleep", "3600"]) for _ in range(n)]
+
+
+@contextlib.contextmanager
+def unrelated_host_processes(n: int) -> Iterator[None]:
+    """`n` idle processes in another process tree than the GPU holders', as on a real host."""
+    shell, pids = _spawn_tree(n, new_session=True)
+    try:
+        yield
+    finally:
+        _stop_tree(shell, pids)
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:

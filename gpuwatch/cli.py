@@ -88,7 +88,7 @@ def status(
     from gpuwatch.sinks.status_view import render_status
 
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
-    doc = _status_document(cfg.daemon.runtime_dir, ask_daemon=not poll)
+    doc = _status_document(cfg.daemon.runtime_dir, ask_daemon=not poll, detectors=cfg.detectors)
     if as_json:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -97,7 +97,9 @@ def status(
     raise typer.Exit(status_exit_code(doc))
 
 
-def _status_document(runtime_dir: Path, ask_daemon: bool) -> dict[str, Any]:
+def _status_document(runtime_dir: Path, ask_daemon: bool, detectors: Any) -> dict[str, Any]:
+    from gpuwatch.detectors import assess
+    from gpuwatch.history import History
     from gpuwatch.poll import Poller
     from gpuwatch.sinks.document import SOURCE_POLL, status_document
     from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateUnavailable, fetch_status
@@ -113,7 +115,8 @@ def _status_document(runtime_dir: Path, ask_daemon: bool) -> dict[str, Any]:
         snapshot = poller.poll()
     finally:
         poller.close()
-    return status_document(snapshot, source=SOURCE_POLL, source_detail=why)
+    report = assess(snapshot, History(), detectors.for_single_poll())
+    return status_document(report, source=SOURCE_POLL, source_detail=why)
 
 
 @app.command()
@@ -149,11 +152,17 @@ def demo(
     workers: int = typer.Option(2, "--workers", min=1, max=64, help="Workers in the job."),
     duration: Optional[float] = typer.Option(
         None, "--duration", help="Stop after this many seconds (default: until Ctrl+C)."),
+    pace: float = typer.Option(5.0, "--pace", min=0.1,
+                               help="Seconds per step of the story (orphans, leftovers)."),
 ) -> None:
-    """A simulated node with a real job on fake GPUs, watched by the real daemon. No GPU needed."""
+    """A simulated node with real jobs on fake GPUs, watched by the real daemon. No GPU needed.
+
+    One job's trainer finishes and leaves its helpers behind (leftovers); the other's launcher
+    is killed and leaves its workers behind (orphans).
+    """
     from gpuwatch.simulate.demo import run_demo
 
-    raise typer.Exit(run_demo(listen, workers, duration))
+    raise typer.Exit(run_demo(listen, workers, duration, pace))
 
 
 def status_exit_code(doc: dict[str, Any]) -> int:

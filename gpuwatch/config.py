@@ -73,6 +73,23 @@ def _listen(v: Any) -> str:
     return v
 
 
+def _non_negative_float(v: Any) -> float:
+    try:
+        f = float(v) if not isinstance(v, bool) else -1.0
+    except (TypeError, ValueError):
+        f = -1.0
+    if not 0 <= f < float("inf"):
+        raise ValueError("a number >= 0")
+    return f
+
+
+def _names(v: Any) -> tuple[str, ...]:
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError("a list of names")
+    return tuple(i.strip() for i in items if i.strip())
+
+
 def _one_of(*choices: str) -> Callable[[Any], str]:
     def check(v: Any) -> str:
         if v not in choices:
@@ -126,10 +143,40 @@ class HistoryConfig:
 
 
 @dataclass(frozen=True)
+class DetectorConfig:
+    leftover_grace: float = _setting(
+        60.0, _non_negative_float,
+        "seconds a job member may outlive the job's last trainer before it is a leftover")
+    zombie_grace: float = _setting(
+        10.0, _non_negative_float, "seconds a process may stay defunct before it is a zombie")
+    unkillable_after: float = _setting(
+        60.0, _positive_float,
+        "seconds in uninterruptible sleep (D) before a process is unkillable")
+    min_age: float = _setting(
+        10.0, _non_negative_float,
+        "a process younger than this is never an orphan from environment evidence alone")
+    ghost_min_bytes: int = _setting(
+        1 << 30, _positive_int,
+        "used GPU memory no process accounts for, above which a GPU has a ghost finding")
+    protected_names: tuple[str, ...] = _setting(
+        ("nvidia-persistenced", "nv-hostengine", "nvidia-fabricmanager", "dcgm-exporter",
+         "Xorg", "Xwayland", "gnome-shell", "gpuwatch"), _names,
+        "process names never reported (nor reaped)")
+    protected_users: tuple[str, ...] = _setting(
+        (), _names, "users whose processes are never reported (nor reaped)")
+
+    def for_single_poll(self) -> DetectorConfig:
+        """One look at the node (a one-shot `status`): report what is seen, with no duration
+        to wait for; what needs time (leftovers, unkillable) cannot show in one poll anyway."""
+        return replace(self, zombie_grace=0.0, min_age=0.0)
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
+    detectors: DetectorConfig = field(default_factory=DetectorConfig)
 
 
 def _sections() -> dict[str, type]:

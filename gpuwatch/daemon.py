@@ -1,6 +1,6 @@
 """The node daemon: poll, keep bounded history, serve /metrics and the state socket.
 
-One thread polls; the HTTP and state-socket threads only read the latest immutable snapshot, so a
+One thread polls; the HTTP and state-socket threads only read the latest immutable report, so a
 scrape never waits on NVML and never sees half a poll. Signals only set flags: SIGTERM/SIGINT stop,
 SIGHUP reloads the configuration (a bad one is refused and the running one kept).
 """
@@ -28,12 +28,13 @@ from prometheus_client import (
 
 from gpuwatch import __version__, systemd_notify
 from gpuwatch.config import EXIT_CONFIG, Config, ConfigError, load_config, split_listen
+from gpuwatch.detectors import assess
 from gpuwatch.history import History
 from gpuwatch.logs import setup_logging
-from gpuwatch.model import NodeSnapshot
+from gpuwatch.model import NodeReport, NodeSnapshot
 from gpuwatch.poll import Poller
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
-from gpuwatch.sinks.exporter import SnapshotCollector, dropped_by_cap
+from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sources.nvml import NvmlSource
 
@@ -55,8 +56,8 @@ class Daemon:
         self.poller = poller or Poller(nvml=NvmlSource(retry_initial=1.0,
                                                        retry_max=d.nvml_retry_max))
         self.history = History(config.history.samples, config.history.max_processes)
-        self._latest: Optional[NodeSnapshot] = None
-        self._document: tuple[Optional[NodeSnapshot], Optional[bytes]] = (None, None)
+        self._latest: Optional[NodeReport] = None
+        self._document: tuple[Optional[NodeReport], Optional[bytes]] = (None, None)
         self._document_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -66,7 +67,7 @@ class Daemon:
         # `_created` series double every counter for no use on a node exporter.
         disable_created_metrics()
         self.registry = CollectorRegistry()
-        self.collector = SnapshotCollector(lambda: self._latest,
+        self.collector = ReportCollector(lambda: self._latest,
                                            config.exporter.max_process_series)
         self.registry.register(self.collector)
         self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=self.registry)
@@ -93,19 +94,19 @@ class Daemon:
 
     # -- what the sinks read -----------------------------------------------------------------
     @property
-    def latest(self) -> Optional[NodeSnapshot]:
+    def latest(self) -> Optional[NodeReport]:
         return self._latest
 
     def document_bytes(self) -> Optional[bytes]:
-        """The status document of the latest snapshot, serialised once per poll."""
-        snapshot = self._latest
-        if snapshot is None:
+        """The status document of the latest report, serialised once per poll."""
+        report = self._latest
+        if report is None:
             return None
         with self._document_lock:
             cached_for, body = self._document
-            if cached_for is not snapshot:
-                body = json.dumps(status_document(snapshot, source=SOURCE_DAEMON)).encode()
-                self._document = (snapshot, body)
+            if cached_for is not report:
+                body = json.dumps(status_document(report, source=SOURCE_DAEMON)).encode()
+                self._document = (report, body)
             return body
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -178,19 +179,19 @@ class Daemon:
 
     def poll_once(self) -> None:
         try:
-            snapshot = self.poller.poll()
+            snapshot = self.poller.poll(watch=self.history.watch_pids())
+            report = assess(snapshot, self.history, self.config.detectors)
         except Exception:
             # A bug or an unexpected state must not end monitoring: log, count, poll again.
             log.exception("poll failed; the next poll follows as scheduled")
             self.poll_errors.labels("poll").inc()
             return
-        self.history.record(snapshot)
-        self._latest = snapshot
+        self._latest = report
         self.polls.inc()
         self.poll_duration.observe(snapshot.poll_duration_seconds)
         for error in snapshot.errors:
             self.poll_errors.labels(error.source).inc()
-        self.series_dropped.inc(dropped_by_cap(snapshot, self.collector.max_process_series))
+        self.series_dropped.inc(dropped_by_cap(report, self.collector.max_process_series))
         self._log_nvml_transition(snapshot)
 
     def _log_nvml_transition(self, snapshot: NodeSnapshot) -> None:
@@ -206,10 +207,11 @@ class Daemon:
         systemd_notify.status(self._status_line())
 
     def _status_line(self) -> str:
-        s = self._latest
-        if s is None:
+        if self._latest is None:
             return "starting"
-        return f"{s.nvml.message}; {len(s.gpus)} GPU(s), {len(s.gpu_holders)} GPU process(es)"
+        s = self._latest.snapshot
+        return (f"{s.nvml.message}; {len(s.gpus)} GPU(s), {len(s.gpu_holders)} GPU process(es), "
+                f"{len(self._latest.findings)} finding(s)")
 
     def reload(self) -> bool:
         systemd_notify.reloading()

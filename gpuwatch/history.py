@@ -1,10 +1,14 @@
-"""Bounded per-process history: what detectors need to see change over time.
+"""Bounded history: what detectors need to see change over time.
 
-Keyed by process identity (PID + start time), so a reused PID starts a fresh history. Both the
-samples per process and the number of processes are capped, and processes absent from a poll are
-forgotten, so the daemon's memory stays flat however long it runs. Samples are kept in packed
-arrays (8 bytes a figure, NaN for unknown) rather than one Python object each: a full window of
-every watched process then costs a few hundred KiB, and trend tests read the series directly.
+Per process identity (PID + start time, so a reused PID starts afresh): its parent and job as
+first seen (an orphan is a process whose recorded launcher is gone, whoever adopted it), when it
+was reparented, since when it has been a zombie or in uninterruptible sleep, and its RSS and GPU
+memory samples. Per job: its members and trainers (GPU holders), and when the last trainer exited
+(what is still alive after that is a leftover).
+
+Everything is capped and whatever is absent from a poll is forgotten, so the daemon's memory stays
+flat however long it runs. Samples are packed arrays (8 bytes a figure, NaN for unknown) rather
+than one Python object each.
 """
 
 from __future__ import annotations
@@ -12,13 +16,16 @@ from __future__ import annotations
 import math
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
 
-from gpuwatch.model import NodeSnapshot
+from gpuwatch.model import Finding, HostProcess, Job, NodeSnapshot
 
 Identity = tuple[int, Optional[float]]
 _NAN = math.nan
+#: How many exited processes are remembered (for "parent 4121 (torchrun) exited" reasons).
+_DEPARTED = 4096
 
 
 class Sample(NamedTuple):
@@ -27,27 +34,52 @@ class Sample(NamedTuple):
     gpu_memory_bytes: Optional[int]
 
 
-class ProcessHistory:
-    __slots__ = ("capacity", "first_ppid", "first_seen", "gpu_memory", "last_seen", "pid",
-                 "rss", "start_time", "times")
+class Departed(NamedTuple):
+    name: Optional[str]
+    #: Last poll that saw it alive; it exited between then and the next poll.
+    last_seen: float
 
-    def __init__(self, pid: int, start_time: Optional[float], first_ppid: Optional[int],
+
+class ProcessHistory:
+    __slots__ = ("capacity", "disk_sleep_since", "first_ppid", "first_seen", "gpu_memory",
+                 "held_gpu", "job_key", "last_seen", "name", "parent_name", "parent_start", "pid",
+                 "reparented_at", "rss", "start_time", "times", "zombie_since")
+
+    def __init__(self, p: HostProcess, parent: Optional[HostProcess], job_key: Optional[str],
                  first_seen: float, capacity: int) -> None:
-        self.pid = pid
-        self.start_time = start_time
-        #: Parent as first seen: an orphan is a process whose recorded parent is gone.
-        self.first_ppid = first_ppid
+        self.pid = p.pid
+        self.start_time = p.start_time
+        self.name = p.name
+        #: The launching parent, as first seen: if it goes, this process is orphaned.
+        self.first_ppid = p.ppid
+        self.parent_start = parent.start_time if parent is not None else None
+        self.parent_name = parent.name if parent is not None else None
+        #: The job as first seen; kept after reparenting, which is when it matters.
+        self.job_key = job_key
         self.first_seen = first_seen
         self.last_seen = first_seen
+        self.reparented_at: Optional[float] = None
+        self.zombie_since: Optional[float] = None
+        self.disk_sleep_since: Optional[float] = None
+        self.held_gpu = False
         self.capacity = capacity
         self.times = array("d")
         self.rss = array("d")
         self.gpu_memory = array("d")
 
-    def append(self, taken_at: float, rss: Optional[int], gpu_memory: Optional[int]) -> None:
+    @property
+    def identity(self) -> Identity:
+        return (self.pid, self.start_time)
+
+    def observe(self, p: HostProcess, taken_at: float) -> None:
         self.last_seen = taken_at
-        for series, value in ((self.times, taken_at), (self.rss, rss),
-                              (self.gpu_memory, gpu_memory)):
+        if self.reparented_at is None and p.ppid != self.first_ppid:
+            self.reparented_at = taken_at
+        self.zombie_since = _since(self.zombie_since, p.state == "zombie", taken_at)
+        self.disk_sleep_since = _since(self.disk_sleep_since, p.state == "disk-sleep", taken_at)
+        self.held_gpu = self.held_gpu or p.holds_gpu
+        for series, value in ((self.times, taken_at), (self.rss, p.rss_bytes),
+                              (self.gpu_memory, p.gpu_memory_bytes)):
             series.append(_NAN if value is None else float(value))
             if len(series) > self.capacity:
                 del series[0]
@@ -67,11 +99,38 @@ class ProcessHistory:
         return len(self.times)
 
 
+def _since(since: Optional[float], now_in_state: bool, taken_at: float) -> Optional[float]:
+    if not now_in_state:
+        return None
+    return since if since is not None else taken_at
+
+
+@dataclass
+class JobRecord:
+    """A group of processes hanging from one launcher (gpuwatch.jobtree)."""
+
+    key: str
+    root_pid: int
+    root_name: Optional[str]
+    label: Optional[Job]
+    members: set[Identity] = field(default_factory=set)
+    #: Members that held GPU memory while watched, alive now.
+    trainers: set[Identity] = field(default_factory=set)
+    had_trainer: bool = False
+    #: When the last trainer was found gone (None while one lives, or if none ever did).
+    finished_at: Optional[float] = None
+    last_trainer: Optional[tuple[int, Optional[str]]] = None
+
+
 class History:
     def __init__(self, samples: int = 300, max_processes: int = 4096) -> None:
         self.samples = samples
         self.max_processes = max_processes
+        self.polls = 0
         self._by_identity: OrderedDict[Identity, ProcessHistory] = OrderedDict()
+        self._departed: OrderedDict[Identity, Departed] = OrderedDict()
+        self._jobs: dict[str, JobRecord] = {}
+        self._finding_since: dict[tuple[object, ...], float] = {}
 
     def __len__(self) -> int:
         return len(self._by_identity)
@@ -79,22 +138,82 @@ class History:
     def get(self, identity: Identity) -> Optional[ProcessHistory]:
         return self._by_identity.get(identity)
 
+    def departed(self, identity: Identity) -> Optional[Departed]:
+        return self._departed.get(identity)
+
+    def job(self, key: Optional[str]) -> Optional[JobRecord]:
+        return self._jobs.get(key) if key is not None else None
+
+    def jobs(self) -> Iterable[JobRecord]:
+        return self._jobs.values()
+
+    def job_of(self, p: HostProcess) -> Optional[JobRecord]:
+        h = self._by_identity.get(p.identity)
+        return self.job(h.job_key) if h is not None else None
+
+    def watch_pids(self) -> set[int]:
+        """Members of jobs that have had trainers: read them every poll, even reparented."""
+        return {pid for job in self._jobs.values() if job.had_trainer
+                for pid, _ in job.members}
+
+    # -- one poll ------------------------------------------------------------------------------
     def record(self, snapshot: NodeSnapshot) -> None:
+        self.polls += 1
+        now = snapshot.taken_at
+        procs = snapshot.processes
         seen: set[Identity] = set()
-        for p in snapshot.processes.values():
-            if not p.in_procfs:
+        for p in procs.values():
+            if not p.in_procfs or p.start_time is None:
                 continue
             key = p.identity
             seen.add(key)
             h = self._by_identity.get(key)
             if h is None:
-                h = ProcessHistory(p.pid, p.start_time, p.ppid, snapshot.taken_at, self.samples)
+                h = ProcessHistory(p, procs.get(p.ppid) if p.ppid else None,
+                                   _job_key(p.pid, snapshot), now, self.samples)
                 self._by_identity[key] = h
-            h.append(snapshot.taken_at, p.rss_bytes, p.gpu_memory_bytes)
+            h.observe(p, now)
             self._by_identity.move_to_end(key)
         for key in [k for k in self._by_identity if k not in seen]:
-            del self._by_identity[key]
+            gone = self._by_identity.pop(key)
+            self._departed[key] = Departed(gone.name, gone.last_seen)
+        while len(self._departed) > _DEPARTED:
+            self._departed.popitem(last=False)
         self._trim()
+        self._update_jobs(snapshot, seen)
+
+    def _update_jobs(self, snapshot: NodeSnapshot, seen: set[Identity]) -> None:
+        now = snapshot.taken_at
+        for job in self._jobs.values():
+            job.members.clear()
+            job.trainers.clear()
+        for p in snapshot.processes.values():
+            h = self._by_identity.get(p.identity)
+            if h is None or h.job_key is None:
+                continue
+            job = self._jobs.get(h.job_key)
+            if job is None:
+                root_pid = int(h.job_key.split(":", 1)[0])
+                root = snapshot.processes.get(root_pid)
+                job = JobRecord(h.job_key, root_pid, root.name if root else None, p.job)
+                self._jobs[h.job_key] = job
+            job.members.add(p.identity)
+            job.label = job.label or p.job
+            if p.holds_gpu and p.state != "zombie":
+                job.trainers.add(p.identity)
+                job.had_trainer = True
+                job.last_trainer = (p.pid, p.name)
+        for key in [k for k, job in self._jobs.items() if not job.members]:
+            del self._jobs[key]
+        for job in self._jobs.values():
+            if job.trainers:
+                job.finished_at = None
+            elif job.had_trainer and job.finished_at is None:
+                job.finished_at = now
+
+    def _trim(self) -> None:
+        while len(self._by_identity) > self.max_processes:
+            self._by_identity.popitem(last=False)
 
     def resize(self, samples: int, max_processes: int) -> None:
         """Apply a reloaded configuration without losing what fits."""
@@ -105,6 +224,22 @@ class History:
         self.max_processes = max_processes
         self._trim()
 
-    def _trim(self) -> None:
-        while len(self._by_identity) > self.max_processes:
-            self._by_identity.popitem(last=False)
+    # -- findings ------------------------------------------------------------------------------
+    def stamp(self, findings: Iterable[Finding], now: float) -> list[Finding]:
+        """Give each finding the time it was first seen; forget findings that closed."""
+        stamped = []
+        open_now = {}
+        for f in findings:
+            since = self._finding_since.get(f.identity, now)
+            open_now[f.identity] = since
+            stamped.append(replace(f, since=since))
+        self._finding_since = open_now
+        return stamped
+
+
+def _job_key(pid: int, snapshot: NodeSnapshot) -> Optional[str]:
+    root = snapshot.job_roots.get(pid)
+    if root is None:
+        return None
+    root_proc = snapshot.processes.get(root)
+    return f"{root}:{root_proc.start_time if root_proc else ''}"

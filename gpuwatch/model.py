@@ -141,6 +141,9 @@ class HostProcess:
     #: (a container's driver view), or it exited between the two reads.
     in_procfs: bool = True
     ppid: Optional[int] = None
+    #: Process group and session: Ctrl+C reaches a process group; a login shell leads a session.
+    pgid: Optional[int] = None
+    sid: Optional[int] = None
     #: Seconds since the epoch; with `pid` it identifies a process across PID reuse.
     start_time: Optional[float] = None
     name: Optional[str] = None
@@ -178,6 +181,36 @@ class HostProcess:
         return (self.pid, self.start_time)
 
 
+#: Finding severities, in increasing order.
+SEVERITIES = ("info", "warning", "critical")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something wrong on the node, with the evidence for it.
+
+    `pid` with `start_time` names the process, so a finding never carries over to a process that
+    reuses the PID. `reason` is stable while the finding stays open (metrics carry it as a label);
+    `since` says when it was first seen.
+    """
+
+    kind: str  # orphan | zombie | leftover | ghost | leak | stalled | unkillable
+    severity: str
+    reason: str
+    pid: Optional[int] = None  # None for device-level findings (unattributed GPU memory)
+    start_time: Optional[float] = None
+    name: Optional[str] = None
+    user: Optional[str] = None
+    job: Optional[Job] = None
+    gpus: tuple[int, ...] = ()
+    gpu_memory_bytes: Optional[int] = None
+    since: float = 0.0
+
+    @property
+    def identity(self) -> tuple[str, Optional[int], Optional[float], tuple[int, ...]]:
+        return (self.kind, self.pid, self.start_time, self.gpus if self.pid is None else ())
+
+
 @dataclass(frozen=True)
 class ProcessReading:
     """What the host-process source produced in one poll."""
@@ -197,6 +230,8 @@ class NodeSnapshot:
     processes: Mapping[int, HostProcess]
     errors: tuple[SourceError, ...] = ()
     poll_duration_seconds: float = 0.0
+    #: The launcher each process's job tree hangs from (see gpuwatch.jobtree), by PID.
+    job_roots: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def gpu_holders(self) -> list[HostProcess]:
@@ -204,3 +239,14 @@ class NodeSnapshot:
 
     def children_of(self, pid: int) -> list[HostProcess]:
         return sorted((p for p in self.processes.values() if p.ppid == pid), key=lambda p: p.pid)
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """A snapshot and the findings over it: what the sinks serve."""
+
+    snapshot: NodeSnapshot
+    findings: tuple[Finding, ...] = ()
+
+    def findings_for(self, pid: int) -> list[Finding]:
+        return [f for f in self.findings if f.pid == pid]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from typing import Callable, Optional, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuwatch.simulate.demo import wait_for
+from gpuwatch.simulate.demo import read_json, wait_for
 
 T = TypeVar("T")
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -78,7 +77,7 @@ def running_daemon(env: Mapping[str, str], tmp_path: Path, config: str = "",
              "--config", str(config_path), "--runtime-dir", str(runtime), *args],
             env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
     try:
-        info = wait_for("daemon.json", lambda: _info(runtime), 30, alive=proc)
+        info = wait_for("daemon.json", lambda: read_json(runtime / "daemon.json"), 30, alive=proc)
         yield RunningDaemon(proc, runtime, info["metrics_url"], log_path, config_path)
     finally:
         if proc.poll() is None:
@@ -88,10 +87,3 @@ def running_daemon(env: Mapping[str, str], tmp_path: Path, config: str = "",
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _info(runtime: Path) -> Optional[dict[str, str]]:
-    try:
-        return json.loads((runtime / "daemon.json").read_text())
-    except (OSError, ValueError):
-        return None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from gpuwatch.simulate.demo import wait_for
+from gpuwatch.simulate.demo import read_json, wait_for
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -40,19 +40,12 @@ def running_job(tmp_path: Path, workers: int = 2,
         [sys.executable, "-m", "gpuwatch.simulate.job", "--workers", str(workers),
          "--ready", str(ready)], env=full_env, start_new_session=True)
     try:
-        info = wait_for("job start", lambda: _load(ready), 20, alive=launcher)
+        info = wait_for("job start", lambda: read_json(ready), 20, alive=launcher)
         yield RunningJob(launcher, [int(p) for p in info["workers"]], info["run_id"])
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
-
-
-def _load(path: Path) -> Optional[dict[str, Any]]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def gpuwatch(args: list[str], env: Mapping[str, str], timeout: float = 60

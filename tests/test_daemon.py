@@ -11,6 +11,7 @@ import stat
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -211,11 +212,11 @@ def test_a_poll_that_raises_is_logged_counted_and_followed_by_the_next(
 
         calls = 0
 
-        def poll(self) -> NodeSnapshot:
+        def poll(self, watch: Iterable[int] = ()) -> NodeSnapshot:
             FlakyPoller.calls += 1
             if FlakyPoller.calls == 2:
                 raise RuntimeError("boom in the poll")
-            return super().poll()
+            return super().poll(watch)
 
     config = load_config(environ={"GPUWATCH_CONFIG": "/dev/null"}, overrides={
         "daemon.listen": "127.0.0.1:0", "daemon.interval": 0.05,

@@ -13,39 +13,49 @@ from pathlib import Path
 from gpuwatch.simulate.demo import wait_for
 
 
-def test_demo_runs_the_daemon_on_a_real_job_and_cleans_up_on_ctrl_c(tmp_path: Path) -> None:
+def test_demo_tells_its_story_of_orphans_and_leftovers_and_cleans_up_on_ctrl_c(
+        tmp_path: Path) -> None:
     out = tmp_path / "demo.out"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     with open(out, "wb") as sink:
         demo = subprocess.Popen(
             [sys.executable, "-m", "gpuwatch", "demo", "--listen", "127.0.0.1:0",
-             "--workers", "3"], stdout=sink, stderr=subprocess.STDOUT, env=env)
+             "--workers", "3", "--pace", "1"], stdout=sink, stderr=subprocess.STDOUT, env=env)
     try:
         url = wait_for("the demo's metrics address",
                        lambda: (re.findall(r"metrics\s+(http://\S+/metrics)", out.read_text())
                                 or [None])[0], 60, alive=demo)
         text = out.read_text()
-        workers = [int(p) for p in re.search(r"workers ([\d ]+)\)", text).group(1).split()]
-        launcher = int(re.search(r"launcher (\d+)", text).group(1))
+        job_a = re.search(r"job A: launcher (\d+), workers ([\d ]+),", text)
+        job_b = re.search(r"job B: launcher (\d+), trainer (\d+),", text)
+        assert job_a and job_b, text
+        workers = [int(p) for p in job_a.group(2).split()]
         assert len(workers) == 3
 
-        def scraped_pids() -> set[int] | None:
+        def scraped() -> str:
             with urllib.request.urlopen(url, timeout=10) as r:
-                body = r.read().decode()
-            pids = {int(p) for p in re.findall(
-                r'^gpuwatch_process_gpu_memory_bytes\{[^}]*pid="(\d+)"', body, re.M)}
-            return pids if pids == set(workers) else None
+                return str(r.read().decode())
 
-        wait_for("every worker's GPU memory series", scraped_pids, 30, alive=demo)
+        def findings(kind: str) -> set[int]:
+            return {int(p) for p in re.findall(
+                rf'^gpuwatch_finding{{[^}}]*kind="{kind}"[^}}]*pid="(\d+)"', scraped(), re.M)}
+
+        # Job A's dataloader helper too: its job still trains when the launcher dies.
+        wait_for("job A's workers and helper as orphans", lambda: (
+            len(findings("orphan")) == 4 and set(workers) <= findings("orphan")) or None,
+            60, alive=demo)
+        wait_for("job B's three helpers as leftovers", lambda: len(findings("leftover")) == 3
+                 or None, 60, alive=demo)
         runtime = re.search(r"GPUWATCH_RUNTIME_DIR=(\S+)", text).group(1)
         status = subprocess.run([sys.executable, "-m", "gpuwatch", "status"], text=True,
                                 capture_output=True, timeout=60,
                                 env={**env, "GPUWATCH_RUNTIME_DIR": runtime})
         assert "from the running daemon" in status.stdout, status.stdout + status.stderr
+        assert status.stdout.count("[orphan]") == 4 and status.stdout.count("[leftover]") == 3
 
         demo.send_signal(signal.SIGINT)
         assert demo.wait(30) == 0
-        for pid in (launcher, *workers):
+        for pid in (int(job_a.group(1)), *workers, int(job_b.group(1))):
             wait_for(f"PID {pid} to be gone", lambda pid=pid: not _alive(pid) or None, 10)
         assert not Path(runtime).exists()
     finally:

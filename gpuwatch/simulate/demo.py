@@ -48,7 +48,8 @@ def wait_for(what: str, probe: Callable[[], Optional[T]], timeout: float,
     raise DemoError(f"{what}: not ready after {timeout:g} s")
 
 
-def _read_json(path: Path) -> Optional[dict[str, Any]]:
+def read_json(path: Path) -> Optional[dict[str, Any]]:
+    """The JSON object in `path`, or None while it is not (completely) written yet."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -69,11 +70,20 @@ def free_listen(listen: str) -> str:
 
 
 @dataclass
+class SimulatedJob:
+    launcher: subprocess.Popen[bytes]
+    workers: list[int]
+    helpers: dict[str, int]
+
+
+@dataclass
 class SimulatedNode:
     work_dir: Path
     node: FakeNode
-    launcher: subprocess.Popen[bytes]
-    workers: list[int]
+    #: Job A trains on; the story kills its launcher, orphaning its workers.
+    training: SimulatedJob
+    #: Job B's trainer finishes early and leaves its helpers running: leftovers.
+    finishing: SimulatedJob
     daemon: subprocess.Popen[bytes]
     metrics_url: str
 
@@ -82,29 +92,56 @@ class SimulatedNode:
         return self.work_dir / "run"
 
 
+def _start_job(work_dir: Path, name: str, *args: str) -> SimulatedJob:
+    ready = work_dir / f"{name}.json"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch.simulate.job", "--ready", str(ready), *args],
+        start_new_session=True)
+    try:
+        info = wait_for(f"simulated job {name}", lambda: read_json(ready), 20, alive=launcher)
+    except DemoError:
+        _stop_job(launcher)
+        raise
+    return SimulatedJob(launcher, [int(p) for p in info["workers"]],
+                        {role: int(pid) for role, pid in info.get("helpers", {}).items()})
+
+
+def _stop_job(launcher: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+
+
 @contextlib.contextmanager
 def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gpus: int = 2,
-                   workers: int = 2, interval: float = 1.0,
+                   workers: int = 2, interval: float = 1.0, pace: float = 5.0,
                    daemon_output: Optional[Any] = None) -> Iterator[SimulatedNode]:
-    """Start the fake GPUs, a real job holding memory on them, and a daemon watching them."""
+    """Start the fake GPUs, two real jobs holding memory on them, and a daemon watching them.
+
+    `pace` is the story's unit of time: job B's trainer finishes after 3 units, and its helpers
+    become leftovers 2 units later (the daemon's leftover grace).
+    """
     try:
         lib = build_fake_nvml()
     except FakeNvmlBuildError as exc:
         raise DemoError(str(exc)) from None
     node = FakeNode(work_dir / "nvml-state", lib, gpus=gpus)
     node.write()
-    ready = work_dir / "job.json"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "gpuwatch.simulate.job", "--workers", str(workers),
-         "--ready", str(ready)], start_new_session=True)
+    jobs: list[SimulatedJob] = []
     daemon: Optional[subprocess.Popen[bytes]] = None
     try:
-        job = wait_for("the simulated job", lambda: _read_json(ready), 20, alive=launcher)
-        worker_pids = [int(pid) for pid in job["workers"]]
-        for rank, pid in enumerate(worker_pids):
+        training = _start_job(work_dir, "job-a", "--workers", str(workers),
+                              "--helpers", "dataloader")
+        jobs.append(training)
+        finishing = _start_job(work_dir, "job-b", "--workers", "1", "--helpers",
+                               "redis,actor,preprocessor", "--trainer-exit-after",
+                               str(3 * pace))
+        jobs.append(finishing)
+        for rank, pid in enumerate(training.workers):
             node.hold(pid, device=rank % gpus, used=(12 + 2 * rank) * GIB)
+        node.hold(finishing.workers[0], device=gpus - 1, used=20 * GIB)
         config = work_dir / "gpuwatch.toml"
-        config.write_text("# the demo's own settings come from flags\n")
+        config.write_text(f"[detectors]\nleftover_grace = {2 * pace}\n")
         runtime = work_dir / "run"
         env = node.env()
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -113,9 +150,9 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
              "--listen", free_listen(listen), "--interval", str(interval),
              "--runtime-dir", str(runtime), "--state-dir", str(work_dir / "state")],
             env=env, stdout=daemon_output, stderr=daemon_output)
-        info = wait_for("the daemon", lambda: _read_json(runtime / "daemon.json"), 30,
+        info = wait_for("the daemon", lambda: read_json(runtime / "daemon.json"), 30,
                         alive=daemon)
-        yield SimulatedNode(work_dir, node, launcher, worker_pids, daemon, info["metrics_url"])
+        yield SimulatedNode(work_dir, node, training, finishing, daemon, info["metrics_url"])
     finally:
         if daemon is not None and daemon.poll() is None:
             daemon.terminate()
@@ -124,35 +161,49 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait()
+        for job in jobs:
+            _stop_job(job.launcher)
+        # Orphaned workers left the launcher's process group's reach only if it was killed
+        # alone; they still carry its process group id.
+        for job in jobs:
+            for pid in (*job.workers, *job.helpers.values()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
-def run_demo(listen: str, workers: int, duration: Optional[float]) -> int:
+def run_demo(listen: str, workers: int, duration: Optional[float], pace: float = 5.0) -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-demo-"))
     try:
-        with simulated_node(work_dir, listen=listen, workers=workers) as sim:
+        with simulated_node(work_dir, listen=listen, workers=workers, pace=pace) as sim:
             beside = Path(sys.executable).with_name("gpuwatch")  # the venv's own script
             gpuwatch = str(beside) if beside.exists() else f"{sys.executable} -m gpuwatch"
-            pids = " ".join(map(str, sim.workers))
+            a, b = sim.training, sim.finishing
             print(f"""gpuwatch demo: no GPU needed. A simulated node: 2 GPUs behind a fake NVML
-driver, and a real job on them (launcher {sim.launcher.pid}, workers {pids}),
-watched by the real daemon (PID {sim.daemon.pid}).
+driver, two real jobs on them, watched by the real daemon (PID {sim.daemon.pid}).
+  job A: launcher {a.launcher.pid}, workers {' '.join(map(str, a.workers))}, a dataloader helper
+  job B: launcher {b.launcher.pid}, trainer {b.workers[0]}, helpers redis, actor, preprocessor
 
   metrics  {sim.metrics_url}
   status   GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {gpuwatch} status
   JSON     GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {gpuwatch} status --json
 
-Try: kill -9 {sim.launcher.pid}   (the launcher) and watch the workers in `status`.
-Ctrl+C stops the demo, its job and its daemon.""", flush=True)
-            deadline = None if duration is None else time.monotonic() + duration
+What happens:
+  after {3 * pace:g} s  job B's trainer finishes; {2 * pace:g} s later its helpers are leftovers
+  after {4 * pace:g} s  job A's launcher is killed (kill -9): its workers become orphans
+Ctrl+C stops the demo, its jobs and its daemon.""", flush=True)
+            started = time.monotonic()
+            killed = False
+            deadline = None if duration is None else started + duration
             while deadline is None or time.monotonic() < deadline:
                 if sim.daemon.poll() is not None:
                     print(f"gpuwatch demo: the daemon exited with code {sim.daemon.returncode}",
                           file=sys.stderr)
                     return 1
-                time.sleep(0.2)
+                if not killed and time.monotonic() - started >= 4 * pace:
+                    killed = True
+                    os.kill(a.launcher.pid, signal.SIGKILL)
+                    print(f"gpuwatch demo: killed job A's launcher {a.launcher.pid}", flush=True)
+                time.sleep(0.1)
     except DemoError as exc:
         print(f"gpuwatch demo: {exc}", file=sys.stderr)
         return 1

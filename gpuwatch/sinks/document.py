@@ -7,11 +7,10 @@ every field; bump SCHEMA_VERSION on any incompatible change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Optional
 
 from gpuwatch import __version__
-from gpuwatch.model import GpuDevice, GpuProcessUsage, HostProcess, NodeSnapshot
+from gpuwatch.model import Finding, GpuDevice, GpuProcessUsage, HostProcess, Job, NodeReport
 
 SCHEMA_VERSION = 1
 
@@ -20,9 +19,9 @@ SOURCE_DAEMON = "daemon"
 SOURCE_POLL = "poll"
 
 
-def status_document(snapshot: NodeSnapshot, source: str = SOURCE_POLL,
-                    findings: Sequence[dict[str, Any]] = (),
+def status_document(report: NodeReport, source: str = SOURCE_POLL,
                     source_detail: Optional[str] = None) -> dict[str, Any]:
+    snapshot = report.snapshot
     nvml = snapshot.nvml
     return {
         "schema": SCHEMA_VERSION,
@@ -42,9 +41,9 @@ def status_document(snapshot: NodeSnapshot, source: str = SOURCE_POLL,
             "device_count": nvml.device_count,
         },
         "gpus": [_gpu(g) for g in snapshot.gpus],
-        "processes": [_process(p) for p in sorted(snapshot.processes.values(),
-                                                   key=lambda p: p.pid)],
-        "findings": list(findings),
+        "processes": [_process(p, snapshot.job_roots.get(p.pid))
+                      for p in sorted(snapshot.processes.values(), key=lambda p: p.pid)],
+        "findings": [_finding(f) for f in report.findings],
         "errors": [{"source": e.source, "message": e.message} for e in snapshot.errors],
     }
 
@@ -80,10 +79,33 @@ def _usage(u: GpuProcessUsage) -> dict[str, Any]:
     }
 
 
-def _process(p: HostProcess) -> dict[str, Any]:
+def _finding(f: Finding) -> dict[str, Any]:
+    return {
+        "kind": f.kind,
+        "severity": f.severity,
+        "pid": f.pid,
+        "start_time": f.start_time,
+        "name": f.name,
+        "user": f.user,
+        "job": _job(f.job),
+        "gpus": list(f.gpus),
+        "gpu_memory_bytes": f.gpu_memory_bytes,
+        "reason": f.reason,
+        "since": round(f.since, 3),
+    }
+
+
+def _job(job: Optional[Job]) -> Optional[dict[str, str]]:
+    return {"id": job.id, "source": job.source} if job is not None else None
+
+
+def _process(p: HostProcess, job_root: Optional[int]) -> dict[str, Any]:
     return {
         "pid": p.pid,
         "ppid": p.ppid,
+        "pgid": p.pgid,
+        "sid": p.sid,
+        "job_root": job_root,
         "start_time": p.start_time,
         "name": p.name,
         "user": p.user,
@@ -94,7 +116,7 @@ def _process(p: HostProcess) -> dict[str, Any]:
         "gpu_memory_bytes": p.gpu_memory_bytes,
         "gpus": [_usage(u) for u in p.gpu_usage],
         "holds_gpu": p.holds_gpu,
-        "job": {"id": p.job.id, "source": p.job.source} if p.job is not None else None,
+        "job": _job(p.job),
         "cgroup": p.cgroup,
         "launch_env": dict(p.launch_env),
         "cmdline": list(p.cmdline),

@@ -15,7 +15,8 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpuwatch import __version__
-from gpuwatch.model import HostProcess, NodeSnapshot
+from gpuwatch.detectors import KINDS
+from gpuwatch.model import Finding, HostProcess, NodeReport, NodeSnapshot
 
 # Label names for a process. `job_id`, not `job`: Prometheus owns `job` (the scrape job) and
 # would rename ours to `exported_job` (docs/design-notes.md).
@@ -32,18 +33,21 @@ def process_labels(p: HostProcess) -> list[str]:
     ]
 
 
-def dropped_by_cap(snapshot: NodeSnapshot, cap: int) -> int:
-    return max(0, len(processes_that_matter(snapshot)) - cap)
+def dropped_by_cap(report: NodeReport, cap: int) -> int:
+    return max(0, len(processes_that_matter(report)) - cap)
 
 
-def processes_that_matter(snapshot: NodeSnapshot) -> list[HostProcess]:
-    """Processes that get per-process series, the most GPU memory first (the cap keeps those)."""
-    holders = [p for p in snapshot.processes.values() if p.holds_gpu]
-    return sorted(holders, key=lambda p: (-(p.gpu_memory_bytes or 0), -(p.rss_bytes or 0), p.pid))
+def processes_that_matter(report: NodeReport) -> list[HostProcess]:
+    """Processes that get per-process series: GPU holders and processes with findings, those
+    with findings first, then the most GPU memory (the cap keeps the first)."""
+    flagged = {f.pid for f in report.findings if f.pid is not None}
+    chosen = [p for p in report.snapshot.processes.values() if p.holds_gpu or p.pid in flagged]
+    return sorted(chosen, key=lambda p: (p.pid not in flagged, -(p.gpu_memory_bytes or 0),
+                                         -(p.rss_bytes or 0), p.pid))
 
 
-class SnapshotCollector(Collector):
-    def __init__(self, latest: Callable[[], Optional[NodeSnapshot]],
+class ReportCollector(Collector):
+    def __init__(self, latest: Callable[[], Optional[NodeReport]],
                  max_process_series: int = 1000) -> None:
         self._latest = latest
         self.max_process_series = max_process_series
@@ -56,12 +60,13 @@ class SnapshotCollector(Collector):
         build = InfoMetricFamily("gpuwatch_build", "Version of the running gpuwatch.")
         build.add_metric([], {"version": __version__, "python": platform.python_version()})
         yield build
-        snapshot = self._latest()
-        if snapshot is None:
+        report = self._latest()
+        if report is None:
             return
-        yield from self._node(snapshot)
-        yield from self._gpus(snapshot)
-        yield from self._processes(snapshot)
+        yield from self._node(report.snapshot)
+        yield from self._gpus(report.snapshot)
+        yield from self._processes(report)
+        yield from self._findings(report.findings)
 
     def _node(self, s: NodeSnapshot) -> Iterator[Metric]:
         yield _gauge("gpuwatch_nvml_up",
@@ -111,8 +116,8 @@ class SnapshotCollector(Collector):
                      "Share of the last sample period in which a kernel ran on the GPU (0-1).",
                      labels, util)
 
-    def _processes(self, s: NodeSnapshot) -> Iterator[Metric]:
-        matter = processes_that_matter(s)
+    def _processes(self, report: NodeReport) -> Iterator[Metric]:
+        matter = processes_that_matter(report)
         exported = matter[: self.max_process_series]
         gpu_labels = [*PROCESS_LABELS, "gpu", "uuid"]
         gpu_mem, rss, start = [], [], []
@@ -134,6 +139,27 @@ class SnapshotCollector(Collector):
         yield _gauge("gpuwatch_process_start_time_seconds",
                      "Start time of a process that matters; with pid it identifies the process.",
                      PROCESS_LABELS, start)
+
+    def _findings(self, findings: tuple[Finding, ...]) -> Iterator[Metric]:
+        labels = ["kind", "severity", *PROCESS_LABELS, "gpu", "reason"]
+        open_, memory = [], []
+        counts = dict.fromkeys(KINDS, 0)
+        for f in findings:
+            counts[f.kind] = counts.get(f.kind, 0) + 1
+            key = [f.kind, f.severity, str(f.pid) if f.pid is not None else "", f.name or "",
+                   f.user or "", f.job.id if f.job else "", f.job.source if f.job else "",
+                   ",".join(map(str, f.gpus)), f.reason]
+            open_.append((key, 1.0))
+            if f.gpu_memory_bytes is not None:
+                memory.append((key[:-1], float(f.gpu_memory_bytes)))
+        yield _gauge("gpuwatch_finding",
+                     "1 for each open finding; the labels say what, where and why.",
+                     labels, open_)
+        yield _gauge("gpuwatch_findings", "Open findings by kind.", ["kind"],
+                     [([kind], float(n)) for kind, n in counts.items()])
+        yield _gauge("gpuwatch_finding_gpu_memory_bytes",
+                     "GPU memory at stake in an open finding (what reaping it would free).",
+                     labels[:-1], memory)
 
 
 def _gauge(name: str, doc: str, labels: list[str] | tuple[str, ...],

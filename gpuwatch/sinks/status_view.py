@@ -1,7 +1,8 @@
-"""The human view of a status document: GPUs, then GPU holders as process trees.
+"""The human view of a status document: GPUs, GPU holders as process trees, then findings.
 
-A tree is rooted at the holder's launcher: its parent, climbed further while the ancestors belong
-to the same job (so a Slurm step shows slurmstepd -> torchrun -> workers), never at PID 1.
+A tree is rooted at the holder's job root (gpuwatch.jobtree): its launcher, climbed further while
+the ancestors belong to the same job, never PID 1. Processes with findings are marked in the tree
+and listed with their reasons below it.
 """
 
 from __future__ import annotations
@@ -11,19 +12,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Optional
 
 from gpuwatch.sources.jobs import WORKER_MARKER_KEYS
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def human_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "?"
-    value = float(n)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+from gpuwatch.units import human_bytes, human_duration
 
 
 def render_status(doc: dict[str, Any], width: int = 120) -> str:
@@ -31,7 +20,26 @@ def render_status(doc: dict[str, Any], width: int = 120) -> str:
     lines += _gpu_table(doc)
     lines.append("")
     lines += _process_table(doc, width)
+    if doc["findings"]:
+        lines += ["", *_findings_table(doc, width)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _findings_table(doc: dict[str, Any], width: int) -> list[str]:
+    rows: list[Sequence[str]] = [("FINDING", "SEVERITY", "PID", "NAME", "GPU MEMORY", "FOR",
+                                  "REASON")]
+    for f in doc["findings"]:
+        gpus = ",".join(map(str, f["gpus"]))
+        memory = human_bytes(f["gpu_memory_bytes"]) if f["gpu_memory_bytes"] is not None else "-"
+        rows.append((
+            f["kind"], f["severity"],
+            str(f["pid"]) if f["pid"] is not None else f"GPU {gpus}",
+            f["name"] or "-",
+            f"{gpus}:{memory}" if f["gpu_memory_bytes"] is not None and f["pid"] else memory,
+            human_duration(doc["taken_at"] - f["since"]),
+            f["reason"],
+        ))
+    return [line[:width] if width > 0 else line for line in _columns(rows)]
 
 
 def _header(doc: dict[str, Any]) -> str:
@@ -82,7 +90,11 @@ def _memory_cell(used: Optional[int], total: Optional[int]) -> str:
 
 def _process_table(doc: dict[str, Any], width: int) -> list[str]:
     procs = {p["pid"]: p for p in doc["processes"]}
-    shown = _shown_pids(procs, nvml_available=doc["nvml"]["available"])
+    kinds: dict[int, list[str]] = {}
+    for f in doc["findings"]:
+        if f["pid"] is not None:
+            kinds.setdefault(f["pid"], []).append(f["kind"])
+    shown = _shown_pids(procs, doc["nvml"]["available"], set(kinds))
     if not shown:
         return ["no process holds GPU memory" if doc["nvml"]["available"]
                 else "no process looks like GPU work (no /dev/nvidia* holder, no rank variables)"]
@@ -95,13 +107,14 @@ def _process_table(doc: dict[str, Any], width: int) -> list[str]:
             p["state"] or "-",
             human_bytes(p["rss_bytes"]) if p["rss_bytes"] is not None else "-",
             _gpu_cell(p),
-            _command_cell(p, procs, shown),
+            "".join(f"[{k}] " for k in kinds.get(p["pid"], ())) + _command_cell(p, procs, shown),
         ))
     return [line[:width] if width > 0 else line for line in _columns(rows)]
 
 
-def _shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool) -> set[int]:
-    """Each GPU holder with its launcher chain (see the module docstring).
+def _shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool,
+                flagged: set[int]) -> set[int]:
+    """Each GPU holder (and each process with a finding) with its chain up to its job root.
 
     Without NVML the document holds look-alike GPU workers instead of holders: processes whose
     environment carries distributed-worker variables.
@@ -110,18 +123,15 @@ def _shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool) -> set[i
     for p in procs.values():
         seed = (p["holds_gpu"] or not p["in_procfs"]) if nvml_available else (
             not WORKER_MARKER_KEYS.isdisjoint(p["launch_env"]))
-        if not seed:
+        if not (seed or p["pid"] in flagged):
             continue
         shown.add(p["pid"])
-        job = p["job"]
-        parent = procs.get(p["ppid"]) if p["ppid"] else None
-        if parent is None or parent["pid"] == 1:
-            continue
-        shown.add(parent["pid"])
-        up = procs.get(parent["ppid"]) if parent["ppid"] else None
-        while job is not None and up is not None and up["pid"] != 1 and up["job"] == job:
-            shown.add(up["pid"])
-            up = procs.get(up["ppid"]) if up["ppid"] else None
+        root, current = p.get("job_root"), p
+        while current is not None and current["pid"] != root and current["ppid"] in procs:
+            current = procs[current["ppid"]]
+            if current["pid"] == 1:
+                break
+            shown.add(current["pid"])
     return shown
 
 

@@ -13,7 +13,7 @@ import pwd
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Optional, TypeVar
+from typing import Callable, NamedTuple, Optional, TypeVar
 
 import psutil
 
@@ -31,6 +31,16 @@ _STATES = {b"R": "running", b"S": "sleeping", b"D": "disk-sleep", b"T": "stopped
 _EMPTY_ENV: Mapping[str, str] = MappingProxyType({})
 # Guards the ancestor walk against a corrupt or cyclic parent chain.
 _MAX_DEPTH = 64
+
+
+class _Stat(NamedTuple):
+    state: str
+    ppid: int
+    pgid: int
+    sid: int
+    threads: int
+    start_time: float
+    rss_bytes: int
 
 
 @dataclass(frozen=True)
@@ -53,19 +63,21 @@ class ProcessSource:
         self._users: dict[int, str] = {}
 
     def read(self, pids: Iterable[int],
-             gpu_usage: Optional[Mapping[int, tuple[GpuProcessUsage, ...]]] = None
-             ) -> ProcessReading:
-        """Read `pids` and every ancestor of theirs up to PID 1."""
+             gpu_usage: Optional[Mapping[int, tuple[GpuProcessUsage, ...]]] = None,
+             known: Optional[Mapping[int, HostProcess]] = None) -> ProcessReading:
+        """Read `pids` and every ancestor of theirs up to PID 1, skipping those in `known`.
+
+        The result holds `known` too, so a poll can read in several steps.
+        """
         usage = gpu_usage or {}
-        found: dict[int, HostProcess] = {}
+        found: dict[int, HostProcess] = dict(known or {})
         errors: list[SourceError] = []
-        seen_static: set[tuple[int, float]] = set()
         for pid in sorted(set(pids)):
             current: Optional[int] = pid
             depth = 0
             while current is not None and current > 0 and current not in found:
                 try:
-                    proc = self._read_one(current, usage.get(current, ()), seen_static)
+                    proc = self._read_one(current, usage.get(current, ()))
                 except (OSError, ValueError, IndexError, psutil.Error) as exc:
                     # /proc in a state nobody expected: this process is marked, the poll goes on.
                     errors.append(SourceError("procfs", f"PID {current}: {exc}"))
@@ -74,41 +86,43 @@ class ProcessSource:
                 found[current] = proc
                 depth += 1
                 current = proc.ppid if depth < _MAX_DEPTH else None
-        # Identities not seen this poll have exited: drop them so the cache stays bounded.
-        for key in self._static.keys() - seen_static:
-            del self._static[key]
         return ProcessReading(processes=MappingProxyType(found), errors=tuple(errors))
 
-    def _read_one(self, pid: int, usage: tuple[GpuProcessUsage, ...],
-                  seen_static: set[tuple[int, float]]) -> HostProcess:
+    def forget_others(self, processes: Iterable[HostProcess]) -> None:
+        """Drop what is cached about every identity but these (the ones still seen)."""
+        keep = {p.identity for p in processes}
+        for key in self._static.keys() - keep:
+            del self._static[key]
+
+    def _read_one(self, pid: int, usage: tuple[GpuProcessUsage, ...]) -> HostProcess:
         dynamic = self._read_stat(pid)
         if dynamic is None:
             # Absent from /proc: exited (between NVML's list and ours, or mid-read), or living in
             # another PID namespace whose PIDs NVML reports. Kept, marked, never a crash.
             return HostProcess(pid=pid, in_procfs=False, gpu_usage=usage,
                                read_errors=("not in /proc (exited, or another PID namespace)",))
-        state, ppid, threads, start, rss = dynamic
-        key = (pid, start)
+        key = (pid, dynamic.start_time)
         static = self._static.get(key)
         if static is None:
             try:
-                static = self._read_static(psutil.Process(pid), state)
+                static = self._read_static(psutil.Process(pid), dynamic.state)
             except psutil.NoSuchProcess:
                 return HostProcess(pid=pid, in_procfs=False, gpu_usage=usage,
                                    read_errors=("exited while being read",))
             self._static[key] = static
-        seen_static.add(key)
         return HostProcess(
             pid=pid,
-            ppid=ppid,
-            start_time=start,
+            ppid=dynamic.ppid,
+            pgid=dynamic.pgid,
+            sid=dynamic.sid,
+            start_time=dynamic.start_time,
             name=static.name,
             cmdline=static.cmdline,
             user=static.user,
             uid=static.uid,
-            state=state,
-            rss_bytes=rss,
-            num_threads=threads,
+            state=dynamic.state,
+            rss_bytes=dynamic.rss_bytes,
+            num_threads=dynamic.threads,
             cgroup=static.cgroup,
             job=static.job,
             launch_env=static.launch_env,
@@ -116,8 +130,8 @@ class ProcessSource:
             read_errors=static.read_errors,
         )
 
-    def _read_stat(self, pid: int) -> Optional[tuple[str, int, int, float, int]]:
-        """(state, ppid, threads, start time, RSS bytes) from the one /proc/PID/stat line.
+    def _read_stat(self, pid: int) -> Optional[_Stat]:
+        """What changes between polls, from the one /proc/PID/stat line.
 
         Everything that changes between polls is in this line, so a poll costs one read per
         process; psutil would open several files and re-read the boot time each time.
@@ -129,9 +143,28 @@ class ProcessSource:
             return None
         # The command name may hold spaces and parentheses: split after its last ')'.
         fields = line[line.rfind(b")") + 2:].split()
-        state = _STATES.get(fields[0], fields[0].decode(errors="replace"))
-        start = round(self._boot_time + int(fields[19]) / _CLOCK_TICKS, 2)
-        return state, int(fields[1]), int(fields[17]), start, int(fields[21]) * _PAGE_SIZE
+        return _Stat(
+            state=_STATES.get(fields[0], fields[0].decode(errors="replace")),
+            ppid=int(fields[1]),
+            pgid=int(fields[2]),
+            sid=int(fields[3]),
+            threads=int(fields[17]),
+            start_time=round(self._boot_time + int(fields[19]) / _CLOCK_TICKS, 2),
+            rss_bytes=int(fields[21]) * _PAGE_SIZE,
+        )
+
+    def children(self, pid: int) -> list[int]:
+        """Children forked by the process's main thread (/proc/PID/task/PID/children).
+
+        Only the main thread's list is read: one small file, where launchers (torchrun, a
+        shell, multiprocessing) fork from. A child forked by another thread is still found
+        when it holds GPU memory or shares the job's cgroup or id.
+        """
+        try:
+            with open(f"{self._procfs}/{pid}/task/{pid}/children", "rb") as f:
+                return [int(c) for c in f.read().split()]
+        except OSError:
+            return []
 
     def _read_static(self, p: psutil.Process, state: str) -> _Static:
         errors: list[str] = []

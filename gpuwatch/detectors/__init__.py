@@ -1,0 +1,38 @@
+"""Detectors: pure functions from a snapshot and its history to findings.
+
+Each module exposes `detect(snapshot, history, config) -> Iterable[Finding]` and reads nothing
+but its arguments: no /proc, no clock, so every scenario can be replayed from fixtures. A finding
+needs evidence of a training job (a GPU holder, a job with trainers, distributed-launch
+variables), and its reason says which evidence was used.
+"""
+
+from __future__ import annotations
+
+from gpuwatch.config import DetectorConfig
+from gpuwatch.detectors import ghosts, leftovers, orphans, unkillable, zombies
+from gpuwatch.detectors.common import is_protected
+from gpuwatch.history import History
+from gpuwatch.model import Finding, NodeReport, NodeSnapshot
+
+DETECTORS = (orphans, zombies, leftovers, ghosts, unkillable)
+#: Every kind a detector here can report, for metrics that must show 0 rather than nothing.
+KINDS = ("orphan", "zombie", "leftover", "ghost", "leak", "stalled", "unkillable")
+
+__all__ = ["DETECTORS", "KINDS", "assess", "detect", "is_protected"]
+
+
+def assess(snapshot: NodeSnapshot, history: History, config: DetectorConfig) -> NodeReport:
+    """Record the snapshot in the history, then run every detector over both."""
+    history.record(snapshot)
+    findings = history.stamp(detect(snapshot, history, config), snapshot.taken_at)
+    return NodeReport(snapshot, tuple(findings))
+
+
+def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig) -> list[Finding]:
+    findings: list[Finding] = []
+    for detector in DETECTORS:
+        findings.extend(detector.detect(snapshot, history, config))
+    severity_rank = {"critical": 0, "warning": 1, "info": 2}
+    findings.sort(key=lambda f: (severity_rank.get(f.severity, 3), f.kind,
+                                 -(f.gpu_memory_bytes or 0), f.pid or 0))
+    return findings

@@ -1,0 +1,34 @@
+"""ghost: GPU memory that no live host process accounts for.
+
+Two shapes: NVML lists a PID that /proc does not have (it exited with its context not torn down,
+or lives in another PID namespace, or the driver's list is stale), and device memory in use
+beyond what the listed processes hold by more than the configured threshold (memory of a dead
+context, or of processes NVML cannot attribute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from gpuwatch.config import DetectorConfig
+from gpuwatch.detectors.common import finding
+from gpuwatch.history import History
+from gpuwatch.model import Finding, NodeSnapshot
+from gpuwatch.units import human_bytes
+
+
+def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
+           ) -> Iterator[Finding]:
+    for p in snapshot.processes.values():
+        if not p.in_procfs and p.holds_gpu:
+            yield finding("ghost", "warning", p,
+                          "NVML lists this PID on the GPU but /proc has no such process "
+                          "(exited without releasing its memory, or another PID namespace)")
+    for g in snapshot.gpus:
+        unattributed = g.unattributed_memory_bytes
+        if unattributed is not None and unattributed >= config.ghost_min_bytes:
+            yield Finding(
+                kind="ghost", severity="warning", gpus=(g.index,),
+                gpu_memory_bytes=unattributed,
+                reason=(f"GPU {g.index} has memory in use that no listed process accounts for "
+                        f"(over {human_bytes(config.ghost_min_bytes)})"))

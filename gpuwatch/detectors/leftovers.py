@@ -1,0 +1,36 @@
+"""leftover: a job member still running after the job's last trainer exited.
+
+The trainers of a job are its members that held GPU memory; when the last of them is gone, the
+job is over, and what is still alive after the grace period (the redis, the actor, the
+preprocessor) is a leftover, named by its command. The launcher itself is not reported: it is
+typically waiting for those very helpers, and ends with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from gpuwatch.config import DetectorConfig
+from gpuwatch.detectors.common import command, finding, is_protected, named
+from gpuwatch.history import History
+from gpuwatch.model import Finding, NodeSnapshot
+from gpuwatch.units import clock_time
+
+
+def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
+           ) -> Iterator[Finding]:
+    for job in history.jobs():
+        if job.finished_at is None or snapshot.taken_at - job.finished_at < config.leftover_grace:
+            continue
+        trainer_pid, trainer_name = job.last_trainer or (None, None)
+        for identity in sorted(job.members, key=lambda i: i[0]):
+            p = snapshot.processes.get(identity[0])
+            if p is None or p.identity != identity or p.pid == job.root_pid:
+                continue
+            if p.state == "zombie" or is_protected(p, config):
+                continue  # a zombie is reported as one, whatever its job
+            label = f" of job {job.label}" if job.label else ""
+            reason = (f"`{command(p)}`{label} still runs; its trainer "
+                      f"{named(trainer_pid, trainer_name)} exited after "
+                      f"{clock_time(job.finished_at)}")
+            yield finding("leftover", "warning", p, reason)

@@ -1,0 +1,41 @@
+"""zombie: a defunct thread-group leader.
+
+Critical when threads of it still run and the process holds GPU memory: its main thread exited,
+but a thread (NCCL's heartbeat, a thread pool) keeps the process and its CUDA context alive, and
+nothing short of killing it frees the memory. A plain defunct process is a parent's bug: the
+reason names the parent that fails to reap it. Only processes the poll watches (GPU holders and
+their jobs) are judged, and only after they stayed defunct for the grace period.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from gpuwatch.config import DetectorConfig
+from gpuwatch.detectors.common import finding, is_protected, named
+from gpuwatch.history import History
+from gpuwatch.model import Finding, NodeSnapshot
+
+
+def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
+           ) -> Iterator[Finding]:
+    for p in snapshot.processes.values():
+        if p.state != "zombie" or is_protected(p, config):
+            continue
+        h = history.get(p.identity)
+        since = h.zombie_since if h is not None and h.zombie_since is not None else \
+            snapshot.taken_at
+        if snapshot.taken_at - since < config.zombie_grace:
+            continue
+        threads = p.num_threads or 0
+        if threads > 1:
+            severity = "critical" if p.holds_gpu else "warning"
+            holding = " and hold its GPU memory" if p.holds_gpu else ""
+            reason = (f"main thread exited but {threads} threads still run{holding}; "
+                      "only killing the process frees it")
+        else:
+            parent = snapshot.processes.get(p.ppid) if p.ppid else None
+            severity = "warning"
+            reason = (f"defunct; parent {named(p.ppid, parent.name if parent else None)} "
+                      "has not reaped it")
+        yield finding("zombie", severity, p, reason)

@@ -1,0 +1,75 @@
+"""Where a process's job hangs from: its launcher, found from the process tree.
+
+A worker's job root is its parent (torchrun, a launch script, slurmstepd's task), climbed further
+while the ancestors belong to the same job (same Slurm job, same run id). Never PID 1, a process
+supervisor or a login shell: everything under those is not one job, and calling it one would turn
+a user's editor into a "leftover" when their training run ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Optional
+
+from gpuwatch.model import HostProcess
+
+#: Parents that adopt or supervise unrelated processes: init systems, container inits and shims,
+#: service supervisors. A process directly under one of these is the root of its own job.
+SUPERVISORS = frozenset({
+    "systemd", "init", "tini", "dumb-init", "catatonit", "docker-init", "s6-svscan",
+    "s6-supervise", "runsv", "runsvdir", "supervisord", "containerd-shim",
+    "containerd-shim-runc-v2", "conmon", "crun", "runc",
+})
+SHELLS = frozenset({"bash", "sh", "zsh", "fish", "dash", "ksh", "tcsh", "csh"})
+# Guards the climb against a corrupt or cyclic parent chain.
+_MAX_DEPTH = 64
+
+
+def is_supervisor(p: HostProcess) -> bool:
+    return p.pid == 1 or (p.name or "") in SUPERVISORS
+
+
+def is_login_shell(p: HostProcess) -> bool:
+    """An interactive or login shell leads its own session (ssh, a terminal, a tmux pane)."""
+    return (p.name or "") in SHELLS and p.sid == p.pid
+
+
+def _adopts(parent: HostProcess, child: HostProcess) -> bool:
+    """Whether `parent` is a boundary the job does not extend across."""
+    if is_supervisor(parent):
+        return True
+    # A login shell is part of the job only when it is in the same scheduler job (sbatch's
+    # batch script leads its session, and it is the job's launcher).
+    return is_login_shell(parent) and (child.job is None or parent.job != child.job)
+
+
+def job_root(pid: int, processes: Mapping[int, HostProcess]) -> Optional[int]:
+    """The process's launcher, and above it only ancestors of the same scheduler job.
+
+    Climbing further on the tree alone would run into whatever started the launcher (a CI
+    runner, an IDE, a test harness) and make the job swallow unrelated processes.
+    """
+    p = processes.get(pid)
+    if p is None or not p.in_procfs or p.pid == 1:
+        return None
+    parent = processes.get(p.ppid) if p.ppid else None
+    if parent is None or _adopts(parent, p):
+        return pid
+    root = parent
+    for _ in range(_MAX_DEPTH):
+        if p.job is None:
+            break
+        up = processes.get(root.ppid) if root.ppid else None
+        if up is None or up.job != p.job or _adopts(up, root):
+            break
+        root = up
+    return root.pid
+
+
+def job_roots(processes: Mapping[int, HostProcess]) -> dict[int, int]:
+    roots: dict[int, int] = {}
+    for pid in processes:
+        root = job_root(pid, processes)
+        if root is not None:
+            roots[pid] = root
+    return roots

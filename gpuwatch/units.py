@@ -1,0 +1,35 @@
+"""How figures read to people: bytes in binary units, durations in the largest sensible unit."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Optional
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "?"
+    value = float(n)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def clock_time(epoch: float) -> str:
+    """'09:14:03Z': a moment that stays the same on every poll, unlike '14 s ago'."""
+    return _dt.datetime.fromtimestamp(epoch, tz=_dt.timezone.utc).strftime("%H:%M:%SZ")
+
+
+def human_duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} d"

@@ -1,0 +1,585 @@
+"""Real process scenarios from the field, for the detector tests: orphans, zombies, leftovers.
+
+Each context manager starts real processes, yields once /proc shows the scenario in place, and on
+the way out kills everything it started with SIGKILL (process groups first, then what is left by
+PID) and waits until none of it is running. Tests change the scenario with real signals:
+`ctrl_c` and `sigkill_launcher`, or os.kill.
+
+PIDs are always as this (the host's) /proc shows them, which is what NVML reports and what
+gpuwatch reads, also for a job started inside a PID namespace.
+
+Orphans here: PID 1 of this machine is the sandbox's init (`process_api --firecracker-init`),
+which reaps orphans, but lazily (seconds later). So a process orphaned here gets PPid 1, and once
+it is killed it may stay a zombie of PID 1 for a while; a zombie is not running, and cleanup only
+waits until nothing it started is running. Where the test run itself sits under a child subreaper
+(a `systemd --user` session, say) orphans go to that instead: `orphan_adopter()` says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+
+from gpuwatch.simulate.demo import read_json, wait_for
+from gpuwatch.simulate.fakenvml import FakeNvmlBuildError, _find_compiler
+from gpuwatch.simulate.job import launch_env
+
+PROGRAMS = Path(__file__).parent / "programs"
+START_TIMEOUT = 20.0
+GONE_TIMEOUT = 10.0
+
+# What a distributed launcher or a batch system puts in a process's environment.
+LAUNCH_VARIABLES = frozenset({
+    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "NODE_RANK", "JOB_ID",
+})
+LAUNCH_VARIABLE_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_", "SLURM_", "OMPI_", "PMI_",
+                            "PMIX_", "HOROVOD_", "I_MPI_", "MV2_", "MPI_", "LSB_", "PBS_")
+
+VIAS = (None, "subreaper", "shell", "subreaper-shell")
+
+
+# ---- reading /proc -------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/PID/stat after the command name: [state, ppid, pgrp, session, ...]."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def state(pid: int) -> Optional[str]:
+    """'R', 'S', 'Z', ... or None once the PID is gone."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
+def parent(pid: int) -> Optional[int]:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def process_group(pid: int) -> Optional[int]:
+    fields = _stat(pid)
+    return int(fields[2]) if fields else None
+
+
+def running(pid: int) -> bool:
+    """Exists and is not a zombie (a zombie holds nothing but its PID)."""
+    return state(pid) not in (None, "Z", "X")
+
+
+def status_field(pid: int, name: str) -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key == name:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def threads(pid: int) -> Optional[int]:
+    value = status_field(pid, "Threads")
+    return int(value) if value is not None else None
+
+
+def environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = f.read().split(b"\0")
+    pairs = (item.decode(errors="replace").partition("=") for item in items if item)
+    return {key: value for key, _, value in pairs}
+
+
+def cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [arg.decode(errors="replace") for arg in f.read().split(b"\0")[:-1]]
+
+
+def comm(pid: int) -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().rstrip("\n")
+    except OSError:
+        return None
+
+
+def wait_not_running(pids: Iterable[int], timeout: float = GONE_TIMEOUT,
+                     what: str = "the processes to end") -> None:
+    pids = list(pids)
+    wait_for(what, lambda: True if not any(running(p) for p in pids) else None, timeout)
+
+
+def clean_env(base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """`base` (default: this process's environment) without any launcher or batch variable."""
+    env = dict(os.environ if base is None else base)
+    return {k: v for k, v in env.items()
+            if k not in LAUNCH_VARIABLES and not k.startswith(LAUNCH_VARIABLE_PREFIXES)}
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and parent(int(entry.name)) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = _children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill(pid: Optional[int]) -> None:
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _killpg(pgid: Optional[int]) -> None:
+    if pgid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def _reap_in_background(proc: subprocess.Popen[Any]) -> None:
+    # The harness reaps its child as soon as it exits, as the shell that ran it would; otherwise
+    # a killed launcher would linger as our zombie and still have its /proc entry.
+    threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
+
+
+def _unique(tmp_path: Path, stem: str, suffix: str = "") -> Path:
+    return tmp_path / f"{stem}-{uuid.uuid4().hex[:8]}{suffix}"
+
+
+# ---- orphans -------------------------------------------------------------------------------------
+
+
+def _double_fork(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Start `argv` as a daemon does (fork, setsid, exec) from a parent that exits at once; the
+    PID returned is already an orphan, adopted by `orphan_adopter()`."""
+    code = ("import json, os, sys\n"
+            "argv, env = json.loads(sys.argv[1])\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    os.setsid()\n"
+            "    null = os.open(os.devnull, os.O_RDWR)\n"
+            "    os.dup2(null, 0)\n"
+            "    os.dup2(null, 1)\n"
+            "    os.execve(argv[0], argv, env)\n"
+            "print(pid, flush=True)\n")
+    # stdout is a pipe read to its end: the daemon must not keep it open. Its stderr stays
+    # the test's, so that a failure to start shows.
+    middle = subprocess.run([sys.executable, "-c", code, json.dumps([list(argv), dict(env)])],
+                            stdout=subprocess.PIPE, text=True, timeout=START_TIMEOUT, check=True)
+    # The middle process has been reaped, so the orphan's PPid is already its adopter's.
+    return int(middle.stdout)
+
+
+@functools.cache
+def orphan_adopter() -> int:
+    """The PID that orphans of this test run are reparented to: 1 unless a subreaper is above."""
+    pid = _double_fork([sys.executable, "-c", "import time; time.sleep(60)"], clean_env())
+    try:
+        adopter = parent(pid)
+    finally:
+        _kill(pid)
+    assert adopter is not None
+    return adopter
+
+
+@contextlib.contextmanager
+def _orphan(argv: Sequence[str], env: Mapping[str, str], what: str,
+            started: Callable[[int], bool]) -> Iterator[int]:
+    pid = _double_fork(argv, env)
+    try:
+        wait_for(what, lambda: True if running(pid) and started(pid) else None, START_TIMEOUT)
+        yield pid
+    finally:
+        _kill(pid)
+        wait_not_running([pid], what=f"{what}: PID {pid} to end")
+
+
+SERVICE_BODY = """\
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+while True:  # serving notebooks would go here
+    time.sleep(3600)
+"""
+
+
+@contextlib.contextmanager
+def plain_service(tmp_path: Path, name: str = "jupyter-lab",
+                  args: Sequence[str] = ("--no-browser",)) -> Iterator[int]:
+    """A long-running service that is not part of any job: no launcher or batch variable in its
+    environment (see `clean_env`), started as a daemon (fork, setsid, exec from a parent that
+    exits) so that its parent is PID 1 (`orphan_adopter()`).
+
+    It is a Python console script named `name`, run through its `#!python` line, so that its
+    comm is `name` and its cmdline `python /.../name ARGS` exactly as a pip-installed
+    `jupyter-lab` looks. Yields its PID.
+    """
+    script = _unique(tmp_path, "service") / name
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\n{SERVICE_BODY}")
+    script.chmod(0o755)
+    with _orphan([str(script), *args], clean_env(), f"the {name} service",
+                 lambda pid: comm(pid) == name[:15]) as pid:
+        yield pid
+
+
+@contextlib.contextmanager
+def orphaned_worker_under_pid1(tmp_path: Path, local_rank: int = 3, world_size: int = 4,
+                               run_id: str = "orphaned-run") -> Iterator[int]:
+    """A worker whose launcher died before anyone watched: parent PID 1 (`orphan_adopter()`),
+    started as `plain_service` is, `python -m gpuwatch.simulate.job --worker`, environment as the
+    launcher set it (LOCAL_RANK=RANK=`local_rank`, WORLD_SIZE, TORCHELASTIC_RUN_ID=`run_id`,
+    MASTER_ADDR=127.0.0.1, ...) over an otherwise clean one. Yields its PID."""
+    env = launch_env(local_rank, world_size, run_id, base=clean_env())
+    argv = [sys.executable, "-m", "gpuwatch.simulate.job", "--worker"]
+    with _orphan(argv, env, f"the orphaned rank-{local_rank} worker",
+                 lambda pid: "--worker" in cmdline(pid)) as pid:
+        yield pid
+
+
+# ---- a torchrun-like job -------------------------------------------------------------------------
+
+
+@dataclass
+class JobPids:
+    """A running job, in host PIDs.
+
+    `group` is the process group of the launcher, its workers and its helpers (the launcher's
+    PID): the terminal's foreground group, which a Ctrl+C reaches. `via` is how it was started;
+    `subreaper` and `shell` are the process that adopts the workers when the launcher dies, for
+    the ways of starting that have one.
+    """
+
+    launcher: int
+    workers: list[int]
+    helpers: dict[str, int]
+    run_id: str
+    group: int
+    via: Optional[str] = None
+    subreaper: Optional[int] = None
+    shell: Optional[int] = None
+    _launcher_proc: Optional[subprocess.Popen[bytes]] = field(default=None, repr=False,
+                                                              compare=False)
+
+    @property
+    def adopter(self) -> int:
+        """Who the workers get as parent once the launcher is gone."""
+        if self.shell is not None:
+            return self.shell
+        if self.subreaper is not None:
+            return self.subreaper
+        return orphan_adopter()
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.launcher, *self.workers, *self.helpers.values()]
+
+    @property
+    def launcher_returncode(self) -> Optional[int]:
+        """The launcher's exit status, where the test harness is its parent (via=None)."""
+        return None if self._launcher_proc is None else self._launcher_proc.returncode
+
+
+@functools.cache
+def pid_namespaces() -> Optional[str]:
+    """None if this process may create PID namespaces (`unshare --pid`), else why not."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return "no unshare(1) (util-linux) on PATH"
+    try:
+        probe = subprocess.run([unshare, "--pid", "--fork", "true"], capture_output=True,
+                               text=True, timeout=START_TIMEOUT)
+    except OSError as exc:
+        return f"unshare --pid failed: {exc}"
+    if probe.returncode != 0:
+        return f"unshare --pid is not permitted here: {probe.stderr.strip()}"
+    return None
+
+
+def _host_pids(inside_of: int, ns_pids: Iterable[int]) -> Optional[dict[int, int]]:
+    """{PID in the PID namespace of `inside_of`: host PID} for `ns_pids`, or None until all are
+    found."""
+    wanted = set(ns_pids)
+    target = os.readlink(f"/proc/{inside_of}/ns/pid")
+    found: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry.name}/ns/pid") != target:
+                continue
+        except OSError:
+            continue
+        nspid = status_field(int(entry.name), "NSpid")
+        if nspid and int(nspid.split()[-1]) in wanted:
+            found[int(nspid.split()[-1])] = int(entry.name)
+    return found if set(found) == wanted else None
+
+
+def _launcher_args(ready: Path, workers: int, helpers: Sequence[str],
+                   trainer_exit_after: Optional[float], launcher_waits_for: str,
+                   stubborn_rank: Optional[int], sigint_grace: float,
+                   run_id: Optional[str]) -> list[str]:
+    args = ["--workers", str(workers), "--ready", str(ready),
+            "--launcher-waits-for", launcher_waits_for, "--sigint-grace", repr(sigint_grace)]
+    if helpers:
+        args += ["--helpers", ",".join(helpers)]
+    if trainer_exit_after is not None:
+        args += ["--trainer-exit-after", repr(trainer_exit_after)]
+    if stubborn_rank is not None:
+        args += ["--stubborn-rank", str(stubborn_rank)]
+    if run_id is not None:
+        args += ["--run-id", run_id]
+    return args
+
+
+@contextlib.contextmanager
+def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, str]] = None,
+                 helpers: Sequence[str] = (), trainer_exit_after: Optional[float] = None,
+                 launcher_waits_for: str = "helpers", stubborn_rank: Optional[int] = None,
+                 via: Optional[str] = None, sigint_grace: float = 2.0,
+                 run_id: Optional[str] = None) -> Iterator[JobPids]:
+    """A launcher with `workers` workers and one helper per role in `helpers` (see
+    gpuwatch.simulate.job for `trainer_exit_after`, `launcher_waits_for`, `stubborn_rank` and
+    `sigint_grace`), with `env` added to this process's environment. The launcher leads its own
+    process group, which its workers and helpers share. `via` says what starts it:
+
+    None
+        This test process, with the launcher in a session of its own. Orphans go to
+        `orphan_adopter()` (PID 1 here).
+    "subreaper"
+        `python -m gpuwatch.simulate.job subreaper`: a child subreaper, as a service manager or
+        a container's init is. Orphans go to it (`JobPids.subreaper`), which reaps them.
+    "shell"
+        A shell that is PID 1 of its own PID namespace, as with `docker run IMAGE bash` where
+        the user then types the torchrun command: bash with job control on (`set -m`) runs the
+        launcher as its foreground job, in a group of its own, and waits at `read` as at its
+        prompt. When the launcher dies the kernel gives its children to the namespace's init:
+        the shell (`JobPids.shell`). Outside a namespace a shell never adopts anything (orphans
+        go to the nearest subreaper or PID 1), so this is the case of workers reparented to the
+        launching shell. Needs the right to create PID namespaces (root here); skipped where
+        `unshare --pid` is refused.
+    "subreaper-shell"
+        The same shell and job, but the shell made a child subreaper before it is exec'd (the
+        flag survives exec) instead of a namespace's init: the nearest stand-in where PID
+        namespaces are refused. The shell is not PID 1 then.
+
+    Yields the job's PIDs once every worker and helper is up.
+    """
+    if via not in VIAS:
+        raise ValueError(f"via must be one of {VIAS}, not {via!r}")
+    if via == "shell" and (why := pid_namespaces()) is not None:
+        pytest.skip(f"via='shell' needs a PID namespace: {why}")
+    ready = _unique(tmp_path, "job", ".json")
+    launcher_cmd = [sys.executable, "-m", "gpuwatch.simulate.job",
+                    *_launcher_args(ready, workers, helpers, trainer_exit_after,
+                                    launcher_waits_for, stubborn_rank, sigint_grace, run_id)]
+    full_env = {**os.environ, **(env or {})}
+    # The shell's foreground job, then the shell waits at its "prompt" until stdin closes.
+    script = f"set -m\n{shlex.join(launcher_cmd)} </dev/null\nread -r _\n"
+    bash = shutil.which("bash") or "bash"
+    subreaper_ready = _unique(tmp_path, "subreaper", ".json")
+    if via is None:
+        top = subprocess.Popen(launcher_cmd, env=full_env, start_new_session=True)
+    elif via == "subreaper":
+        top = subprocess.Popen([sys.executable, "-m", "gpuwatch.simulate.job", "subreaper",
+                                "--ready", str(subreaper_ready), "--", *launcher_cmd[3:]],
+                               env=full_env, start_new_session=True)
+    elif via == "shell":
+        top = subprocess.Popen([shutil.which("unshare") or "unshare", "--pid", "--fork",
+                                "--kill-child", bash, "-c", script],
+                               env=full_env, stdin=subprocess.PIPE, start_new_session=True)
+    else:
+        become = ("import os, sys\n"
+                  "from gpuwatch.simulate.job import become_subreaper\n"
+                  "become_subreaper()\n"
+                  "os.execv(sys.argv[1], sys.argv[1:])\n")
+        top = subprocess.Popen([sys.executable, "-c", become, bash, "-c", script],
+                               env=full_env, stdin=subprocess.PIPE, start_new_session=True)
+    if via is None:
+        _reap_in_background(top)
+    job: Optional[JobPids] = None
+    shell: Optional[int] = None
+    try:
+        if via == "shell":
+            shell = wait_for("the shell in its PID namespace",
+                             lambda: (_children(top.pid) or [None])[0], START_TIMEOUT, alive=top)
+        elif via == "subreaper-shell":
+            shell = top.pid
+        info = wait_for("the job to start", lambda: read_json(ready), START_TIMEOUT, alive=top)
+        pids = {"launcher": int(info["launcher"]), "workers": [int(p) for p in info["workers"]],
+                "helpers": {str(r): int(p) for r, p in info["helpers"].items()}}
+        if via == "shell":
+            assert shell is not None
+            inside = [pids["launcher"], *pids["workers"], *pids["helpers"].values()]
+            host = wait_for("the job's host PIDs", lambda: _host_pids(shell, inside),
+                            START_TIMEOUT)
+            pids = {"launcher": host[pids["launcher"]],
+                    "workers": [host[p] for p in pids["workers"]],
+                    "helpers": {r: host[p] for r, p in pids["helpers"].items()}}
+        job = JobPids(launcher=pids["launcher"], workers=pids["workers"],
+                      helpers=pids["helpers"], run_id=str(info["run_id"]),
+                      group=pids["launcher"], via=via,
+                      subreaper=top.pid if via == "subreaper" else None, shell=shell,
+                      _launcher_proc=top if via is None else None)
+        assert process_group(job.launcher) == job.launcher, "the launcher leads its group"
+        yield job
+    finally:
+        started = _descendants(top.pid)
+        _killpg(job.group if job is not None else (top.pid if via is None else None))
+        for pid in started:
+            _kill(pid)
+        _kill(top.pid)
+        if top.stdin is not None:
+            top.stdin.close()
+        top.wait(GONE_TIMEOUT)
+        wait_not_running([top.pid, *started, *(job.pids if job is not None else [])],
+                         what="the job's processes to end")
+
+
+def ctrl_c(job: JobPids) -> None:
+    """SIGINT to the job's process group, as a terminal sends it on Ctrl+C: the launcher, its
+    workers and its helpers all get it at once."""
+    os.killpg(job.group, signal.SIGINT)
+
+
+def wait_launcher_gone(job: JobPids, timeout: float = GONE_TIMEOUT) -> Optional[int]:
+    """Wait until the launcher has exited and been reaped by its parent; its exit status where
+    that parent is this test process, else None."""
+    wait_for(f"the launcher {job.launcher} to be gone",
+             lambda: True if state(job.launcher) is None else None, timeout)
+    proc = job._launcher_proc
+    if proc is not None:
+        return wait_for("the launcher's exit status", lambda: proc.returncode, timeout)
+    return None
+
+
+def sigkill_launcher(job: JobPids) -> None:
+    """SIGKILL the launcher alone, as the OOM killer or a `kill -9` does; returns once it is gone
+    and its workers and helpers have been reparented."""
+    os.kill(job.launcher, signal.SIGKILL)
+    wait_launcher_gone(job)
+    children = [*job.workers, *job.helpers.values()]
+    wait_for("the workers to be reparented",
+             lambda: True if all(parent(p) != job.launcher for p in children) else None,
+             GONE_TIMEOUT)
+
+
+# ---- zombies -------------------------------------------------------------------------------------
+
+_built: dict[str, Path] = {}
+
+
+def build_program(name: str, tmp_path: Path) -> Path:
+    """tests/programs/NAME.c compiled with the system C compiler, once per test session (kept
+    under the first `tmp_path` that asks). Skips the test where there is no compiler."""
+    source = PROGRAMS / f"{name}.c"
+    try:
+        cc = _find_compiler()  # the same choice as for the fake driver: $CC, cc, gcc, clang
+    except FakeNvmlBuildError as exc:
+        pytest.skip(f"cannot build {source.name}: {exc}")
+    key = hashlib.sha256(source.read_bytes() + "\0".join(cc).encode()).hexdigest()[:16]
+    exe = _built.get(key)
+    if exe is None or not exe.exists():
+        exe = _unique(tmp_path, "programs") / name
+        exe.parent.mkdir()
+        subprocess.run([*cc, "-O2", "-Wall", "-Wextra", "-pthread", "-o", str(exe), str(source)],
+                       check=True, capture_output=True, timeout=120)
+        _built[key] = exe
+    return exe
+
+
+@contextlib.contextmanager
+def zombie_leader(tmp_path: Path) -> Iterator[int]:
+    """tests/programs/zombie_leader.c: a process whose main thread has exited (state 'Z' in
+    /proc/PID/stat) while its second thread lives on ("Threads: 2"), as a trainer whose NCCL
+    heartbeat thread outlived the main thread. Yields its PID once /proc shows exactly that."""
+    exe = build_program("zombie_leader", tmp_path)
+    proc = subprocess.Popen([str(exe)], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        announced = int(proc.stdout.readline() or b"0")
+        assert announced == proc.pid, f"zombie_leader printed {announced}, is {proc.pid}"
+        wait_for("the zombie leader with its live thread",
+                 lambda: True if state(proc.pid) == "Z" and threads(proc.pid) == 2 else None,
+                 START_TIMEOUT, alive=proc)
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait(GONE_TIMEOUT)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+UNREAPED_PARENT = """\
+import os, signal, sys
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # ignored, the kernel would reap for us
+child = os.fork()
+if child == 0:
+    os._exit(0)
+def stop(*_):
+    os.waitpid(child, 0)  # leave no zombie behind once the scenario is over
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print(child, flush=True)
+while True:
+    signal.pause()
+"""
+
+
+@contextlib.contextmanager
+def unreaped_child(tmp_path: Path) -> Iterator[tuple[int, int]]:
+    """A live parent that never waits on its exited child. Yields (parent PID, child PID) once
+    the child is a zombie ('Z') and the parent is running."""
+    del tmp_path  # nothing to write; taken for the same signature as the other scenarios
+    proc = subprocess.Popen([sys.executable, "-c", UNREAPED_PARENT], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline() or 0)
+        assert child > 0, "the parent did not report its child"
+        wait_for("the unreaped child to be a zombie",
+                 lambda: True if state(child) == "Z" and running(proc.pid) else None,
+                 START_TIMEOUT, alive=proc)
+        yield proc.pid, child
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(GONE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

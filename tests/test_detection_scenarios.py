@@ -1,0 +1,323 @@
+"""Detection scenarios from the field: real process trees, real signals, the fake driver, and a
+real daemon whose findings are read the way an SRE reads them (`gpuwatch status`).
+
+tests/scenarios.md tabulates every scenario's expected findings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+
+from gpuwatch.simulate.demo import wait_for
+from gpuwatch.simulate.fakenvml import FakeNode
+from tests.daemonproc import RunningDaemon, running_daemon
+from tests.realprocs import GIB, gpuwatch, status_json
+from tests.scenarios import (
+    ctrl_c,
+    orphaned_worker_under_pid1,
+    pid_namespaces,
+    plain_service,
+    sigkill_launcher,
+    torchrun_job,
+    unreaped_child,
+    wait_not_running,
+    zombie_leader,
+)
+
+INTERVAL = 0.2
+LEFTOVER_GRACE = 3.0
+DETECTORS = f"""
+[detectors]
+leftover_grace = {LEFTOVER_GRACE}
+zombie_grace = 0.5
+min_age = 0
+"""
+
+
+@dataclass
+class WatchedNode:
+    node: FakeNode
+    env: dict[str, str]
+    daemon: RunningDaemon
+
+    def doc(self) -> dict[str, Any]:
+        _, doc = status_json(self.env)
+        assert doc["source"] == "daemon", doc.get("source_detail")
+        return doc
+
+    def doc_when(self, what: str, predicate: Callable[[dict[str, Any]], bool],
+                 timeout: float = 20) -> dict[str, Any]:
+        def probe() -> Optional[dict[str, Any]]:
+            doc = self.doc()
+            return doc if predicate(doc) else None
+        return wait_for(what, probe, timeout, alive=self.daemon.proc)
+
+    def holding(self, *pids: int) -> dict[str, Any]:
+        """The daemon's view once it sees every one of `pids` holding GPU memory."""
+        return self.doc_when(f"{pids} seen holding GPU memory", lambda d: set(pids) <= {
+            p["pid"] for p in d["processes"] if p["holds_gpu"]})
+
+    def status_text(self) -> str:
+        result = gpuwatch(["status"], self.env)
+        assert "from the running daemon" in result.stdout
+        return result.stdout
+
+
+@pytest.fixture
+def watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path
+            ) -> Iterator[WatchedNode]:
+    with running_daemon(cli_env, tmp_path, config=DETECTORS,
+                        args=("--interval", str(INTERVAL))) as daemon:
+        yield WatchedNode(fake_node, cli_env, daemon)
+
+
+def findings(doc: dict[str, Any], kind: Optional[str] = None) -> list[dict[str, Any]]:
+    return [f for f in doc["findings"] if kind is None or f["kind"] == kind]
+
+
+def by_pid(doc: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:
+    return {f["pid"]: f for f in findings(doc, kind)}
+
+
+# -- 1 ------------------------------------------------------------------------------------------
+def test_1_sigkilled_launcher_leaves_four_orphans_found_within_one_poll(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    with torchrun_job(tmp_path, workers=4) as job:
+        for rank, pid in enumerate(job.workers):
+            watched.node.hold(pid, device=rank % 2, used=(rank + 1) * GIB)
+        healthy = watched.holding(*job.workers)
+        assert findings(healthy) == []
+
+        killed_at = time.time()
+        sigkill_launcher(job)
+        doc = watched.doc_when("four orphans", lambda d: len(findings(d, "orphan")) == 4)
+        orphans = by_pid(doc, "orphan")
+        assert set(orphans) == set(job.workers) and len(findings(doc)) == 4
+        for rank, pid in enumerate(job.workers):
+            f = orphans[pid]
+            assert f["severity"] == "critical"
+            assert f["gpu_memory_bytes"] == (rank + 1) * GIB and f["gpus"] == [rank % 2]
+            assert f"parent {job.launcher} (" in f["reason"] and "exited" in f["reason"]
+            assert f"now under {job.adopter} (" in f["reason"]
+            assert f["start_time"] is not None
+            # First seen by the first poll after the kill: within one poll interval.
+            assert f["since"] - killed_at <= INTERVAL + 0.5
+        text = watched.status_text()
+        assert text.count("[orphan]") == 4 and f"parent {job.launcher} (" in text
+
+
+# -- 2 ------------------------------------------------------------------------------------------
+def test_2_ctrl_c_leaves_only_the_worker_kept_alive_by_a_thread_flagged(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    with torchrun_job(tmp_path, workers=4, stubborn_rank=3) as job:
+        for pid in job.workers:
+            watched.node.hold(pid, device=0, used=2 * GIB)
+        watched.holding(*job.workers)
+        ctrl_c(job)
+        stubborn = job.workers[3]
+        wait_not_running([*job.workers[:3], job.launcher])
+        doc = watched.doc_when("the stubborn worker flagged", lambda d: bool(findings(d)))
+        assert [(f["kind"], f["pid"]) for f in findings(doc)] == [("orphan", stubborn)]
+        assert findings(doc)[0]["gpu_memory_bytes"] == 2 * GIB
+        assert [p["pid"] for p in doc["processes"] if p["holds_gpu"]] == [stubborn]
+        assert "[orphan]" in watched.status_text()
+
+
+# -- 3 ------------------------------------------------------------------------------------------
+def test_3_main_thread_gone_with_a_thread_holding_gpu_memory_is_a_critical_zombie(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    with zombie_leader(tmp_path) as pid:
+        watched.node.hold(pid, device=1, used=4 * GIB)
+        doc = watched.doc_when("a zombie finding", lambda d: bool(findings(d, "zombie")))
+        (f,) = findings(doc)
+        assert (f["kind"], f["pid"], f["severity"]) == ("zombie", pid, "critical")
+        assert f["gpu_memory_bytes"] == 4 * GIB
+        assert "main thread exited but 2 threads still run" in f["reason"]
+        assert "[zombie]" in watched.status_text()
+
+
+# -- 4 ------------------------------------------------------------------------------------------
+def test_4_an_unreaped_child_is_a_zombie_that_names_its_parent(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    with unreaped_child(tmp_path) as (parent, child):
+        watched.node.hold(parent, device=0, used=GIB)  # the parent is a GPU job's process
+        doc = watched.doc_when("a zombie finding", lambda d: bool(findings(d, "zombie")))
+        (f,) = findings(doc)
+        assert (f["kind"], f["pid"], f["severity"]) == ("zombie", child, "warning")
+        assert f["gpu_memory_bytes"] is None
+        assert f"parent {parent} (" in f["reason"] and "has not reaped it" in f["reason"]
+
+
+# -- 5 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("launcher_waits_for", ["helpers", "workers"])
+def test_5_helpers_outliving_the_trainer_are_leftovers_after_the_grace_period_not_before(
+        watched: WatchedNode, tmp_path: Path, launcher_waits_for: str) -> None:
+    roles = ("redis", "actor", "preprocessor")
+    with torchrun_job(tmp_path, workers=1, helpers=roles, trainer_exit_after=3.0,
+                      launcher_waits_for=launcher_waits_for) as job:
+        trainer = job.workers[0]
+        watched.node.hold(trainer, device=0, used=6 * GIB)
+        running = watched.holding(trainer)
+        assert findings(running) == []
+
+        wait_not_running([trainer])
+        gone_at = time.time()
+        if launcher_waits_for == "workers":
+            wait_not_running([job.launcher])  # the launcher left its helpers behind
+        within = watched.doc_when("a poll after the trainer exited",
+                                  lambda d: d["taken_at"] > gone_at + INTERVAL)
+        if within["taken_at"] < gone_at + LEFTOVER_GRACE - 0.5:
+            assert findings(within) == []  # within the grace period: nothing yet
+
+        doc = watched.doc_when("three leftovers", lambda d: len(findings(d, "leftover")) == 3)
+        leftovers = by_pid(doc, "leftover")
+        assert set(leftovers) == set(job.helpers.values()) and len(findings(doc)) == 3
+        for role, pid in job.helpers.items():
+            assert f"--helper {role}" in leftovers[pid]["reason"]
+            assert f"its trainer {trainer} (" in leftovers[pid]["reason"]
+        assert min(f["since"] for f in leftovers.values()) >= gone_at + LEFTOVER_GRACE - 1
+        assert watched.status_text().count("[leftover]") == 3
+
+
+# -- 6 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("via", ["subreaper", "shell"])
+def test_6_workers_reparented_to_a_subreaper_or_the_launching_shell_are_still_orphans(
+        watched: WatchedNode, tmp_path: Path, via: str) -> None:
+    if via == "shell" and pid_namespaces() is not None:
+        pytest.skip(f"no PID namespaces here: {pid_namespaces()}")
+    with torchrun_job(tmp_path, workers=2, via=via) as job:
+        for pid in job.workers:
+            watched.node.hold(pid, device=0, used=GIB)
+        watched.holding(*job.workers)
+        sigkill_launcher(job)
+        assert job.adopter != 1
+        doc = watched.doc_when("two orphans", lambda d: len(findings(d, "orphan")) == 2)
+        for f in findings(doc, "orphan"):
+            assert f"now under {job.adopter} (" in f["reason"]
+
+
+# -- 7 ------------------------------------------------------------------------------------------
+def test_7_started_after_the_orphaning_a_ranked_worker_under_pid_1_is_an_orphan_a_service_not(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with orphaned_worker_under_pid1(tmp_path, local_rank=3) as worker, \
+            plain_service(tmp_path, name="jupyter-lab") as service:
+        fake_node.hold(worker, device=0, used=8 * GIB)
+        fake_node.hold(service, device=1, used=8 * GIB)
+        # The daemon starts only now: it never saw the worker's launcher.
+        with running_daemon(cli_env, tmp_path, config=DETECTORS,
+                            args=("--interval", str(INTERVAL))) as daemon:
+            watched = WatchedNode(fake_node, cli_env, daemon)
+            doc = watched.holding(worker, service)
+            doc = watched.doc_when("an orphan", lambda d: bool(findings(d, "orphan")))
+            assert [(f["kind"], f["pid"]) for f in findings(doc)] == [("orphan", worker)]
+            reason = findings(doc)[0]["reason"]
+            assert reason.startswith("reparented to PID 1; environment has")
+            assert "LOCAL_RANK=3" in reason and "TORCHELASTIC_RUN_ID" in reason
+        # And one look without any daemon says the same.
+        _, one_shot = status_json(cli_env)
+        assert one_shot["source"] == "poll"
+        assert [(f["kind"], f["pid"]) for f in findings(one_shot)] == [("orphan", worker)]
+
+
+# -- 8 ------------------------------------------------------------------------------------------
+def test_8_a_pid_missing_from_proc_and_memory_nobody_accounts_for_are_ghosts(
+        watched: WatchedNode) -> None:
+    missing = _free_pid()
+    watched.node.hold(missing, device=0, used=2 * GIB, ghost=True)
+    watched.node.devices[1].unattributed = 3 * GIB
+    watched.node.write()
+    doc = watched.doc_when("two ghosts", lambda d: len(findings(d, "ghost")) == 2)
+    process_ghost, device_ghost = sorted(findings(doc, "ghost"), key=lambda f: f["pid"] is None)
+    assert process_ghost["pid"] == missing and process_ghost["gpu_memory_bytes"] == 2 * GIB
+    assert device_ghost["pid"] is None and device_ghost["gpus"] == [1]
+    assert device_ghost["gpu_memory_bytes"] == 3 * GIB
+    text = watched.status_text()
+    assert "ghost" in text and "no listed process accounts for" in text
+
+
+# -- 9 ------------------------------------------------------------------------------------------
+def test_9_a_finding_does_not_carry_over_to_a_new_process_that_reuses_the_pid(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    with torchrun_job(tmp_path, workers=1) as job:
+        old = job.workers[0]
+        watched.node.hold(old, device=0, used=GIB)
+        watched.holding(old)
+        sigkill_launcher(job)
+        doc = watched.doc_when("the orphan", lambda d: old in by_pid(d, "orphan"))
+        old_start = by_pid(doc, "orphan")[old]["start_time"]
+        os.kill(old, 9)
+        # Free once reaped: its adopter may reap lazily (PID 1 here does).
+        wait_for(f"PID {old} to be released", lambda: not Path(f"/proc/{old}").exists() or None,
+                 60)
+        with _process_with_pid(old) as reused:
+            watched.node.hold(reused.pid, device=0, used=GIB)
+            doc = watched.doc_when("the new process", lambda d: any(
+                p["pid"] == old and p["start_time"] != old_start and p["holds_gpu"]
+                for p in d["processes"]))
+            assert findings(doc) == []
+
+
+# -- no false alarms -------------------------------------------------------------------------------
+def test_a_healthy_job_and_a_service_under_pid_1_raise_nothing_over_many_polls(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    with torchrun_job(tmp_path, workers=4, helpers=("redis",)) as job, \
+            plain_service(tmp_path, name="nvidia-smi-like-service") as service:
+        for rank, pid in enumerate(job.workers):
+            watched.node.hold(pid, device=rank % 2, used=GIB)
+        watched.node.hold(service, device=0, used=GIB)
+        first = watched.holding(*job.workers, service)
+        seen = watched.doc_when("ten more polls", lambda d: d["taken_at"] > first["taken_at"]
+                                + 10 * INTERVAL)
+        assert findings(first) == [] and findings(seen) == []
+
+
+def test_a_young_ranked_process_under_pid_1_is_within_its_grace_period(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with orphaned_worker_under_pid1(tmp_path) as worker:
+        fake_node.hold(worker, device=0, used=GIB)
+        config = DETECTORS.replace("min_age = 0", "min_age = 600")
+        with running_daemon(cli_env, tmp_path, config=config,
+                            args=("--interval", str(INTERVAL))) as daemon:
+            watched = WatchedNode(fake_node, cli_env, daemon)
+            first = watched.holding(worker)
+            later = watched.doc_when("more polls", lambda d: d["taken_at"] > first["taken_at"]
+                                     + 5 * INTERVAL)
+            assert findings(first) == [] and findings(later) == []
+
+
+def _free_pid() -> int:
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    return next(pid for pid in range(pid_max - 1, 300, -1) if not Path(f"/proc/{pid}").exists())
+
+
+@contextlib.contextmanager
+def _process_with_pid(pid: int) -> Iterator[subprocess.Popen[bytes]]:
+    """A new, unrelated process that gets exactly `pid`: real PID reuse, made on purpose by
+    setting the kernel's last-allocated PID (root only; other forks may race, so retry)."""
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    if not os.access(last_pid, os.W_OK):
+        pytest.skip("cannot steer PID allocation here (needs root)")
+    for _ in range(50):
+        last_pid.write_text(str(pid - 1))
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        if proc.pid == pid:
+            try:
+                yield proc
+            finally:
+                proc.kill()
+                proc.wait()
+            return
+        proc.kill()
+        proc.wait()
+    pytest.fail(f"could not get PID {pid} back after 50 tries")

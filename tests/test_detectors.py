@@ -1,0 +1,181 @@
+"""Detectors as pure functions, over fixture snapshots: states no test can make for real here
+(uninterruptible sleep in a driver) and the rules' edges."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Optional
+
+from gpuwatch.config import DetectorConfig
+from gpuwatch.detectors import assess
+from gpuwatch.history import History
+from gpuwatch.jobtree import job_roots
+from gpuwatch.model import (
+    GpuDevice,
+    GpuProcessUsage,
+    HostProcess,
+    Job,
+    NodeReport,
+    NodeSnapshot,
+    NvmlStatus,
+)
+
+GIB = 1 << 30
+CONFIG = DetectorConfig(zombie_grace=5.0, unkillable_after=30.0, min_age=10.0,
+                        leftover_grace=20.0)
+INIT = HostProcess(pid=1, ppid=0, pgid=1, sid=1, start_time=0.0, name="systemd", state="sleeping")
+
+
+def proc(pid: int, ppid: int, start: float = 100.0, gpu: Optional[int] = None,
+         **kw: Any) -> HostProcess:
+    usage = (GpuProcessUsage(0, "GPU-0", pid, gpu),) if gpu is not None else ()
+    fields: dict[str, Any] = {"pgid": pid, "sid": pid, "name": "python", "state": "sleeping",
+                              "num_threads": 4, "user": "alice"}
+    fields.update(kw)
+    return HostProcess(pid=pid, ppid=ppid, start_time=start, gpu_usage=usage, **fields)
+
+
+def snapshot(t: float, *procs: HostProcess, gpus: tuple[GpuDevice, ...] = ()) -> NodeSnapshot:
+    by_pid = {p.pid: p for p in (INIT, *procs)}
+    return NodeSnapshot(taken_at=t, hostname="n", nvml=NvmlStatus(available=True), gpus=gpus,
+                        processes=MappingProxyType(by_pid),
+                        job_roots=MappingProxyType(job_roots(by_pid)))
+
+
+def run(history: History, snap: NodeSnapshot, config: DetectorConfig = CONFIG) -> NodeReport:
+    return assess(snap, history, config)
+
+
+def kinds(report: NodeReport) -> list[tuple[str, Optional[int]]]:
+    return [(f.kind, f.pid) for f in report.findings]
+
+
+# -- 10: unkillable --------------------------------------------------------------------------------
+def test_10_uninterruptible_sleep_over_several_polls_is_unkillable_and_a_blip_is_not() -> None:
+    history = History()
+    launcher = proc(10, 1, pgid=10)
+    stuck = proc(11, 10, gpu=8 * GIB, pgid=10)
+    assert kinds(run(history, snapshot(1000.0, launcher, stuck))) == []
+    for t in (1002.0, 1010.0, 1020.0):  # in D since 1002, less than 30 s so far
+        report = run(history, snapshot(t, launcher, proc(11, 10, gpu=8 * GIB, pgid=10,
+                                                         state="disk-sleep")))
+        assert kinds(report) == []
+    report = run(history, snapshot(1033.0, launcher, proc(11, 10, gpu=8 * GIB, pgid=10,
+                                                          state="disk-sleep")))
+    (f,) = report.findings
+    assert (f.kind, f.pid, f.severity, f.gpu_memory_bytes) == ("unkillable", 11, "critical",
+                                                               8 * GIB)
+    assert "since 00:16:42Z" in f.reason  # 1002 s after the epoch
+    # Back to sleeping for one poll: the clock starts again.
+    run(history, snapshot(1034.0, launcher, stuck))
+    report = run(history, snapshot(1040.0, launcher, proc(11, 10, gpu=8 * GIB, pgid=10,
+                                                          state="disk-sleep")))
+    assert kinds(report) == []
+
+
+def test_pid_reuse_never_inherits_the_old_processes_lineage_or_finding() -> None:
+    history = History()
+    launcher = proc(10, 1, pgid=10)
+    run(history, snapshot(1.0, launcher, proc(11, 10, start=100.0, gpu=GIB, pgid=10)))
+    report = run(history, snapshot(2.0, proc(11, 1, start=100.0, gpu=GIB, pgid=10)))
+    assert kinds(report) == [("orphan", 11)]
+    # PID 11 again, but started later: another process, whose parent (1) is its first parent.
+    report = run(history, snapshot(3.0, proc(11, 1, start=150.0, gpu=GIB)))
+    assert kinds(report) == []
+
+
+def test_finding_since_is_kept_while_open_and_reset_once_closed() -> None:
+    history = History()
+    launcher = proc(10, 1, pgid=10)
+    run(history, snapshot(1.0, launcher, proc(11, 10, gpu=GIB, pgid=10)))
+    orphaned = proc(11, 1, gpu=GIB, pgid=10)
+    assert run(history, snapshot(2.0, orphaned)).findings[0].since == 2.0
+    assert run(history, snapshot(3.0, orphaned)).findings[0].since == 2.0
+    assert run(history, snapshot(4.0)).findings == ()
+
+
+def test_without_history_a_ranked_gpu_worker_under_a_subreaper_is_an_orphan_only_if_it_does_not_lead_its_group(  # noqa: E501
+        ) -> None:
+    env = MappingProxyType({"LOCAL_RANK": "1", "WORLD_SIZE": "2"})
+    reaper = proc(50, 1, name="tini")
+    adopted = proc(51, 50, gpu=GIB, pgid=40, launch_env=env, start=0.0)
+    started_by_it = proc(52, 50, gpu=GIB, pgid=52, launch_env=env, start=0.0)
+    report = run(History(), snapshot(100.0, reaper, adopted, started_by_it))
+    assert kinds(report) == [("orphan", 51)]
+    assert report.findings[0].reason.startswith("reparented to 50 (tini); environment has ")
+
+
+def test_without_history_a_young_worker_waits_for_min_age_and_a_plain_service_never_counts(
+        ) -> None:
+    env = MappingProxyType({"RANK": "0", "MASTER_ADDR": "10.0.0.1"})
+    young = proc(60, 1, gpu=GIB, launch_env=env, start=95.0)
+    service = proc(61, 1, gpu=GIB, start=0.0, name="jupyter-lab")
+    assert kinds(run(History(), snapshot(100.0, young, service))) == []
+    assert kinds(run(History(), snapshot(106.0, young, service))) == [("orphan", 60)]
+
+
+def test_protected_names_and_users_raise_nothing() -> None:
+    env = MappingProxyType({"LOCAL_RANK": "0"})
+    config = DetectorConfig(min_age=0.0, protected_names=("guarded",),
+                            protected_users=("svc",))
+    by_name = proc(70, 1, gpu=GIB, launch_env=env, name="guarded", start=0.0)
+    by_user = proc(71, 1, gpu=GIB, launch_env=env, user="svc", start=0.0)
+    other = proc(72, 1, gpu=GIB, launch_env=env, start=0.0)
+    assert kinds(run(History(), snapshot(100.0, by_name, by_user, other), config)) == [
+        ("orphan", 72)]
+
+
+def test_a_zombie_is_reported_only_after_its_grace_period() -> None:
+    history = History()
+    parent = proc(80, 1, gpu=GIB)
+    child = proc(81, 80, state="zombie", num_threads=1, pgid=80)
+    assert kinds(run(history, snapshot(10.0, parent, child))) == []
+    assert kinds(run(history, snapshot(14.0, parent, child))) == []
+    assert kinds(run(history, snapshot(15.5, parent, child))) == [("zombie", 81)]
+
+
+def test_a_member_without_gpu_memory_is_an_orphan_while_its_job_trains_a_leftover_after() -> None:
+    history = History()
+    launcher = proc(10, 1, pgid=10)
+    trainer = proc(11, 10, gpu=GIB, pgid=10)
+    helper = proc(12, 10, pgid=10, cmdline=("redis-server", "--port", "6380"))
+    run(history, snapshot(1.0, launcher, trainer, helper))
+    # The launcher dies; the trainer still trains: both it and the helper are orphans.
+    report = run(history, snapshot(2.0, proc(11, 1, gpu=GIB, pgid=10), proc(12, 1, pgid=10,
+                 cmdline=("redis-server", "--port", "6380"))))
+    assert sorted(kinds(report)) == [("orphan", 11), ("orphan", 12)]
+    # The trainer ends: the helper is no orphan any more, and a leftover once the grace is over.
+    lone = proc(12, 1, pgid=10, cmdline=("redis-server", "--port", "6380"))
+    assert kinds(run(history, snapshot(3.0, lone))) == []
+    assert kinds(run(history, snapshot(22.0, lone))) == []
+    report = run(history, snapshot(23.5, lone))
+    assert kinds(report) == [("leftover", 12)]
+    assert report.findings[0].reason.startswith("`redis-server --port 6380` still runs")
+
+
+def test_a_login_shell_is_never_a_job_root() -> None:
+    shell = proc(20, 1, name="bash", sid=20, pgid=20)
+    trainer = proc(21, 20, gpu=GIB, pgid=21, sid=20)
+    editor = proc(22, 20, name="vim", pgid=22, sid=20)
+    history = History()
+    run(history, snapshot(1.0, shell, trainer, editor))
+    run(history, snapshot(2.0, shell, editor))  # the training run ends
+    assert kinds(run(history, snapshot(60.0, shell, editor))) == []  # vim is no leftover
+
+
+def test_slurm_jobs_climb_to_the_step_through_ancestors_of_the_same_job() -> None:
+    job = Job("41234", "slurm")
+    stepd = proc(30, 1, name="slurmstepd", job=job)
+    batch = proc(31, 30, name="bash", sid=31, pgid=31, job=job)
+    torchrun = proc(32, 31, name="torchrun", sid=31, pgid=31, job=job)
+    worker = proc(33, 32, gpu=GIB, sid=31, pgid=31, job=job)
+    roots = snapshot(1.0, stepd, batch, torchrun, worker).job_roots
+    assert roots[33] == 30
+
+
+def test_unattributed_memory_below_the_threshold_is_no_ghost() -> None:
+    config = DetectorConfig(ghost_min_bytes=GIB)
+    small = GpuDevice(index=0, memory_used_bytes=GIB // 2)
+    large = GpuDevice(index=1, memory_used_bytes=3 * GIB)
+    report = run(History(), snapshot(1.0, gpus=(small, large)), config)
+    assert [(f.kind, f.pid, f.gpus) for f in report.findings] == [("ghost", None, (1,))]

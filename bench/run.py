@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["poll_cost.py", "exporter_vs_nvitop.py", "daemon_rss.py"]
+BENCHES = ["poll_cost.py", "exporter_vs_nvitop.py", "daemon_rss.py", "agent_ingest.py",
+           "agent_step.py"]
 
 if __name__ == "__main__":
     failed = 0

@@ -83,6 +83,16 @@ def _non_negative_float(v: Any) -> float:
     return f
 
 
+def _non_negative_int(v: Any) -> int:
+    try:
+        i = int(v) if not isinstance(v, (bool, float)) else -1
+    except (TypeError, ValueError):
+        i = -1
+    if i < 0:
+        raise ValueError("an integer >= 0")
+    return i
+
+
 def _names(v: Any) -> tuple[str, ...]:
     items = v.split(",") if isinstance(v, str) else v
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
@@ -164,6 +174,30 @@ class DetectorConfig:
         "process names never reported (nor reaped)")
     protected_users: tuple[str, ...] = _setting(
         (), _names, "users whose processes are never reported (nor reaped)")
+    stall_after: float = _setting(
+        600.0, _positive_float,
+        "seconds an instrumented process holding GPU memory may stay on one step")
+    leak_warmup_steps: int = _setting(
+        10, _non_negative_int, "steps ignored at the start of a run (allocations, caches, CoW)")
+    leak_window: int = _setting(64, _positive_int, "newest step reports the leak test looks at")
+    leak_min_points: int = _setting(
+        8, _positive_int, "step reports after warm-up needed before a leak can be called")
+    leak_min_bytes_per_step: int = _setting(
+        1 << 20, _positive_int, "growth per step below which nothing is a leak")
+    leak_min_relative: float = _setting(
+        0.001, _non_negative_float,
+        "growth per step below this share of the current size is no leak")
+    leak_warmup_seconds: float = _setting(
+        300.0, _non_negative_float,
+        "without an agent: seconds of a process's life ignored by the leak test")
+    leak_min_bytes_per_second: float = _setting(
+        64 << 10, _positive_float, "without an agent: growth per second below which no leak")
+    leak_min_span_seconds: float = _setting(
+        600.0, _positive_float, "without an agent: shortest stretch of time to call a leak on")
+    host_memory_limit_bytes: int = _setting(
+        0, _non_negative_int,
+        "a host-memory limit per process to project leaks against when no cgroup sets one "
+        "(0: the node's MemAvailable)")
 
     def for_single_poll(self) -> DetectorConfig:
         """One look at the node (a one-shot `status`): report what is seen, with no duration

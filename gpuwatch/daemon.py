@@ -36,6 +36,7 @@ from gpuwatch.poll import Poller
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
 from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
+from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME, AgentReceiver
 from gpuwatch.sources.nvml import NvmlSource
 
 log = logging.getLogger("gpuwatch.daemon")
@@ -53,8 +54,12 @@ class Daemon:
         self._config_path = config_path
         self._overrides = dict(overrides or {})
         d = config.daemon
+        self.agents = AgentReceiver(d.runtime_dir / AGENT_SOCKET_NAME)
         self.poller = poller or Poller(nvml=NvmlSource(retry_initial=1.0,
                                                        retry_max=d.nvml_retry_max))
+        if self.poller.agents is None:
+            self.poller.agents = self.agents
+        self._exit_reported: set[int] = set()
         self.history = History(config.history.samples, config.history.max_processes)
         self._latest: Optional[NodeReport] = None
         self._document: tuple[Optional[NodeReport], Optional[bytes]] = (None, None)
@@ -67,8 +72,9 @@ class Daemon:
         # `_created` series double every counter for no use on a node exporter.
         disable_created_metrics()
         self.registry = CollectorRegistry()
-        self.collector = ReportCollector(lambda: self._latest,
-                                           config.exporter.max_process_series)
+        self.collector = ReportCollector(
+            lambda: self._latest, config.exporter.max_process_series,
+            agent_counts=lambda: (self.agents.accepted, self.agents.rejected))
         self.registry.register(self.collector)
         self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=self.registry)
         self.poll_errors = Counter(
@@ -127,9 +133,11 @@ class Daemon:
         self._state_server = StateServer(d.runtime_dir / STATE_SOCKET_NAME, self.document_bytes,
                                          group=d.state_socket_group)
         self._state_server.start()
+        self.agents.start()
         self._write_daemon_info(bound_port)
-        log.info("gpuwatch %s serving %s; state socket %s; polling every %g s",
-                 __version__, self.metrics_url, self._state_server.path, d.interval)
+        log.info("gpuwatch %s serving %s; state socket %s; agent socket %s; polling every %g s",
+                 __version__, self.metrics_url, self._state_server.path, self.agents.path,
+                 d.interval)
         try:
             self._loop()
         finally:
@@ -193,6 +201,25 @@ class Daemon:
             self.poll_errors.labels(error.source).inc()
         self.series_dropped.inc(dropped_by_cap(report, self.collector.max_process_series))
         self._log_nvml_transition(snapshot)
+        self._log_exit_reports(snapshot)
+
+    def _log_exit_reports(self, snapshot: NodeSnapshot) -> None:
+        """What an instrumented process left alive at exit, once per process."""
+        for pid, agent in snapshot.agents.items():
+            if agent.exit_report is None or pid in self._exit_reported:
+                continue
+            self._exit_reported.add(pid)
+            exit_report = agent.exit_report
+            left = [f"non-daemon thread {name!r}" for name in exit_report.get("threads", ())]
+            if exit_report.get("executors"):
+                left.append(f"{exit_report['executors']} live executor(s)")
+            if exit_report.get("process_group"):
+                left.append("a torch.distributed process group never destroyed")
+            if left:
+                name = snapshot.processes[pid].name if pid in snapshot.processes else "?"
+                log.warning("PID %d (%s) reached interpreter exit with %s still alive", pid,
+                            name, ", ".join(left))
+        self._exit_reported &= set(snapshot.agents)
 
     def _log_nvml_transition(self, snapshot: NodeSnapshot) -> None:
         up = snapshot.nvml.available
@@ -249,6 +276,7 @@ class Daemon:
     def _shutdown(self) -> None:
         if self._state_server is not None:
             self._state_server.stop()
+        self.agents.stop()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

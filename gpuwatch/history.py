@@ -20,12 +20,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
 
-from gpuwatch.model import Finding, HostProcess, Job, NodeSnapshot
+from gpuwatch.model import Finding, HostProcess, Job, NodeSnapshot, StepPoint
 
 Identity = tuple[int, Optional[float]]
 _NAN = math.nan
 #: How many exited processes are remembered (for "parent 4121 (torchrun) exited" reasons).
 _DEPARTED = 4096
+#: Step points kept per instrumented process: the leak test's window and then some.
+STEP_POINTS = 512
 
 
 class Sample(NamedTuple):
@@ -40,10 +42,70 @@ class Departed(NamedTuple):
     last_seen: float
 
 
+class Series:
+    """A bounded, step- or time-aligned run of one figure: parallel packed arrays."""
+
+    __slots__ = ("capacity", "xs", "ys")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.xs = array("d")
+        self.ys = array("d")
+
+    def add(self, x: float, y: Optional[float]) -> None:
+        self.xs.append(x)
+        self.ys.append(_NAN if y is None else float(y))
+        if len(self.xs) > self.capacity:
+            del self.xs[0]
+            del self.ys[0]
+
+    def __len__(self) -> int:
+        return len(self.xs)
+
+
+#: Buffer names followed per process; matches the agent protocol's per-process bound.
+MAX_BUFFERS = 64
+
+
+class StepSeries:
+    """What an instrumented process reported, by training step (docs/agent-protocol.md)."""
+
+    __slots__ = ("buffer_bytes", "buffer_items", "capacity", "cuda", "gpu", "rss", "times")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.times = Series(capacity)  # step -> receive time, for seconds per step
+        self.rss = Series(capacity)
+        self.cuda = Series(capacity)
+        #: NVML's figure at each poll, against the step the process had reached by then.
+        self.gpu = Series(capacity)
+        self.buffer_items: dict[str, Series] = {}
+        self.buffer_bytes: dict[str, Series] = {}
+
+    def add(self, point: StepPoint) -> None:
+        step = float(point.step)
+        self.times.add(step, point.at)
+        self.rss.add(step, point.rss_bytes)
+        self.cuda.add(step, point.cuda_allocated_bytes)
+        for name, size in point.buffers.items():
+            for store, value in ((self.buffer_items, size.items), (self.buffer_bytes, size.bytes)):
+                series = store.get(name)
+                if series is None:
+                    if len(store) >= MAX_BUFFERS:
+                        continue
+                    series = store[name] = Series(self.capacity)
+                series.add(step, value)
+
+    def add_gpu(self, step: int, gpu_memory: Optional[int]) -> None:
+        if len(self.gpu) and self.gpu.xs[-1] >= step:
+            return  # no step since the last poll: nothing new to align
+        self.gpu.add(float(step), gpu_memory)
+
+
 class ProcessHistory:
     __slots__ = ("capacity", "disk_sleep_since", "first_ppid", "first_seen", "gpu_memory",
                  "held_gpu", "job_key", "last_seen", "name", "parent_name", "parent_start", "pid",
-                 "reparented_at", "rss", "start_time", "times", "zombie_since")
+                 "reparented_at", "rss", "start_time", "steps", "times", "zombie_since")
 
     def __init__(self, p: HostProcess, parent: Optional[HostProcess], job_key: Optional[str],
                  first_seen: float, capacity: int) -> None:
@@ -62,6 +124,8 @@ class ProcessHistory:
         self.zombie_since: Optional[float] = None
         self.disk_sleep_since: Optional[float] = None
         self.held_gpu = False
+        #: Step-aligned figures, once the process reports through the agent.
+        self.steps: Optional[StepSeries] = None
         self.capacity = capacity
         self.times = array("d")
         self.rss = array("d")
@@ -180,7 +244,21 @@ class History:
         while len(self._departed) > _DEPARTED:
             self._departed.popitem(last=False)
         self._trim()
+        self._record_agents(snapshot)
         self._update_jobs(snapshot, seen)
+
+    def _record_agents(self, snapshot: NodeSnapshot) -> None:
+        for pid, agent in snapshot.agents.items():
+            p = snapshot.processes.get(pid)
+            h = self._by_identity.get(p.identity) if p is not None else None
+            if h is None:
+                continue
+            if h.steps is None:
+                h.steps = StepSeries(STEP_POINTS)
+            for point in agent.points:
+                h.steps.add(point)
+            if p is not None and p.holds_gpu and agent.step is not None:
+                h.steps.add_gpu(agent.step, p.gpu_memory_bytes)
 
     def _update_jobs(self, snapshot: NodeSnapshot, seen: set[Identity]) -> None:
         now = snapshot.taken_at
@@ -199,7 +277,9 @@ class History:
                 self._jobs[h.job_key] = job
             job.members.add(p.identity)
             job.label = job.label or p.job
-            if p.holds_gpu and p.state != "zombie":
+            agent = snapshot.agents.get(p.pid)
+            done = agent is not None and agent.finished_at is not None
+            if p.holds_gpu and p.state != "zombie" and not done:
                 job.trainers.add(p.identity)
                 job.had_trainer = True
                 job.last_trainer = (p.pid, p.name)

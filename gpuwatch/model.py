@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Optional
+from typing import Any, Optional
 
 #: Kinds of NVML process lists a PID was found in.
 COMPUTE = "compute"
@@ -181,6 +181,59 @@ class HostProcess:
         return (self.pid, self.start_time)
 
 
+@dataclass(frozen=True)
+class BufferSize:
+    # Slotted: the agent receiver stores one per buffer per report.
+    __slots__ = ("bytes", "items")
+    items: Optional[int]
+    bytes: Optional[int]
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One agent step report, as the daemon received it."""
+
+    __slots__ = ("at", "buffers", "cuda_allocated_bytes", "cuda_reserved_bytes", "rss_bytes",
+                 "step")
+    step: int
+    #: Receive time on the daemon's clock, not the agent's.
+    at: float
+    rss_bytes: Optional[int]
+    cuda_allocated_bytes: Optional[int]
+    cuda_reserved_bytes: Optional[int]
+    buffers: Mapping[str, BufferSize]
+
+
+@dataclass(frozen=True)
+class AgentReading:
+    """What one instrumented process has reported (docs/agent-protocol.md).
+
+    `pid` and `uid` come from the kernel, never from the payload.
+    """
+
+    pid: int
+    uid: int
+    first_seen: float
+    last_seen: float
+    step: Optional[int]
+    #: When `step` last changed: a stall is a step that stops changing.
+    step_changed_at: Optional[float]
+    finished_at: Optional[float]
+    exit_report: Optional[Mapping[str, Any]]
+    #: Step reports since the previous poll, oldest first.
+    points: tuple[StepPoint, ...]
+    latest: Optional[StepPoint]
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """A limit a process's host memory runs into, and what is left of it."""
+
+    source: str  # "cgroup" | "node" | "config"
+    limit_bytes: Optional[int]
+    available_bytes: int
+
+
 #: Finding severities, in increasing order.
 SEVERITIES = ("info", "warning", "critical")
 
@@ -205,6 +258,9 @@ class Finding:
     gpus: tuple[int, ...] = ()
     gpu_memory_bytes: Optional[int] = None
     since: float = 0.0
+    #: Figures that go with the finding (a leak's growth and projected OOM), kept out of the
+    #: reason so that it stays the same while the figures move.
+    details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def identity(self) -> tuple[str, Optional[int], Optional[float], tuple[int, ...]]:
@@ -232,6 +288,13 @@ class NodeSnapshot:
     poll_duration_seconds: float = 0.0
     #: The launcher each process's job tree hangs from (see gpuwatch.jobtree), by PID.
     job_roots: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: Instrumented processes (gpuwatch.agent), by PID.
+    agents: Mapping[int, AgentReading] = field(default_factory=lambda: MappingProxyType({}))
+    #: The node's MemAvailable, the last resort limit for host memory growth.
+    mem_available_bytes: Optional[int] = None
+    #: cgroup path -> (memory.max or None when unlimited, memory.current), where readable.
+    cgroup_memory: Mapping[str, tuple[Optional[int], int]] = field(
+        default_factory=lambda: MappingProxyType({}))
 
     @property
     def gpu_holders(self) -> list[HostProcess]:

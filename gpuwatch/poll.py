@@ -1,9 +1,10 @@
 """One poll: read every source once and join the parts into one immutable `NodeSnapshot`.
 
 Which host processes are read: the GPU holders NVML lists (without NVML, what looks like GPU
-work), the members of their jobs (every descendant of each job root), the processes the caller
-asks to keep watching (job members from earlier polls, so helpers stay visible after they are
-reparented), and the ancestors of all of these up to PID 1.
+work), the processes that report through the agent, the members of their jobs (every descendant
+of each job root), the processes the caller asks to keep watching (job members from earlier
+polls, so helpers stay visible after they are reparented), and the ancestors of all of these up
+to PID 1.
 """
 
 from __future__ import annotations
@@ -11,14 +12,21 @@ from __future__ import annotations
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from gpuwatch.jobtree import job_root, job_roots
-from gpuwatch.model import GpuProcessUsage, NodeSnapshot
+from gpuwatch.model import AgentReading, GpuProcessUsage, HostProcess, NodeSnapshot
+from gpuwatch.sources.memory import CgroupMemory, read_mem_available
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource
+
+
+class AgentSource(Protocol):
+    def drain(self) -> dict[int, AgentReading]: ...
+
+    def forget(self, pids: Iterable[int]) -> None: ...
 
 #: Bounds the walk down job trees, so a fork bomb under a launcher cannot stall a poll.
 MAX_JOB_MEMBERS = 4096
@@ -28,9 +36,12 @@ class Poller:
     def __init__(self, nvml: Optional[NvmlSource] = None,
                  processes: Optional[ProcessSource] = None,
                  hostname: Optional[str] = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 agents: Optional[AgentSource] = None) -> None:
         self.nvml = nvml or NvmlSource()
         self.processes = processes or ProcessSource()
+        self.agents = agents
+        self.cgroup_memory = CgroupMemory()
         self.hostname = hostname or socket.gethostname()
         self._clock = clock
 
@@ -46,6 +57,8 @@ class Poller:
         # Without NVML nobody can say who holds GPU memory; show what looks like GPU work.
         seeds = (set(usage) if reading.status.available
                  else self.processes.discover_gpu_candidates())
+        agents = self.agents.drain() if self.agents is not None else {}
+        seeds |= agents.keys()
         host = self.processes.read(seeds | set(watch), gpu_usage)
         roots = {job_root(pid, host.processes) for pid in seeds}
         members = self._descendants({root for root in roots if root is not None})
@@ -53,6 +66,9 @@ class Poller:
                                    known=host.processes)
         processes = more.processes
         self.processes.forget_others(processes.values())
+        agents = self._live_agents(agents, processes)
+        limited = {p.cgroup for pid, p in processes.items()
+                   if p.cgroup and (p.holds_gpu or pid in agents)}
         return NodeSnapshot(
             taken_at=taken_at,
             hostname=self.hostname,
@@ -62,7 +78,24 @@ class Poller:
             errors=reading.errors + host.errors + more.errors,
             poll_duration_seconds=time.perf_counter() - started,
             job_roots=MappingProxyType(job_roots(processes)),
+            agents=MappingProxyType(agents),
+            mem_available_bytes=read_mem_available(),
+            cgroup_memory=MappingProxyType(self.cgroup_memory.read(limited)),
         )
+
+    def _live_agents(self, agents: dict[int, AgentReading],
+                     processes: Mapping[int, HostProcess]) -> dict[int, AgentReading]:
+        """Agents whose process still runs; the others are forgotten by the receiver.
+
+        A process that started after an agent's first report cannot have sent it: its PID was
+        reused, and the reports belong to the process that exited.
+        """
+        gone = [pid for pid, a in agents.items()
+                if (p := processes.get(pid)) is None or not p.in_procfs or p.state == "zombie"
+                or (p.start_time is not None and p.start_time > a.first_seen + 1)]
+        if gone and self.agents is not None:
+            self.agents.forget(gone)
+        return {pid: a for pid, a in agents.items() if pid not in gone}
 
     def _descendants(self, roots: set[int]) -> set[int]:
         """Every process under the roots (each root's children file read once)."""

@@ -9,12 +9,20 @@ variables), and its reason says which evidence was used.
 from __future__ import annotations
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors import ghosts, leftovers, orphans, unkillable, zombies
+from gpuwatch.detectors import (
+    ghosts,
+    leaks,
+    leftovers,
+    orphans,
+    stalled,
+    unkillable,
+    zombies,
+)
 from gpuwatch.detectors.common import is_protected
 from gpuwatch.history import History
 from gpuwatch.model import Finding, NodeReport, NodeSnapshot
 
-DETECTORS = (orphans, zombies, leftovers, ghosts, unkillable)
+DETECTORS = (orphans, zombies, leftovers, ghosts, unkillable, leaks, stalled)
 #: Every kind a detector here can report, for metrics that must show 0 rather than nothing.
 KINDS = ("orphan", "zombie", "leftover", "ghost", "leak", "stalled", "unkillable")
 

@@ -1,9 +1,9 @@
-"""leftover: a job member still running after the job's last trainer exited.
+"""leftover: a job member still running after the job's last trainer ended.
 
-The trainers of a job are its members that held GPU memory; when the last of them is gone, the
-job is over, and what is still alive after the grace period (the redis, the actor, the
-preprocessor) is a leftover, named by its command. The launcher itself is not reported: it is
-typically waiting for those very helpers, and ends with them.
+The trainers of a job are its members that held GPU memory; when the last of them has exited, or
+told the agent it finished, the job is over, and what is still alive after the grace period (the
+redis, the actor, the preprocessor) is a leftover, named by its command. The launcher itself is
+not reported: it is typically waiting for those very helpers, and ends with them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,6 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                 continue  # a zombie is reported as one, whatever its job
             label = f" of job {job.label}" if job.label else ""
             reason = (f"`{command(p)}`{label} still runs; its trainer "
-                      f"{named(trainer_pid, trainer_name)} exited after "
+                      f"{named(trainer_pid, trainer_name)} ended after "
                       f"{clock_time(job.finished_at)}")
             yield finding("leftover", "warning", p, reason)

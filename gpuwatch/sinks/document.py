@@ -10,7 +10,15 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from gpuwatch import __version__
-from gpuwatch.model import Finding, GpuDevice, GpuProcessUsage, HostProcess, Job, NodeReport
+from gpuwatch.model import (
+    AgentReading,
+    Finding,
+    GpuDevice,
+    GpuProcessUsage,
+    HostProcess,
+    Job,
+    NodeReport,
+)
 
 SCHEMA_VERSION = 1
 
@@ -41,7 +49,7 @@ def status_document(report: NodeReport, source: str = SOURCE_POLL,
             "device_count": nvml.device_count,
         },
         "gpus": [_gpu(g) for g in snapshot.gpus],
-        "processes": [_process(p, snapshot.job_roots.get(p.pid))
+        "processes": [_process(p, snapshot.job_roots.get(p.pid), snapshot.agents.get(p.pid))
                       for p in sorted(snapshot.processes.values(), key=lambda p: p.pid)],
         "findings": [_finding(f) for f in report.findings],
         "errors": [{"source": e.source, "message": e.message} for e in snapshot.errors],
@@ -92,6 +100,26 @@ def _finding(f: Finding) -> dict[str, Any]:
         "gpu_memory_bytes": f.gpu_memory_bytes,
         "reason": f.reason,
         "since": round(f.since, 3),
+        "details": dict(f.details),
+    }
+
+
+def _agent(a: Optional[AgentReading]) -> Optional[dict[str, Any]]:
+    if a is None:
+        return None
+    latest = a.latest
+    return {
+        "step": a.step,
+        "step_changed_at": a.step_changed_at,
+        "first_seen": a.first_seen,
+        "last_seen": a.last_seen,
+        "finished_at": a.finished_at,
+        "rss_bytes": latest.rss_bytes if latest else None,
+        "cuda_allocated_bytes": latest.cuda_allocated_bytes if latest else None,
+        "cuda_reserved_bytes": latest.cuda_reserved_bytes if latest else None,
+        "buffers": {name: {"items": b.items, "bytes": b.bytes}
+                    for name, b in (latest.buffers.items() if latest else ())},
+        "exit": dict(a.exit_report) if a.exit_report is not None else None,
     }
 
 
@@ -99,7 +127,8 @@ def _job(job: Optional[Job]) -> Optional[dict[str, str]]:
     return {"id": job.id, "source": job.source} if job is not None else None
 
 
-def _process(p: HostProcess, job_root: Optional[int]) -> dict[str, Any]:
+def _process(p: HostProcess, job_root: Optional[int], agent: Optional[AgentReading]
+             ) -> dict[str, Any]:
     return {
         "pid": p.pid,
         "ppid": p.ppid,
@@ -122,4 +151,5 @@ def _process(p: HostProcess, job_root: Optional[int]) -> dict[str, Any]:
         "cmdline": list(p.cmdline),
         "in_procfs": p.in_procfs,
         "read_errors": list(p.read_errors),
+        "agent": _agent(agent),
     }

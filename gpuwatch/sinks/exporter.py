@@ -8,10 +8,15 @@ docs/metrics.md lists every metric; names and labels are an interface for dashbo
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Callable, Optional
 
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from gpuwatch import __version__
@@ -38,19 +43,24 @@ def dropped_by_cap(report: NodeReport, cap: int) -> int:
 
 
 def processes_that_matter(report: NodeReport) -> list[HostProcess]:
-    """Processes that get per-process series: GPU holders and processes with findings, those
-    with findings first, then the most GPU memory (the cap keeps the first)."""
+    """Processes that get per-process series: GPU holders, processes with findings and agent
+    reporters; those with findings first, then the most GPU memory (the cap keeps the first)."""
     flagged = {f.pid for f in report.findings if f.pid is not None}
-    chosen = [p for p in report.snapshot.processes.values() if p.holds_gpu or p.pid in flagged]
+    agents = report.snapshot.agents
+    chosen = [p for p in report.snapshot.processes.values()
+              if p.holds_gpu or p.pid in flagged or p.pid in agents]
     return sorted(chosen, key=lambda p: (p.pid not in flagged, -(p.gpu_memory_bytes or 0),
                                          -(p.rss_bytes or 0), p.pid))
 
 
 class ReportCollector(Collector):
     def __init__(self, latest: Callable[[], Optional[NodeReport]],
-                 max_process_series: int = 1000) -> None:
+                 max_process_series: int = 1000,
+                 agent_counts: Optional[Callable[[], tuple[int, Mapping[str, int]]]] = None
+                 ) -> None:
         self._latest = latest
         self.max_process_series = max_process_series
+        self._agent_counts = agent_counts
 
     def describe(self) -> Iterable[Metric]:
         # Registering must not call collect(): there may be no snapshot yet.
@@ -60,6 +70,8 @@ class ReportCollector(Collector):
         build = InfoMetricFamily("gpuwatch_build", "Version of the running gpuwatch.")
         build.add_metric([], {"version": __version__, "python": platform.python_version()})
         yield build
+        if self._agent_counts is not None:
+            yield from self._agent_totals(*self._agent_counts())
         report = self._latest()
         if report is None:
             return
@@ -67,6 +79,7 @@ class ReportCollector(Collector):
         yield from self._gpus(report.snapshot)
         yield from self._processes(report)
         yield from self._findings(report.findings)
+        yield from self._leaks(report)
 
     def _node(self, s: NodeSnapshot) -> Iterator[Metric]:
         yield _gauge("gpuwatch_nvml_up",
@@ -120,9 +133,21 @@ class ReportCollector(Collector):
         matter = processes_that_matter(report)
         exported = matter[: self.max_process_series]
         gpu_labels = [*PROCESS_LABELS, "gpu", "uuid"]
-        gpu_mem, rss, start = [], [], []
+        gpu_mem, rss, start, steps, step_at, items, sizes = [], [], [], [], [], [], []
+        agents = report.snapshot.agents
         for p in exported:
             base = process_labels(p)
+            agent = agents.get(p.pid)
+            if agent is not None and agent.step is not None:
+                steps.append((base, float(agent.step)))
+                if agent.step_changed_at is not None:
+                    step_at.append((base, agent.step_changed_at))
+            if agent is not None and agent.latest is not None:
+                for name, size in agent.latest.buffers.items():
+                    if size.items is not None:
+                        items.append(([*base, name], float(size.items)))
+                    if size.bytes is not None:
+                        sizes.append(([*base, name], float(size.bytes)))
             for u in p.gpu_usage:
                 if u.memory_bytes is not None:
                     gpu_mem.append(([*base, str(u.gpu_index), u.gpu_uuid or ""],
@@ -139,6 +164,58 @@ class ReportCollector(Collector):
         yield _gauge("gpuwatch_process_start_time_seconds",
                      "Start time of a process that matters; with pid it identifies the process.",
                      PROCESS_LABELS, start)
+        yield _gauge("gpuwatch_agent_step", "Newest training step an instrumented process "
+                     "reported.", PROCESS_LABELS, steps)
+        yield _gauge("gpuwatch_agent_step_timestamp_seconds",
+                     "When an instrumented process's step last advanced.", PROCESS_LABELS,
+                     step_at)
+        buffer_labels = [*PROCESS_LABELS, "buffer"]
+        yield _gauge("gpuwatch_agent_buffer_items", "Items in a buffer an instrumented process "
+                     "watches (agent.watch).", buffer_labels, items)
+        yield _gauge("gpuwatch_agent_buffer_bytes", "Bytes in a buffer an instrumented process "
+                     "watches, where the agent can size them.", buffer_labels, sizes)
+
+    def _agent_totals(self, accepted: int, rejected: Mapping[str, int]) -> Iterator[Metric]:
+        ok = CounterMetricFamily("gpuwatch_agent_reports", "Agent reports accepted.")
+        ok.add_metric([], float(accepted))
+        yield ok
+        bad = CounterMetricFamily("gpuwatch_agent_reports_rejected",
+                                  "Agent reports rejected, by reason (docs/agent-protocol.md).",
+                                  labels=["reason"])
+        for reason, n in sorted(rejected.items()):
+            bad.add_metric([reason], float(n))
+        yield bad
+
+    def _leaks(self, report: NodeReport) -> Iterator[Metric]:
+        labels = [*PROCESS_LABELS, "series", "culprit"]
+        per_step, oom_step, per_second, oom_at = [], [], [], []
+        for f in report.findings:
+            if f.kind != "leak":
+                continue
+            d = f.details
+            key = [str(f.pid), f.name or "", f.user or "", f.job.id if f.job else "",
+                   f.job.source if f.job else "", str(d.get("series", "")),
+                   str(d.get("culprit") or "")]
+            if "growth_bytes_per_step" in d:
+                per_step.append((key, float(d["growth_bytes_per_step"])))
+            if "projected_oom_step" in d:
+                oom_step.append((key, float(d["projected_oom_step"])))
+            if "growth_bytes_per_second" in d:
+                per_second.append((key, float(d["growth_bytes_per_second"])))
+            if "projected_oom_in_seconds" in d:
+                oom_at.append((key, report.snapshot.taken_at + d["projected_oom_in_seconds"]))
+        yield _gauge("gpuwatch_leak_growth_bytes_per_step",
+                     "Growth per training step of a leaking figure (RSS, GPU memory, a buffer).",
+                     labels, per_step)
+        yield _gauge("gpuwatch_leak_projected_oom_step",
+                     "Training step at which a leak runs out of memory against the tightest "
+                     "limit.", labels, oom_step)
+        yield _gauge("gpuwatch_leak_growth_bytes_per_second",
+                     "Growth per second of a leaking figure in a process without the agent.",
+                     labels, per_second)
+        yield _gauge("gpuwatch_leak_projected_oom_timestamp_seconds",
+                     "When a leak is projected to run out of memory (seconds since the epoch).",
+                     labels, oom_at)
 
     def _findings(self, findings: tuple[Finding, ...]) -> Iterator[Metric]:
         labels = ["kind", "severity", *PROCESS_LABELS, "gpu", "reason"]

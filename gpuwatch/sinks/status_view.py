@@ -37,7 +37,7 @@ def _findings_table(doc: dict[str, Any], width: int) -> list[str]:
             f["name"] or "-",
             f"{gpus}:{memory}" if f["gpu_memory_bytes"] is not None and f["pid"] else memory,
             human_duration(doc["taken_at"] - f["since"]),
-            f["reason"],
+            f["reason"] + _figures(f.get("details") or {}),
         ))
     return [line[:width] if width > 0 else line for line in _columns(rows)]
 
@@ -79,6 +79,25 @@ def _gpu_table(doc: dict[str, Any]) -> list[str]:
             note,
         ))
     return _columns(rows, right={0, 3, 4, 5})
+
+
+def _figures(d: dict[str, Any]) -> str:
+    """A leak's figures, appended to its reason: growth, culprit's share, projected OOM."""
+    parts = []
+    if "growth_bytes_per_step" in d:
+        parts.append(f"+{human_bytes(d['growth_bytes_per_step'])}/step")
+    if "growth_bytes_per_second" in d:
+        parts.append(f"+{human_bytes(d['growth_bytes_per_second'])}/s")
+    if "culprit_items_per_step" in d:
+        parts.append(f"+{d['culprit_items_per_step']:g} items/step")
+    if "projected_oom_step" in d:
+        oom = f"out of memory at step ~{d['projected_oom_step']}"
+        if "projected_oom_in_seconds" in d:
+            oom += f" (in ~{human_duration(d['projected_oom_in_seconds'])})"
+        parts.append(oom)
+    elif "projected_oom_in_seconds" in d:
+        parts.append(f"out of memory in ~{human_duration(d['projected_oom_in_seconds'])}")
+    return f" [{', '.join(parts)}]" if parts else ""
 
 
 def _memory_cell(used: Optional[int], total: Optional[int]) -> str:

@@ -1,0 +1,73 @@
+"""A robust test for "this figure grows every step" over a bounded window.
+
+The window (the newest points after warm-up) is cut into 3 or 4 consecutive blocks and each
+block is summarised by its median. A leak lifts every block above the one before it. An
+allocator's sawtooth does not: blocks that span its cycles have the same median. Nor does a GC
+pause or a one-off allocation: a median ignores a spike. Growth that levels off (copy-on-write
+pages after a fork, a cache that filled up) shows as a last block no higher than the one before.
+
+Median-of-pairwise-slopes estimators (Theil-Sen) are biased upwards on a sawtooth, whose many
+small rises outnumber its few large drops; block medians are not, and cost O(n log n).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import median
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Growth:
+    #: Units of y per unit of x (bytes per step, or per second), first block to last.
+    slope: float
+    #: Share of block-to-block rises that are positive (1.0: every block above the last).
+    consistency: float
+    #: Slope from the next-to-last block to the last: near 0 once growth levels off.
+    recent_slope: float
+    points: int
+    first_x: float
+    last_x: float
+    last_y: float
+
+
+def growth(xs: Sequence[float], ys: Sequence[float], after_x: float, window: int,
+           min_points: int) -> Optional[Growth]:
+    """The growth of y over the newest `window` points with x >= after_x (NaNs skipped)."""
+    pts = [(x, y) for x, y in zip(xs, ys) if x >= after_x and not math.isnan(y)][-window:]
+    if len(pts) < max(min_points, 6):
+        return None
+    # Three blocks of at least 2 points while the window is short, so a verdict comes early;
+    # four once there is enough to keep each block's median robust.
+    blocks = 4 if len(pts) >= 16 else 3
+    size = len(pts) // blocks
+    pts = pts[len(pts) - size * blocks:]
+    medians = [(median(x for x, _ in chunk), median(y for _, y in chunk))
+               for chunk in (pts[i:i + size] for i in range(0, len(pts), size))]
+    rises = [(y1 - y0) / (x1 - x0)
+             for (x0, y0), (x1, y1) in zip(medians, medians[1:]) if x1 > x0]
+    (x_first, y_first), (x_last, y_last) = medians[0], medians[-1]
+    if not rises or x_last <= x_first:
+        return None
+    return Growth(
+        slope=(y_last - y_first) / (x_last - x_first),
+        consistency=sum(r > 0 for r in rises) / len(rises),
+        recent_slope=rises[-1],
+        points=len(pts),
+        first_x=pts[0][0],
+        last_x=pts[-1][0],
+        last_y=pts[-1][1],
+    )
+
+
+def is_growing(g: Optional[Growth], min_slope: float, min_relative: float) -> bool:
+    """Growth above both thresholds (absolute, and relative to the current size), every block
+    above the one before, and not levelling off."""
+    if g is None or g.slope <= 0:
+        return False
+    return (g.slope >= min_slope
+            and g.slope >= min_relative * max(g.last_y, 0.0)
+            and g.consistency == 1.0
+            and g.recent_slope >= 0.5 * g.slope)

@@ -1,0 +1,626 @@
+"""The in-process agent, in real processes, reporting to a real Unix datagram socket.
+
+Each test runs a small training-like program in a child interpreter and reads what reaches a
+receiving socket that, like the daemon's, takes the sender's PID and UID from the kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+Report = tuple[int, int, dict[str, Any]]  # kernel PID, kernel UID, the JSON
+
+
+class Receiver:
+    """A bound SOCK_DGRAM socket with SO_PASSCRED: every datagram with its sender's credentials."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.bind(str(path))
+        self.reports: list[Report] = []
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _receive(self, timeout: float) -> bool:
+        if not select.select([self.sock], [], [], max(timeout, 0))[0]:
+            return False
+        data, ancillary, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(CREDENTIALS.size))
+        pid = uid = -1
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                pid, uid, _ = CREDENTIALS.unpack(payload[:CREDENTIALS.size])
+        assert len(data) <= 16384
+        self.reports.append((pid, uid, json.loads(data)))
+        return True
+
+    def wait_for(self, what: str, check: Callable[[list[Report]], Any], timeout: float = 15,
+                 proc: Optional[subprocess.Popen[str]] = None) -> Any:
+        """Receive until check(reports) is truthy; fail after `timeout` or when `proc` ended and
+        nothing more is queued."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = check(self.reports)
+            if found:
+                return found
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no {what} within {timeout} s; got {self.reports}")
+            if not self._receive(min(remaining, 0.1)) and proc is not None \
+                    and proc.poll() is not None and not self._receive(0.2):
+                out, err = proc.communicate()
+                raise AssertionError(f"no {what}: the program exited with {proc.returncode}; "
+                                     f"stdout {out!r} stderr {err!r}; got {self.reports}")
+
+    def drain_until_exit(self, proc: subprocess.Popen[str], timeout: float = 30
+                         ) -> tuple[str, str]:
+        """Keep the queue empty while `proc` runs (the kernel holds only a few datagrams), then
+        take what is left."""
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"the program ran past {timeout} s")
+            self._receive(0.05)
+        while self._receive(0.1):
+            pass
+        return proc.communicate()
+
+
+@pytest.fixture
+def runtime_dir() -> Iterator[Path]:
+    # Short, under /tmp: a Unix socket path is limited to 107 bytes, which pytest's tmp_path
+    # with a long test name can pass.
+    with tempfile.TemporaryDirectory(prefix="gw-agent-", dir="/tmp") as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def receiver(runtime_dir: Path) -> Iterator[Receiver]:
+    r = Receiver(runtime_dir / "agent.sock")
+    yield r
+    r.close()
+
+
+def start(program: str, runtime_dir: Path, env_extra: Optional[dict[str, str]] = None,
+          **popen: Any) -> subprocess.Popen[str]:
+    """A training-like program in its own interpreter, finding the receiver through
+    GPUWATCH_RUNTIME_DIR as a real one finds the daemon."""
+    env = {**os.environ, "GPUWATCH_RUNTIME_DIR": str(runtime_dir), "PYTHONPATH": str(REPO),
+           **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(program)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def run(program: str, runtime_dir: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    proc = start(program, runtime_dir)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def of_kind(reports: list[Report], kind: str, pid: Optional[int] = None) -> list[Report]:
+    return [r for r in reports if r[2]["kind"] == kind and (pid is None or r[0] == pid)]
+
+
+def wait_exit(proc: subprocess.Popen[str], timeout: float = 20) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"still running after {timeout} s; stderr {err!r}") from None
+
+
+def wait_file(path: Path, proc: subprocess.Popen[str], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"exited with {proc.returncode}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"{path.name} did not appear in {timeout} s"
+        time.sleep(0.01)
+
+
+# ---- reports -----------------------------------------------------------------------------------
+
+
+def test_step_reports_carry_the_protocol_fields_and_the_kernel_pid_of_the_sender(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    # Steps slower than the coalescing interval: every one of them is reported.
+    proc = start("""
+        import sys, time
+        from gpuwatch import agent
+        for step in (1, 2, 3):
+            agent.step(step)
+            time.sleep(0.08)
+        sys.stdin.read()
+        """, runtime_dir, stdin=subprocess.PIPE)
+    try:
+        steps = receiver.wait_for("three step reports",
+                                  lambda rs: len(of_kind(rs, "step")) >= 3 and of_kind(rs, "step"),
+                                  proc=proc)
+    finally:
+        proc.communicate("")
+    assert proc.returncode == 0
+    assert [r[2]["step"] for r in steps] == [1, 2, 3]
+    assert [r[2]["seq"] for r in steps] == [0, 1, 2]
+    for pid, uid, report in steps:
+        assert pid == proc.pid and uid == os.getuid()
+        assert report["v"] == 1 and report["kind"] == "step"
+        assert isinstance(report["rss"], int) and report["rss"] > 1 << 20
+        assert "cuda" not in report and "buffers" not in report
+
+
+def test_buffers_report_items_and_sampled_bytes_and_leave_out_a_broken_callable(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    proc = start("""
+        import collections, queue, random, sys
+        from gpuwatch import agent
+        rng = random.Random(7)
+        fetch = [bytes(rng.randrange(48 << 10, 80 << 10)) for _ in range(2000)]
+        batches = collections.deque((bytes(1000), bytes(24), 3) for _ in range(300))
+        q = queue.Queue()
+        for _ in range(5):
+            q.put(bytearray(100))
+        agent.watch("fetch_buffer", fetch)
+        agent.watch("batches", batches)
+        agent.watch("queue_depth", lambda: 42)
+        agent.watch("work_queue", q)
+        agent.watch("broken", lambda: 1 / 0)
+        agent.watch("ints", [1, 2, 3])
+        agent.step(1)
+        print(sum(map(len, fetch)), flush=True)
+        sys.stdin.read()
+        """, runtime_dir, stdin=subprocess.PIPE)
+    try:
+        (_, _, report), = receiver.wait_for("a step report", lambda rs: of_kind(rs, "step"),
+                                            proc=proc)
+        assert proc.stdout is not None
+        true_bytes = int(proc.stdout.readline())
+    finally:
+        proc.communicate("")
+    assert proc.returncode == 0
+    buffers = report["buffers"]
+    assert buffers["fetch_buffer"]["items"] == 2000
+    assert abs(buffers["fetch_buffer"]["bytes"] - true_bytes) <= 0.1 * true_bytes
+    assert buffers["batches"] == {"items": 300, "bytes": 300 * 1024}
+    assert buffers["queue_depth"] == {"items": 42}
+    assert buffers["work_queue"] == {"items": 5, "bytes": 500}
+    assert buffers["ints"] == {"items": 3}  # numbers hold no buffer bytes worth reporting
+    assert "broken" not in buffers
+
+
+def test_watch_refuses_names_outside_the_protocol_and_a_65th_buffer(runtime_dir: Path) -> None:
+    result = run("""
+        from gpuwatch import agent
+        for bad in ("", "x" * 65, "has space", "é", "new\\nline", 7):
+            try:
+                agent.watch(bad, [])
+            except ValueError:
+                pass
+            else:
+                raise SystemExit(f"accepted {bad!r}")
+        agent.watch("a-Z_0.9:/x" * 6, [])
+        for i in range(63):
+            agent.watch(f"b{i}", [])
+        agent.watch("b0", [1])  # replacing a name is not a new one
+        try:
+            agent.watch("one_too_many", [])
+        except ValueError:
+            print("refused")
+        agent.unwatch("b0")
+        agent.watch("one_too_many", [])
+        """, runtime_dir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "refused\n"
+
+
+# ---- coalescing --------------------------------------------------------------------------------
+
+
+def test_a_10khz_loop_is_coalesced_and_its_last_step_is_sent_at_exit(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    proc = start("""
+        import json, time
+        from gpuwatch import agent
+        agent.watch("fetch_buffer", [bytes(1 << 10)] * 8)
+        started = time.monotonic()
+        for i in range(20000):
+            agent.step(i)
+            busy_until = time.perf_counter() + 50e-6  # a 10 kHz training step, give or take
+            while time.perf_counter() < busy_until:
+                pass
+        print(json.dumps({"elapsed": time.monotonic() - started}))
+        """, runtime_dir)
+    out, err = receiver.drain_until_exit(proc)
+    assert proc.returncode == 0 and err == ""
+    elapsed = json.loads(out)["elapsed"]
+    steps = of_kind(receiver.reports, "step")
+    assert len(steps) <= elapsed / 0.05 + 2
+    assert len(steps) >= 2
+    assert steps[-1][2]["step"] == 19999
+    assert [r[2]["seq"] for r in steps] == list(range(len(steps)))
+    assert all(a[2]["step"] < b[2]["step"] for a, b in zip(steps, steps[1:]))
+    assert of_kind(receiver.reports, "exit") == []  # nothing left running: no exit report
+
+
+def test_after_a_pause_the_next_step_is_reported_at_once(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    proc = start("""
+        import sys
+        from gpuwatch import agent
+        for i in range(100):
+            agent.step(i)
+        print("paused", flush=True)
+        sys.stdin.readline()
+        agent.step(100)
+        sys.stdin.read()
+        """, runtime_dir, stdin=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == "paused\n"
+        receiver.wait_for("the first step", lambda rs: of_kind(rs, "step"), proc=proc)
+        time.sleep(0.1)  # longer than the coalescing interval
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        receiver.wait_for("step 100 while the program still runs",
+                          lambda rs: [r for r in of_kind(rs, "step") if r[2]["step"] == 100],
+                          proc=proc)
+    finally:
+        proc.communicate("")
+    assert proc.returncode == 0
+
+
+def test_steps_from_several_threads_keep_one_consistent_report_sequence(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    proc = start("""
+        import threading
+        from gpuwatch import agent
+        agent.watch("shared", [bytes(64)] * 100)
+        def train(offset):
+            for i in range(200000):
+                agent.step(offset + i)
+        threads = [threading.Thread(target=train, args=(k * 1000000,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        """, runtime_dir)
+    _, err = receiver.drain_until_exit(proc)
+    assert proc.returncode == 0 and err == ""
+    steps = of_kind(receiver.reports, "step")
+    assert len(steps) >= 2
+    assert [r[2]["seq"] for r in steps] == list(range(len(steps)))
+    assert all(0 <= r[2]["step"] % 1000000 < 200000 for r in steps)
+    # The newest step recorded, whichever thread took it last: one thread's final step.
+    assert steps[-1][2]["step"] in {k * 1000000 + 199999 for k in range(4)}
+    assert all(r[2]["buffers"]["shared"] == {"items": 100, "bytes": 6400} for r in steps)
+
+
+# ---- no daemon ---------------------------------------------------------------------------------
+
+
+def _no_daemon_program(steps: int) -> str:
+    return f"""
+        import json, time
+        from gpuwatch import agent
+        agent.watch("fetch_buffer", [bytes(1 << 20)] * 4)
+        agent.watch("depth", lambda: 3)
+        started = time.monotonic()
+        for i in range({steps}):
+            agent.step(i)
+        elapsed = time.monotonic() - started
+        for odd in ("x", -1, None, 2 ** 64, 1.5):
+            agent.step(odd)
+        agent.finished()
+        print(json.dumps({{"elapsed": elapsed, **agent._stats()}}))
+        """
+
+
+@pytest.mark.parametrize("socket_file", ["missing", "stale"])
+def test_without_a_daemon_the_loop_runs_and_sends_are_backed_off(
+        runtime_dir: Path, socket_file: str) -> None:
+    if socket_file == "stale":  # a daemon that died: the socket file is there, nobody reads it
+        dead = Receiver(runtime_dir / "agent.sock")
+        dead.close()
+    result = run(_no_daemon_program(100000), runtime_dir)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    stats = json.loads(result.stdout)
+    # Attempts at 0, 1, 3, 7, ... seconds (the backoff doubles), then one for finished().
+    backed_off = math.floor(math.log2(stats["elapsed"] + 1)) + 1
+    assert 2 <= stats["attempts"] <= backed_off + 1
+    assert stats["failed"] == stats["attempts"] and stats["sent"] == 0
+    # During the backoff no report is even built.
+    assert stats["seq"] == stats["attempts"]
+
+
+def test_a_daemon_with_a_full_queue_costs_dropped_reports_not_a_blocked_step(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    # The receiver reads nothing while the program runs: the kernel queue fills after a few
+    # datagrams and a blocking send would hang the training loop here.
+    result = run("""
+        import json
+        from gpuwatch import agent
+        agent.configure(min_interval=0)
+        for i in range(500):
+            agent.step(i)
+        print(json.dumps(agent._stats()))
+        """, runtime_dir)
+    assert result.returncode == 0 and result.stderr == ""
+    stats = json.loads(result.stdout)
+    assert stats["dropped"] > 0 and stats["failed"] == 0
+    assert stats["sent"] + stats["dropped"] == stats["attempts"] == 500
+    assert stats["sent"] == len(receiver.wait_for("the queued reports",
+                                                  lambda rs: len(rs) >= stats["sent"] and rs))
+
+
+def test_a_daemon_that_starts_late_gets_reports_after_the_backoff(runtime_dir: Path) -> None:
+    proc = start("""
+        import json, time
+        from gpuwatch import agent
+        agent.step(0)
+        print(json.dumps(agent._stats()), flush=True)
+        for i in range(1, 3000):
+            agent.step(i)
+            time.sleep(0.01)
+        """, runtime_dir)
+    assert proc.stdout is not None
+    receiver = None
+    try:
+        assert json.loads(proc.stdout.readline())["failed"] == 1
+        receiver = Receiver(runtime_dir / "agent.sock")
+        (pid, _, report), = receiver.wait_for("a report once the daemon is up",
+                                              lambda rs: of_kind(rs, "step")[:1], proc=proc)
+        assert pid == proc.pid and report["seq"] == 1 and report["step"] > 0
+    finally:
+        proc.kill()
+        proc.communicate()
+        if receiver is not None:
+            receiver.close()
+
+
+# ---- fork, finished ----------------------------------------------------------------------------
+
+
+def test_a_forked_child_reports_as_itself(runtime_dir: Path, receiver: Receiver) -> None:
+    proc = start("""
+        import json, os, signal, sys, time
+        from gpuwatch import agent
+        agent.graceful_shutdown(lambda: print("parent cleanup"))
+        agent.step(10)
+        child = os.fork()
+        if child == 0:
+            inherited = signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+            agent.finished()
+            time.sleep(0.06)  # past the coalescing interval the finished report started
+            agent.step(3)
+            print(json.dumps({"child": os.getpid(), "inherited_cleanups": inherited}))
+            sys.stdout.flush()
+            os._exit(0)
+        os.waitpid(child, 0)
+        """, runtime_dir)
+    out, err = receiver.drain_until_exit(proc)
+    assert proc.returncode == 0, err
+    child = json.loads(out)
+    assert child["inherited_cleanups"] is False
+    parent_steps = of_kind(receiver.reports, "step", proc.pid)
+    assert [r[2]["step"] for r in parent_steps] == [10]
+    (_, _, done), = of_kind(receiver.reports, "finished", child["child"])
+    # Its own sequence, and no step of the parent's: it has not taken one yet.
+    assert done["seq"] == 0 and "step" not in done
+    (_, _, own), = of_kind(receiver.reports, "step", child["child"])
+    assert own["seq"] == 1 and own["step"] == 3
+
+
+def test_finished_is_sent_at_once_with_the_newest_step(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    proc = start("""
+        import sys
+        from gpuwatch import agent
+        agent.step(1)
+        agent.step(2)  # coalesced away: within 50 ms of the first report
+        agent.finished()
+        agent.finished()
+        sys.stdin.read()
+        """, runtime_dir, stdin=subprocess.PIPE)
+    try:
+        (pid, _, report), = receiver.wait_for(
+            "a finished report while the program still runs",
+            lambda rs: of_kind(rs, "finished"), proc=proc)
+        assert proc.poll() is None
+    finally:
+        proc.communicate("")
+    assert pid == proc.pid and report["step"] == 2
+    assert len(of_kind(receiver.reports, "finished")) == 1
+
+
+# ---- exit hygiene ------------------------------------------------------------------------------
+
+
+def test_a_thread_left_running_at_exit_gets_an_exit_report_and_a_stderr_line(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    proc = start("""
+        import threading, time
+        from concurrent.futures import ThreadPoolExecutor
+        from gpuwatch import agent
+        agent.step(5)
+        agent.step(6)
+        threading.Thread(target=time.sleep, args=(1.0,), name="heartbeat").start()
+        threading.Thread(target=time.sleep, args=(30,), name="daemonic", daemon=True).start()
+        pool = ThreadPoolExecutor(2, thread_name_prefix="prefetch")
+        pool.submit(time.sleep, 0.5)
+        """, runtime_dir)
+    _, err = receiver.drain_until_exit(proc)
+    assert proc.returncode == 0
+    (pid, _, report), = of_kind(receiver.reports, "exit")
+    assert pid == proc.pid and report["step"] == 6
+    assert report["exit"] == {"threads": ["heartbeat"], "executors": 1, "process_group": False}
+    # The coalesced last step went out before the exit report.
+    assert [r[2]["step"] for r in of_kind(receiver.reports, "step")] == [5, 6]
+    lines = err.splitlines()
+    assert ("gpuwatch: at exit, non-daemon thread 'heartbeat' is still running: the process will "
+            "not exit until it stops") in lines
+    assert any(line.startswith("gpuwatch: at exit, a ThreadPoolExecutor with 1 live worker "
+                               "thread ('prefetch_0') was never shut down") for line in lines)
+    assert len(lines) == 2
+
+
+def test_a_process_group_never_destroyed_is_reported_at_exit(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    # Stands in for torch.distributed where torch is not installed: the agent only ever looks
+    # at what the program itself imported.
+    proc = start("""
+        import sys, types
+        dist = types.ModuleType("torch.distributed")
+        dist.is_available = lambda: True
+        dist.is_initialized = lambda: True
+        sys.modules["torch.distributed"] = dist
+        from gpuwatch import agent
+        agent.step(1)
+        """, runtime_dir)
+    _, err = receiver.drain_until_exit(proc)
+    (_, _, report), = of_kind(receiver.reports, "exit")
+    assert report["exit"] == {"threads": [], "executors": 0, "process_group": True}
+    assert "torch.distributed process group was never destroyed" in err
+
+
+def test_importing_the_agent_alone_changes_nothing_in_the_process(runtime_dir: Path) -> None:
+    result = run("""
+        import atexit, json, os, signal, sys, threading
+        def state():
+            fds = sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                         if os.path.exists(f"/proc/self/fd/{fd}"))
+            return {"fds": [fd for fd in fds if "socket" in fd],
+                    "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                    "atexit": atexit._ncallbacks(),
+                    "threading_atexit": len(threading._threading_atexits),
+                    "threads": threading.active_count()}
+        before = state()
+        import gpuwatch.agent
+        after = state()
+        heavy = [m for m in ("psutil", "prometheus_client", "pynvml", "typer", "torch",
+                             "concurrent.futures.thread") if m in sys.modules]
+        print(json.dumps({"same": before == after, "before": before, "after": after,
+                          "heavy": heavy}))
+        threading.Thread(target=lambda: None).start()
+        """, runtime_dir)
+    assert result.returncode == 0 and result.stderr == ""
+    state = json.loads(result.stdout)
+    assert state["same"], state
+    assert state["heavy"] == []
+
+
+# ---- graceful_shutdown -------------------------------------------------------------------------
+
+
+def test_first_sigint_runs_the_cleanups_in_order_and_exits_130(runtime_dir: Path) -> None:
+    done = runtime_dir / "cleanups"
+    proc = start(f"""
+        import threading
+        from gpuwatch import agent
+        def write(tag):
+            with open({str(done)!r}, "a") as f:
+                f.write(tag)
+        def broken():
+            raise RuntimeError("checkpoint disk full")
+        agent.graceful_shutdown(lambda: write("1"), broken, lambda: write("2"))
+        # A thread that never ends would hold a plain interpreter exit forever.
+        threading.Thread(target=threading.Event().wait, name="heartbeat").start()
+        print("ready", flush=True)
+        threading.Event().wait()
+        """, runtime_dir)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    _, err = wait_exit(proc)
+    assert proc.returncode == 130
+    assert done.read_text() == "12"
+    assert "RuntimeError: checkpoint disk full" in err
+    assert "gpuwatch: interrupted: running 3 cleanups" in err
+
+
+def test_second_sigint_during_a_slow_cleanup_exits_at_once(runtime_dir: Path) -> None:
+    started, finished = runtime_dir / "started", runtime_dir / "finished"
+    proc = start(f"""
+        import time
+        from gpuwatch import agent
+        def slow_cleanup():
+            open({str(started)!r}, "w").close()
+            time.sleep(60)
+            open({str(finished)!r}, "w").close()
+        agent.graceful_shutdown(slow_cleanup)
+        print("ready", flush=True)
+        while True:
+            time.sleep(1)
+        """, runtime_dir)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    wait_file(started, proc)
+    proc.send_signal(signal.SIGINT)
+    wait_exit(proc, timeout=10)
+    assert proc.returncode == 130
+    assert not finished.exists()
+
+
+# ---- with torch, where it is installed ---------------------------------------------------------
+
+
+def test_torch_tensors_are_sized_by_their_own_bytes(runtime_dir: Path, receiver: Receiver
+                                                    ) -> None:
+    pytest.importorskip("torch")
+    proc = start("""
+        import collections, sys, torch
+        from gpuwatch import agent
+        storage = torch.zeros(1000, 256)
+        fetch = collections.deque((torch.zeros(64, 3, 32, 32), torch.zeros(64, dtype=torch.long))
+                                  for _ in range(10))
+        agent.watch("fetch_buffer", fetch)
+        agent.watch("views", [storage[:10]] * 5)  # a view holds its own size, not the storage's
+        agent.step(1)
+        sys.stdin.read()
+        """, runtime_dir, stdin=subprocess.PIPE)
+    try:
+        (_, _, report), = receiver.wait_for("a step report", lambda rs: of_kind(rs, "step"),
+                                            proc=proc)
+    finally:
+        proc.communicate("")
+    assert report["buffers"]["fetch_buffer"] == {"items": 10,
+                                                 "bytes": 10 * (64 * 3 * 32 * 32 * 4 + 64 * 8)}
+    assert report["buffers"]["views"] == {"items": 5, "bytes": 5 * 10 * 256 * 4}
+    assert "cuda" not in report  # CUDA never initialised, so never asked
+
+
+def test_a_real_torch_process_group_left_initialised_is_reported_at_exit(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    pytest.importorskip("torch.distributed")
+    store = runtime_dir / "store"
+    proc = start(f"""
+        import torch.distributed as dist
+        from gpuwatch import agent
+        dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+        agent.step(1)
+        """, runtime_dir, env_extra={"GLOO_SOCKET_IFNAME": "lo"})
+    _, err = receiver.drain_until_exit(proc, timeout=60)
+    (_, _, report), = of_kind(receiver.reports, "exit")
+    assert report["exit"]["process_group"] is True
+    assert "torch.distributed process group was never destroyed" in err

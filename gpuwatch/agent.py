@@ -48,7 +48,7 @@ BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 30.0
 #: Items sampled from a watched container (spread over it), from each container inside it (a
 #: batch: a tuple or dict of tensors), and from each container inside those; deeper is unknown.
-#: At most 16 x 8 x 4 sizes are read per buffer and report, whatever the containers hold.
+#: At most 8 x 4 x 2 sizes are read per buffer and report, whatever the containers hold.
 SAMPLES = (8, 4, 2)
 EXIT_CODE_INTERRUPTED = 130
 

@@ -46,16 +46,21 @@ def test_demo_tells_its_story_of_orphans_and_leftovers_and_cleans_up_on_ctrl_c(
             60, alive=demo)
         wait_for("job B's three helpers as leftovers", lambda: len(findings("leftover")) == 3
                  or None, 60, alive=demo)
+        leaking = int(re.search(r"job C: trainer (\d+)", text).group(1))
+        wait_for("job C's leak", lambda: findings("leak") == {leaking} or None, 60, alive=demo)
+        assert re.search(r'gpuwatch_leak_growth_bytes_per_step\{[^}]*culprit="fetch_buffer"',
+                         scraped())
         runtime = re.search(r"GPUWATCH_RUNTIME_DIR=(\S+)", text).group(1)
         status = subprocess.run([sys.executable, "-m", "gpuwatch", "status"], text=True,
                                 capture_output=True, timeout=60,
                                 env={**env, "GPUWATCH_RUNTIME_DIR": runtime})
         assert "from the running daemon" in status.stdout, status.stdout + status.stderr
         assert status.stdout.count("[orphan]") == 4 and status.stdout.count("[leftover]") == 3
+        assert "buffer `fetch_buffer` explains it" in status.stdout
 
         demo.send_signal(signal.SIGINT)
         assert demo.wait(30) == 0
-        for pid in (int(job_a.group(1)), *workers, int(job_b.group(1))):
+        for pid in (int(job_a.group(1)), *workers, int(job_b.group(1)), leaking):
             wait_for(f"PID {pid} to be gone", lambda pid=pid: not _alive(pid) or None, 10)
         assert not Path(runtime).exists()
     finally:

@@ -56,21 +56,24 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot,
         return None
     after = steps.times.xs[0] + config.leak_warmup_steps
 
-    def test(series: Series, min_slope: float, min_relative: float) -> Optional[Growth]:
+    def test(series: Series, min_slope: float, min_relative: float,
+             min_points: int = config.leak_min_points) -> Optional[Growth]:
         """Growing over the window that ends now and over the one that ended a point earlier:
         one unlucky arrangement of noise is not enough."""
-        g = growth(series.xs, series.ys, after, config.leak_window, config.leak_min_points)
+        g = growth(series.xs, series.ys, after, config.leak_window, min_points)
         if not is_growing(g, min_slope, min_relative):
             return None
-        earlier = growth(series.xs[:-1], series.ys[:-1], after, config.leak_window,
-                         config.leak_min_points)
+        earlier = growth(series.xs[:-1], series.ys[:-1], after, config.leak_window, min_points)
         return g if is_growing(earlier, min_slope, min_relative) else None
 
     byte_min, relative = config.leak_min_bytes_per_step, config.leak_min_relative
     by_bytes = {n: g for n, s in steps.buffer_bytes.items()
                 if (g := test(s, byte_min, relative))}
+    # Item counts are small integers that noise moves in large relative jumps (a queue's
+    # depth): they get a verdict only from four full blocks.
     by_items = {n: g for n, s in steps.buffer_items.items()
-                if (g := test(s, _MIN_ITEMS_PER_STEP, _MIN_ITEMS_RELATIVE))}
+                if (g := test(s, _MIN_ITEMS_PER_STEP, _MIN_ITEMS_RELATIVE,
+                              max(config.leak_min_points, 16)))}
     host = test(steps.rss, byte_min, relative)
     gpu = test(steps.gpu, byte_min, relative) or test(steps.cuda, byte_min, relative)
 

@@ -30,7 +30,11 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             if p.state == "zombie" or is_protected(p, config):
                 continue  # a zombie is reported as one, whatever its job
             label = f" of job {job.label}" if job.label else ""
-            reason = (f"`{command(p)}`{label} still runs; its trainer "
-                      f"{named(trainer_pid, trainer_name)} ended after "
-                      f"{clock_time(job.finished_at)}")
+            if p.pid == trainer_pid:
+                reason = (f"`{command(p)}`{label} told the agent it finished after "
+                          f"{clock_time(job.finished_at)} but still runs")
+            else:
+                reason = (f"`{command(p)}`{label} still runs; its trainer "
+                          f"{named(trainer_pid, trainer_name)} ended after "
+                          f"{clock_time(job.finished_at)}")
             yield finding("leftover", "warning", p, reason)

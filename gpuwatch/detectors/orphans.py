@@ -52,7 +52,13 @@ def _job_still_training(p: HostProcess, history: History) -> bool:
 def _lineage_reason(p: HostProcess, parent_pid: int, parent_start: float | None,
                     parent_name: str | None, snapshot: NodeSnapshot, history: History) -> str:
     gone = history.departed((parent_pid, parent_start))
-    when = f" after {clock_time(gone.last_seen)}" if gone is not None else ""
+    # A parent that exited but was not reaped yet is still there, as a zombie.
+    unreaped = history.get((parent_pid, parent_start))
+    when = ""
+    if gone is not None:
+        when = f" after {clock_time(gone.last_seen)}"
+    elif unreaped is not None and unreaped.zombie_since is not None:
+        when = f" before {clock_time(unreaped.zombie_since)} (not reaped yet)"
     adopter = snapshot.processes.get(p.ppid) if p.ppid else None
     return (f"parent {named(parent_pid, parent_name)} exited{when}; "
             f"now under {named(p.ppid, adopter.name if adopter else None)}")

@@ -27,6 +27,10 @@ class Growth:
     consistency: float
     #: Slope from the next-to-last block to the last: near 0 once growth levels off.
     recent_slope: float
+    #: Smallest rise from one block's median to the next, and the spread of points around
+    #: their block's median (median absolute deviation): a rise that noise explains is no rise.
+    min_rise: float
+    spread: float
     points: int
     first_x: float
     last_x: float
@@ -44,8 +48,9 @@ def growth(xs: Sequence[float], ys: Sequence[float], after_x: float, window: int
     blocks = 4 if len(pts) >= 16 else 3
     size = len(pts) // blocks
     pts = pts[len(pts) - size * blocks:]
-    medians = [(median(x for x, _ in chunk), median(y for _, y in chunk))
-               for chunk in (pts[i:i + size] for i in range(0, len(pts), size))]
+    chunks = [pts[i:i + size] for i in range(0, len(pts), size)]
+    medians = [(median(x for x, _ in chunk), median(y for _, y in chunk)) for chunk in chunks]
+    spread = median(abs(y - m) for chunk, (_, m) in zip(chunks, medians) for _, y in chunk)
     rises = [(y1 - y0) / (x1 - x0)
              for (x0, y0), (x1, y1) in zip(medians, medians[1:]) if x1 > x0]
     (x_first, y_first), (x_last, y_last) = medians[0], medians[-1]
@@ -55,6 +60,8 @@ def growth(xs: Sequence[float], ys: Sequence[float], after_x: float, window: int
         slope=(y_last - y_first) / (x_last - x_first),
         consistency=sum(r > 0 for r in rises) / len(rises),
         recent_slope=rises[-1],
+        min_rise=min(y1 - y0 for (_, y0), (_, y1) in zip(medians, medians[1:])),
+        spread=spread,
         points=len(pts),
         first_x=pts[0][0],
         last_x=pts[-1][0],
@@ -64,10 +71,15 @@ def growth(xs: Sequence[float], ys: Sequence[float], after_x: float, window: int
 
 def is_growing(g: Optional[Growth], min_slope: float, min_relative: float) -> bool:
     """Growth above both thresholds (absolute, and relative to the current size), every block
-    above the one before, and not levelling off."""
+    above the one before by more than noise explains, and not levelling off.
+
+    For a steady trend each rise is about four times the spread within blocks; for noise alone
+    about equal to it: twice the spread separates them, three times while blocks are small.
+    """
     if g is None or g.slope <= 0:
         return False
     return (g.slope >= min_slope
             and g.slope >= min_relative * max(g.last_y, 0.0)
             and g.consistency == 1.0
+            and g.min_rise > (2 if g.points >= 16 else 2.5) * g.spread
             and g.recent_slope >= 0.5 * g.slope)

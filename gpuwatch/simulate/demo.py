@@ -84,6 +84,8 @@ class SimulatedNode:
     training: SimulatedJob
     #: Job B's trainer finishes early and leaves its helpers running: leftovers.
     finishing: SimulatedJob
+    #: A training loop instrumented with gpuwatch.agent whose fetch cache never lets go.
+    leaking: subprocess.Popen[bytes]
     daemon: subprocess.Popen[bytes]
     metrics_url: str
 
@@ -119,7 +121,8 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
     """Start the fake GPUs, two real jobs holding memory on them, and a daemon watching them.
 
     `pace` is the story's unit of time: job B's trainer finishes after 3 units, and its helpers
-    become leftovers 2 units later (the daemon's leftover grace).
+    become leftovers 2 units later (the daemon's leftover grace); the leaking trainer takes five
+    steps a unit.
     """
     try:
         lib = build_fake_nvml()
@@ -129,6 +132,7 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
     node.write()
     jobs: list[SimulatedJob] = []
     daemon: Optional[subprocess.Popen[bytes]] = None
+    leaking: Optional[subprocess.Popen[bytes]] = None
     try:
         training = _start_job(work_dir, "job-a", "--workers", str(workers),
                               "--helpers", "dataloader")
@@ -152,7 +156,15 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
             env=env, stdout=daemon_output, stderr=daemon_output)
         info = wait_for("the daemon", lambda: read_json(runtime / "daemon.json"), 30,
                         alive=daemon)
-        yield SimulatedNode(work_dir, node, training, finishing, daemon, info["metrics_url"])
+        # 2 MiB a step for 300 steps: visible, and bounded if the demo is left running.
+        leaking = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch.simulate.trainer", "--pattern", "leak",
+             "--leak-mib", "2", "--noise-mib", "1", "--steps", "300", "--linger", "86400",
+             "--step-seconds", str(pace / 5)], env={**env, "GPUWATCH_RUNTIME_DIR": str(runtime)},
+            start_new_session=True)
+        node.hold(leaking.pid, device=0, used=6 * GIB)
+        yield SimulatedNode(work_dir, node, training, finishing, leaking, daemon,
+                            info["metrics_url"])
     finally:
         if daemon is not None and daemon.poll() is None:
             daemon.terminate()
@@ -163,6 +175,9 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
                 daemon.wait()
         for job in jobs:
             _stop_job(job.launcher)
+        if leaking is not None:
+            leaking.kill()
+            leaking.wait()
         # Orphaned workers left the launcher's process group's reach only if it was killed
         # alone; they still carry its process group id.
         for job in jobs:
@@ -182,6 +197,8 @@ def run_demo(listen: str, workers: int, duration: Optional[float], pace: float =
 driver, two real jobs on them, watched by the real daemon (PID {sim.daemon.pid}).
   job A: launcher {a.launcher.pid}, workers {' '.join(map(str, a.workers))}, a dataloader helper
   job B: launcher {b.launcher.pid}, trainer {b.workers[0]}, helpers redis, actor, preprocessor
+  job C: trainer {sim.leaking.pid}, instrumented with gpuwatch.agent; its fetch_buffer keeps
+         every batch (2 MiB a step)
 
   metrics  {sim.metrics_url}
   status   GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {gpuwatch} status
@@ -190,6 +207,7 @@ driver, two real jobs on them, watched by the real daemon (PID {sim.daemon.pid})
 What happens:
   after {3 * pace:g} s  job B's trainer finishes; {2 * pace:g} s later its helpers are leftovers
   after {4 * pace:g} s  job A's launcher is killed (kill -9): its workers become orphans
+  after ~{4 * pace:g} s  job C's leak is named, with the buffer and the step it runs out at
 Ctrl+C stops the demo, its jobs and its daemon.""", flush=True)
             started = time.monotonic()
             killed = False

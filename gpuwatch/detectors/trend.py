@@ -37,10 +37,24 @@ class Growth:
     last_y: float
 
 
+def may_grow(xs: Sequence[float], ys: Sequence[float], window: int, min_slope: float) -> bool:
+    """A constant-time pre-check: has the series risen at all across the window, at half the
+    slope that would matter? Most series (idle, steady) have not, and skip the full test."""
+    n = len(xs)
+    if n < 2:
+        return False
+    first = max(0, n - window)
+    rise, run = ys[-1] - ys[first], xs[-1] - xs[first]
+    # NaN (an unknown figure at either end) compares false: then the full test decides.
+    return not (run > 0 and rise < 0.5 * min_slope * run)
+
+
 def growth(xs: Sequence[float], ys: Sequence[float], after_x: float, window: int,
            min_points: int) -> Optional[Growth]:
     """The growth of y over the newest `window` points with x >= after_x (NaNs skipped)."""
-    pts = [(x, y) for x, y in zip(xs, ys) if x >= after_x and not math.isnan(y)][-window:]
+    tail = max(0, len(xs) - 2 * window)  # only the newest points can be in the window
+    pts = [(x, y) for x, y in zip(xs[tail:], ys[tail:])
+           if x >= after_x and not math.isnan(y)][-window:]
     if len(pts) < max(min_points, 6):
         return None
     # Three blocks of at least 2 points while the window is short, so a verdict comes early;

@@ -19,6 +19,9 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2  # Typer's own code for a bad flag
 EXIT_NVML_UNAVAILABLE = 3
 EXIT_PARTIAL = 4
+# `gpuwatch reap`
+EXIT_NOTHING_TO_DO = 3
+EXIT_NOT_ALL_REAPED = 4
 
 STATUS_EXIT_CODES = f"""\b
 Exit codes:
@@ -142,6 +145,127 @@ def daemon(
     exec_daemon(config, {"daemon.listen": listen, "daemon.interval": interval,
                          "daemon.runtime_dir": runtime_dir, "daemon.state_dir": state_dir,
                          "daemon.log_format": log_format, "daemon.log_level": log_level})
+
+
+REAP_EXIT_CODES = f"""\b
+Exit codes:
+  {EXIT_OK}  everything planned was reaped (or, with --dry-run, there is a plan)
+  {EXIT_ERROR}  gpuwatch itself failed
+  {EXIT_USAGE}  bad usage, or no --yes where there is no terminal to confirm on
+  {EXIT_NOTHING_TO_DO}  nothing to do
+  {EXIT_NOT_ALL_REAPED}  some could not be reaped (refused, identity changed, unkillable, survived)
+  {EXIT_CONFIG} bad configuration
+"""
+
+
+@app.command(epilog=REAP_EXIT_CODES)
+def reap(
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; send nothing."),
+    yes: bool = typer.Option(False, "--yes", help="Do not ask for confirmation."),
+    job: Optional[str] = typer.Option(None, "--job", help="Only this job's processes."),
+    pids: Optional[list[int]] = typer.Option(None, "--pid", help="Only this PID (repeatable)."),
+    kinds: Optional[list[str]] = typer.Option(
+        None, "--kind", help="Finding kinds to act on (repeatable; default orphan, leftover, "
+                             "zombie)."),
+    user: Optional[str] = typer.Option(None, "--user", help="Only this user's processes."),
+    older_than: float = typer.Option(0.0, "--older-than", min=0,
+                                     help="Only findings open at least this many seconds."),
+    grace: Optional[float] = typer.Option(None, "--grace", min=0,
+                                          help="Seconds between SIGTERM and SIGKILL."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan and results as JSON."),
+    poll: bool = typer.Option(False, "--poll", help="Plan from one poll here even if a daemon "
+                                                   "is running."),
+    runtime_dir: Optional[Path] = _RUNTIME_OPTION,
+    config: Optional[Path] = _CONFIG_OPTION,
+) -> None:
+    """Free GPU memory held by processes of jobs that are gone, safely.
+
+    Plans from the running daemon's findings (or one poll), never signals PID 1, the daemon,
+    kernel threads, protected names or users, and checks each process's identity right before
+    every signal. Every action goes to the audit log (reap.jsonl in the state directory).
+    """
+    from gpuwatch.daemon import DAEMON_INFO_NAME
+    from gpuwatch.sinks.reap_view import render_reap
+    from gpuwatch.sinks.reaper import AUDIT_NAME, REAPABLE_KINDS, Filters, Reaper
+
+    cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
+    doc = _status_document(cfg.daemon.runtime_dir, ask_daemon=not poll, detectors=cfg.detectors)
+    daemon_pid = _daemon_pid(cfg.daemon.runtime_dir / DAEMON_INFO_NAME)
+    reaper = Reaper(cfg, cfg.daemon.state_dir / AUDIT_NAME, daemon_pid=daemon_pid)
+    filters = Filters(kinds=frozenset(kinds) if kinds else REAPABLE_KINDS, job=job,
+                      pids=frozenset(pids or ()), user=user, older_than=older_than)
+    actions = reaper.plan(doc, filters, dry_run=dry_run)
+    if not actions:
+        _print_reap(as_json, doc, [], dry_run, render_reap)
+        raise typer.Exit(EXIT_NOTHING_TO_DO)
+    if dry_run:
+        _print_reap(as_json, doc, [(a, "planned", "") for a in actions], True, render_reap)
+        raise typer.Exit(EXIT_OK)
+    if not yes:
+        if not sys.stdin.isatty():
+            typer.echo("gpuwatch reap: refusing to signal without --yes (no terminal to "
+                       "confirm on); --dry-run shows the plan", err=True)
+            raise typer.Exit(EXIT_USAGE)
+        sys.stdout.write(render_reap(doc, [(a, "planned", "") for a in actions], True))
+        if not typer.confirm(f"Reap {len(actions)} process(es)?"):
+            raise typer.Exit(EXIT_NOTHING_TO_DO)
+    results = reaper.execute(actions, grace=grace)
+    still_held = _read_gpu_holders({r.action.pid for r in results if r.freed})
+    rows = [(r.action, r.result, r.detail + _released(r, still_held)) for r in results]
+    _print_reap(as_json, doc, rows, False, render_reap)
+    raise typer.Exit(EXIT_OK if all(r.freed for r in results) else EXIT_NOT_ALL_REAPED)
+
+
+def _print_reap(as_json: bool, doc: dict[str, Any], rows: list[Any], dry_run: bool,
+                render: Any) -> None:
+    if as_json:
+        json.dump({"schema": 1, "source": doc["source"], "dry_run": dry_run,
+                   "actions": [{**a.as_json(), "result": result, "detail": detail}
+                               for a, result, detail in rows]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render(doc, rows, dry_run))
+
+
+_RELEASE_WAIT = 3.0
+
+
+def _read_gpu_holders(expected_gone: set[Optional[int]]) -> Optional[set[int]]:
+    """PIDs NVML still lists once the reaped processes had a moment to release their memory
+    (a real driver tears contexts down just after exit); None without NVML."""
+    import time
+
+    from gpuwatch.sources.nvml import NvmlSource
+
+    nvml = NvmlSource()
+    deadline = time.monotonic() + _RELEASE_WAIT
+    try:
+        while True:
+            reading = nvml.read()
+            if not reading.status.available:
+                return None
+            held = {u.pid for g in reading.gpus for u in g.processes}
+            if not (held & expected_gone) or time.monotonic() >= deadline:
+                return held
+            time.sleep(0.1)
+    finally:
+        nvml.close()
+
+
+def _released(r: Any, still_held: Optional[set[int]]) -> str:
+    if not r.freed or r.action.gpu_memory_bytes is None or still_held is None:
+        return ""
+    if r.action.pid in still_held:
+        return "; the driver still lists its GPU memory"
+    return "; GPU memory released"
+
+
+def _daemon_pid(info: Path) -> Optional[int]:
+    try:
+        pid = json.loads(info.read_text()).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return pid if isinstance(pid, int) else None
 
 
 @app.command()

@@ -100,6 +100,14 @@ def _names(v: Any) -> tuple[str, ...]:
     return tuple(i.strip() for i in items if i.strip())
 
 
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "yes", "1", "false", "no", "0"):
+        return v.lower() in ("true", "yes", "1")
+    raise ValueError("true or false")
+
+
 def _one_of(*choices: str) -> Callable[[Any], str]:
     def check(v: Any) -> str:
         if v not in choices:
@@ -206,11 +214,28 @@ class DetectorConfig:
 
 
 @dataclass(frozen=True)
+class ReaperConfig:
+    grace: float = _setting(10.0, _non_negative_float,
+                            "seconds between SIGTERM and SIGKILL")
+    allow_other_users: bool = _setting(
+        True, _bool, "as root, signal other users' processes (a non-root caller never can)")
+    auto: bool = _setting(False, _bool, "the daemon reaps on its own (off by default)")
+    auto_kinds: tuple[str, ...] = _setting(("orphan",), _names,
+                                           "finding kinds the daemon may reap on its own")
+    auto_after: float = _setting(
+        300.0, _non_negative_float,
+        "seconds a finding must stay open before the daemon reaps it on its own")
+    auto_max_per_minute: int = _setting(10, _positive_int,
+                                        "most processes the daemon reaps on its own a minute")
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
+    reaper: ReaperConfig = field(default_factory=ReaperConfig)
 
 
 def _sections() -> dict[str, type]:

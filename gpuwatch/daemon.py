@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,6 +36,14 @@ from gpuwatch.model import NodeReport, NodeSnapshot
 from gpuwatch.poll import Poller
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
 from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
+from gpuwatch.sinks.reaper import (
+    AUDIT_NAME,
+    TERMINATE,
+    VIA_PARENT,
+    Filters,
+    Reaper,
+    read_audit_counts,
+)
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME, AgentReceiver
 from gpuwatch.sources.nvml import NvmlSource
@@ -89,6 +98,13 @@ class Daemon:
             "exporter.max_process_series, summed over polls.", registry=self.registry)
         self.reloads = Counter("gpuwatch_config_reloads", "Configuration reloads by result.",
                                ["result"], registry=self.registry)
+        self.reaped = Counter(
+            "gpuwatch_reaped", "Reap actions carried out, by finding kind and result (from the "
+            "audit log: `gpuwatch reap` and the daemon's own).", ["kind", "result"],
+            registry=self.registry)
+        self._audit_offset: Optional[int] = None
+        self._auto_reaps: deque[float] = deque()
+        self._reaping: Optional[threading.Thread] = None
         for source in ("nvml", "procfs", "poll"):
             self.poll_errors.labels(source)
         for result in ("applied", "refused"):
@@ -202,6 +218,49 @@ class Daemon:
         self.series_dropped.inc(dropped_by_cap(report, self.collector.max_process_series))
         self._log_nvml_transition(snapshot)
         self._log_exit_reports(snapshot)
+        self._count_reaps()
+        if self.config.reaper.auto:
+            self._auto_reap(report)
+
+    def _count_reaps(self) -> None:
+        """Reaps in the audit log since the daemon started, whoever carried them out."""
+        path = self.config.daemon.state_dir / AUDIT_NAME
+        if self._audit_offset is None:  # count from now: earlier lines belong to earlier runs
+            self._audit_offset = path.stat().st_size if path.exists() else 0
+            return
+        counts, self._audit_offset = read_audit_counts(path, self._audit_offset)
+        for (kind, result), n in counts.items():
+            self.reaped.labels(kind, result).inc(n)
+
+    def _auto_reap(self, report: NodeReport) -> None:
+        """The daemon's own reaping: only the configured kinds, only findings open long enough,
+        at a bounded rate, one batch at a time, with every check the CLI makes."""
+        if self._reaping is not None and self._reaping.is_alive():
+            return
+        policy = self.config.reaper
+        now = time.monotonic()
+        while self._auto_reaps and now - self._auto_reaps[0] > 60:
+            self._auto_reaps.popleft()
+        budget = policy.auto_max_per_minute - len(self._auto_reaps)
+        if budget <= 0:
+            return
+        reaper = Reaper(self.config, self.config.daemon.state_dir / AUDIT_NAME,
+                        daemon_pid=os.getpid(), actor="daemon")
+        filters = Filters(kinds=frozenset(policy.auto_kinds), older_than=policy.auto_after)
+        doc = status_document(report, source=SOURCE_DAEMON)
+        actions = [a for a in reaper.plan(doc, filters) if a.action in (TERMINATE, VIA_PARENT)]
+        if not actions:
+            return
+        actions = actions[:budget]
+        self._auto_reaps.extend([now] * len(actions))
+
+        def run() -> None:
+            for r in reaper.execute(actions):
+                log.warning("auto-reap: %s %s (%s): %s %s", r.action.kind, r.action.pid,
+                            r.action.name, r.result, r.detail)
+
+        self._reaping = threading.Thread(target=run, name="auto-reap", daemon=True)
+        self._reaping.start()
 
     def _log_exit_reports(self, snapshot: NodeSnapshot) -> None:
         """What an instrumented process left alive at exit, once per process."""

@@ -50,12 +50,19 @@ def test_demo_tells_its_story_of_orphans_and_leftovers_and_cleans_up_on_ctrl_c(
         wait_for("job C's leak", lambda: findings("leak") == {leaking} or None, 60, alive=demo)
         assert re.search(r'gpuwatch_leak_growth_bytes_per_step\{[^}]*culprit="fetch_buffer"',
                          scraped())
+        # The end of the story: a dry run, then the orphans reaped and their memory released.
+        wait_for("the demo's reap", lambda: out.read_text().count("GPU memory released") >= 3
+                 or None, 60, alive=demo)
+        text = out.read_text()
+        assert "$ gpuwatch reap --dry-run" in text and "would free up to" in text
+        for pid in workers:
+            wait_for(f"orphan {pid} to be gone", lambda pid=pid: not _alive(pid) or None, 10)
         runtime = re.search(r"GPUWATCH_RUNTIME_DIR=(\S+)", text).group(1)
         status = subprocess.run([sys.executable, "-m", "gpuwatch", "status"], text=True,
                                 capture_output=True, timeout=60,
                                 env={**env, "GPUWATCH_RUNTIME_DIR": runtime})
         assert "from the running daemon" in status.stdout, status.stdout + status.stderr
-        assert status.stdout.count("[orphan]") == 4 and status.stdout.count("[leftover]") == 3
+        assert status.stdout.count("[leftover]") == 3  # reaped only the orphans, as asked
         assert "buffer `fetch_buffer` explains it" in status.stdout
 
         demo.send_signal(signal.SIGINT)

@@ -186,6 +186,15 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
                     os.kill(pid, signal.SIGKILL)
 
 
+def _reap(gpuwatch: str, sim: SimulatedNode) -> None:
+    """The end of the story: what an SRE (or a Slurm epilog) would run on the node."""
+    env = {**sim.node.env(), "GPUWATCH_RUNTIME_DIR": str(sim.runtime_dir),
+           "GPUWATCH_STATE_DIR": str(sim.work_dir / "state")}
+    for args in (["reap", "--dry-run"], ["reap", "--yes", "--kind", "orphan", "--grace", "2"]):
+        print(f"\n$ gpuwatch {' '.join(args)}", flush=True)
+        subprocess.run([*gpuwatch.split(), *args], env=env)
+
+
 def run_demo(listen: str, workers: int, duration: Optional[float], pace: float = 5.0) -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-demo-"))
     try:
@@ -208,9 +217,10 @@ What happens:
   after {3 * pace:g} s  job B's trainer finishes; {2 * pace:g} s later its helpers are leftovers
   after {4 * pace:g} s  job A's launcher is killed (kill -9): its workers become orphans
   after ~{4 * pace:g} s  job C's leak is named, with the buffer and the step it runs out at
+  after {6 * pace:g} s  `gpuwatch reap --dry-run`, then `gpuwatch reap --yes --kind orphan`
 Ctrl+C stops the demo, its jobs and its daemon.""", flush=True)
             started = time.monotonic()
-            killed = False
+            killed = reaped = False
             deadline = None if duration is None else started + duration
             while deadline is None or time.monotonic() < deadline:
                 if sim.daemon.poll() is not None:
@@ -221,6 +231,9 @@ Ctrl+C stops the demo, its jobs and its daemon.""", flush=True)
                     killed = True
                     os.kill(a.launcher.pid, signal.SIGKILL)
                     print(f"gpuwatch demo: killed job A's launcher {a.launcher.pid}", flush=True)
+                if not reaped and time.monotonic() - started >= 6 * pace:
+                    reaped = True
+                    _reap(gpuwatch, sim)
                 time.sleep(0.1)
     except DemoError as exc:
         print(f"gpuwatch demo: {exc}", file=sys.stderr)

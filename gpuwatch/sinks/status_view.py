@@ -39,7 +39,7 @@ def _findings_table(doc: dict[str, Any], width: int) -> list[str]:
             human_duration(doc["taken_at"] - f["since"]),
             f["reason"] + _figures(f.get("details") or {}),
         ))
-    return [line[:width] if width > 0 else line for line in _columns(rows)]
+    return [line[:width] if width > 0 else line for line in columns(rows)]
 
 
 def _header(doc: dict[str, Any]) -> str:
@@ -78,7 +78,7 @@ def _gpu_table(doc: dict[str, Any]) -> list[str]:
             str(g["process_count"]),
             note,
         ))
-    return _columns(rows, right={0, 3, 4, 5})
+    return columns(rows, right={0, 3, 4, 5})
 
 
 def _figures(d: dict[str, Any]) -> str:
@@ -128,7 +128,7 @@ def _process_table(doc: dict[str, Any], width: int) -> list[str]:
             _gpu_cell(p),
             "".join(f"[{k}] " for k in kinds.get(p["pid"], ())) + _command_cell(p, procs, shown),
         ))
-    return [line[:width] if width > 0 else line for line in _columns(rows)]
+    return [line[:width] if width > 0 else line for line in columns(rows)]
 
 
 def _shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool,
@@ -195,7 +195,7 @@ def _command_cell(p: dict[str, Any], procs: dict[int, dict[str, Any]], shown: se
     return command
 
 
-def _columns(rows: Sequence[Sequence[str]], right: Collection[int] = ()
+def columns(rows: Sequence[Sequence[str]], right: Collection[int] = ()
              ) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []

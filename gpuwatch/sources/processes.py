@@ -33,7 +33,7 @@ _EMPTY_ENV: Mapping[str, str] = MappingProxyType({})
 _MAX_DEPTH = 64
 
 
-class _Stat(NamedTuple):
+class ProcStat(NamedTuple):
     state: str
     ppid: int
     pgid: int
@@ -95,7 +95,7 @@ class ProcessSource:
             del self._static[key]
 
     def _read_one(self, pid: int, usage: tuple[GpuProcessUsage, ...]) -> HostProcess:
-        dynamic = self._read_stat(pid)
+        dynamic = self.stat(pid)
         if dynamic is None:
             # Absent from /proc: exited (between NVML's list and ours, or mid-read), or living in
             # another PID namespace whose PIDs NVML reports. Kept, marked, never a crash.
@@ -130,7 +130,7 @@ class ProcessSource:
             read_errors=static.read_errors,
         )
 
-    def _read_stat(self, pid: int) -> Optional[_Stat]:
+    def stat(self, pid: int) -> Optional[ProcStat]:
         """What changes between polls, from the one /proc/PID/stat line.
 
         Everything that changes between polls is in this line, so a poll costs one read per
@@ -143,7 +143,7 @@ class ProcessSource:
             return None
         # The command name may hold spaces and parentheses: split after its last ')'.
         fields = line[line.rfind(b")") + 2:].split()
-        return _Stat(
+        return ProcStat(
             state=_STATES.get(fields[0], fields[0].decode(errors="replace")),
             ppid=int(fields[1]),
             pgid=int(fields[2]),

@@ -8,9 +8,15 @@ from pathlib import Path
 
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
-from tests.daemonproc import running_daemon, value
+from tests.daemonproc import RunningDaemon, Samples, running_daemon, value
 from tests.realprocs import GIB
-from tests.scenarios import running, sigkill_launcher, torchrun_job, wait_not_running
+from tests.scenarios import (
+    JobPids,
+    running,
+    sigkill_launcher,
+    torchrun_job,
+    wait_not_running,
+)
 
 DETECTORS = "[detectors]\nleftover_grace = 0.5\nzombie_grace = 0.5\nmin_age = 0\n"
 
@@ -47,17 +53,22 @@ def test_auto_reap_ends_orphans_after_auto_after_and_leaves_other_kinds(
         d.wait_for_log("auto-reap: orphan")
 
 
+def _orphan_it(d: RunningDaemon, job: JobPids) -> Samples:
+    """Let the daemon see the job, kill its launcher, and return the metrics with the orphan."""
+    d.wait_for_metrics("the worker seen", lambda s: (
+        value(s, "gpuwatch_polls_total") or 0) > 3 or None)
+    sigkill_launcher(job)
+    return d.wait_for_metrics("the orphan", lambda s: s if value(
+        s, "gpuwatch_findings", kind="orphan") == 1 else None)
+
+
 def test_auto_reap_is_off_by_default(fake_node: FakeNode, cli_env: dict[str, str],
                                      tmp_path: Path) -> None:
     with torchrun_job(tmp_path, workers=1) as job, \
             running_daemon(cli_env, tmp_path, config=DETECTORS,
                            args=("--interval", "0.2")) as d:
         fake_node.hold(job.workers[0], device=0, used=GIB)
-        d.wait_for_metrics("the worker seen", lambda s: (
-            value(s, "gpuwatch_polls_total") or 0) > 3 or None)
-        sigkill_launcher(job)
-        first = d.wait_for_metrics("the orphan", lambda s: s if value(
-            s, "gpuwatch_findings", kind="orphan") == 1 else None)
+        first = _orphan_it(d, job)
         d.wait_for_metrics("ten more polls", lambda s: (
             value(s, "gpuwatch_polls_total") > value(first, "gpuwatch_polls_total") + 10) or None)
         assert running(job.workers[0])
@@ -73,11 +84,7 @@ def test_a_reap_by_the_cli_is_counted_by_the_daemon(fake_node: FakeNode,
             running_daemon(cli_env, tmp_path, config=DETECTORS,
                            args=("--interval", "0.2")) as d:
         fake_node.hold(job.workers[0], device=0, used=GIB)
-        d.wait_for_metrics("the worker seen", lambda s: (
-            value(s, "gpuwatch_polls_total") or 0) > 3 or None)
-        sigkill_launcher(job)
-        d.wait_for_metrics("the orphan", lambda s: value(
-            s, "gpuwatch_findings", kind="orphan") == 1 or None)
+        _orphan_it(d, job)
         result = gpuwatch(["reap", "--yes", "--grace", "1"], cli_env)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "GPU memory released" in result.stdout

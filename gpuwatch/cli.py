@@ -185,16 +185,23 @@ def reap(
     every signal. Every action goes to the audit log (reap.jsonl in the state directory).
     """
     from gpuwatch.daemon import DAEMON_INFO_NAME
+    from gpuwatch.detectors import KINDS
     from gpuwatch.sinks.reap_view import render_reap
     from gpuwatch.sinks.reaper import AUDIT_NAME, REAPABLE_KINDS, Filters, Reaper
 
+    unknown = sorted(set(kinds or ()) - set(KINDS))
+    if unknown:
+        # A typo would otherwise read as "nothing to do": fatal in an epilog that trusts it.
+        typer.echo(f"gpuwatch reap: unknown kind {', '.join(unknown)}; kinds: "
+                   + ", ".join(KINDS), err=True)
+        raise typer.Exit(EXIT_USAGE)
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
     doc = _status_document(cfg.daemon.runtime_dir, ask_daemon=not poll, detectors=cfg.detectors)
     daemon_pid = _daemon_pid(cfg.daemon.runtime_dir / DAEMON_INFO_NAME)
     reaper = Reaper(cfg, cfg.daemon.state_dir / AUDIT_NAME, daemon_pid=daemon_pid)
     filters = Filters(kinds=frozenset(kinds) if kinds else REAPABLE_KINDS, job=job,
                       pids=frozenset(pids or ()), user=user, older_than=older_than)
-    actions = reaper.plan(doc, filters, dry_run=dry_run)
+    actions = reaper.plan(doc, filters, dry_run=dry_run, grace=grace)
     if not actions:
         _print_reap(as_json, doc, [], dry_run, render_reap)
         raise typer.Exit(EXIT_NOTHING_TO_DO)

@@ -90,3 +90,11 @@ def test_a_reap_by_the_cli_is_counted_by_the_daemon(fake_node: FakeNode,
         assert "GPU memory released" in result.stdout
         wait_for("the count", lambda: (value(d.scrape(), "gpuwatch_reaped_total", kind="orphan",
                                              result="exited") or 0) == 1 or None, 20)
+
+
+def test_a_mistyped_kind_is_a_usage_error_not_nothing_to_do(cli_env: dict[str, str]) -> None:
+    from tests.realprocs import gpuwatch
+
+    result = gpuwatch(["reap", "--dry-run", "--kind", "orphans"], cli_env)
+    assert result.returncode == 2
+    assert "unknown kind orphans" in result.stderr

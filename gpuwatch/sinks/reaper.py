@@ -104,12 +104,14 @@ class Reaper:
         self._procs = ProcessSource()
 
     # -- planning ------------------------------------------------------------------------------
-    def plan(self, doc: dict[str, Any], filters: Filters = Filters(),
-             dry_run: bool = False) -> list[Action]:
+    def plan(self, doc: dict[str, Any], filters: Filters = Filters(), dry_run: bool = False,
+             grace: Optional[float] = None) -> list[Action]:
+        """`grace` (default: the config's) is only what the plan says; execute() takes its own."""
         processes = {p["pid"]: p for p in doc["processes"]}
         chosen = [f for f in doc["findings"] if self._selected(f, doc, filters)]
         candidates = {f["pid"] for f in chosen if f["pid"] is not None}
-        actions = [self._action(f, processes, candidates) for f in chosen]
+        wait = self.config.reaper.grace if grace is None else grace
+        actions = [self._action(f, processes, candidates, wait) for f in chosen]
         # Zombies last: terminating their parents first is what may reap them.
         actions.sort(key=lambda a: a.action == VIA_PARENT)
         self._audit([Result(a, "planned") for a in actions], phase="planned", dry_run=dry_run)
@@ -127,7 +129,7 @@ class Reaper:
         return doc["taken_at"] - f["since"] >= filters.older_than
 
     def _action(self, f: dict[str, Any], processes: dict[int, dict[str, Any]],
-                candidates: set[int]) -> Action:
+                candidates: set[int], grace: float) -> Action:
         pid = f["pid"]
         proc = processes.get(pid) if pid is not None else None
         base = {"kind": f["kind"], "reason": f["reason"], "pid": pid,
@@ -143,7 +145,6 @@ class Reaper:
         refusal = self._refusal(proc)
         if refusal is not None:
             return Action(action=REFUSE, **base, refused=refusal)
-        grace = self.config.reaper.grace
         if f["kind"] == "zombie" and (proc["num_threads"] or 0) <= 1:
             parent = processes.get(proc["ppid"])
             if parent is None:

@@ -7,14 +7,16 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatch.simulate.demo import read_json, wait_for
+from gpuwatch.simulate.fakenvml import FakeNode
+from tests.realprocs import gpuwatch, status_json
 
 T = TypeVar("T")
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -87,3 +89,47 @@ def running_daemon(env: Mapping[str, str], tmp_path: Path, config: str = "",
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def by_pid(doc: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:
+    """The document's findings of `kind`, by PID."""
+    return {f["pid"]: f for f in doc["findings"] if f["kind"] == kind}
+
+
+@dataclass
+class WatchedNode:
+    """A fake node, the CLI's environment for it, and a daemon watching it: what tests read
+    findings through, as an SRE does (`gpuwatch status` asking the daemon)."""
+
+    node: FakeNode
+    env: dict[str, str]
+    daemon: RunningDaemon
+
+    def doc(self) -> dict[str, Any]:
+        _, doc = status_json(self.env)
+        assert doc["source"] == "daemon", doc.get("source_detail")
+        return doc
+
+    def doc_when(self, what: str, predicate: Callable[[dict[str, Any]], bool],
+                 timeout: float = 20) -> dict[str, Any]:
+        def probe() -> Optional[dict[str, Any]]:
+            doc = self.doc()
+            return doc if predicate(doc) else None
+        return wait_for(what, probe, timeout, alive=self.daemon.proc)
+
+    def holding(self, *pids: int) -> dict[str, Any]:
+        """The daemon's view once it sees every one of `pids` holding GPU memory."""
+        return self.doc_when(f"{pids} seen holding GPU memory", lambda d: set(pids) <= {
+            p["pid"] for p in d["processes"] if p["holds_gpu"]})
+
+    def findings_of(self, kind: str, pids: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """Wait until the daemon has a `kind` finding for each of `pids`; {pid: finding}."""
+        wanted = set(pids)
+        doc = self.doc_when(f"{kind} findings for {sorted(wanted)}",
+                            lambda d: wanted <= set(by_pid(d, kind)))
+        return {pid: by_pid(doc, kind)[pid] for pid in wanted}
+
+    def status_text(self) -> str:
+        result = gpuwatch(["status"], self.env)
+        assert "from the running daemon" in result.stdout
+        return result.stdout

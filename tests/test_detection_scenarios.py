@@ -12,16 +12,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
-from tests.daemonproc import RunningDaemon, running_daemon
-from tests.realprocs import GIB, gpuwatch, status_json
+from tests.daemonproc import WatchedNode, by_pid, running_daemon
+from tests.realprocs import GIB, status_json
 from tests.scenarios import (
     ctrl_c,
     orphaned_worker_under_pid1,
@@ -44,35 +43,6 @@ min_age = 0
 """
 
 
-@dataclass
-class WatchedNode:
-    node: FakeNode
-    env: dict[str, str]
-    daemon: RunningDaemon
-
-    def doc(self) -> dict[str, Any]:
-        _, doc = status_json(self.env)
-        assert doc["source"] == "daemon", doc.get("source_detail")
-        return doc
-
-    def doc_when(self, what: str, predicate: Callable[[dict[str, Any]], bool],
-                 timeout: float = 20) -> dict[str, Any]:
-        def probe() -> Optional[dict[str, Any]]:
-            doc = self.doc()
-            return doc if predicate(doc) else None
-        return wait_for(what, probe, timeout, alive=self.daemon.proc)
-
-    def holding(self, *pids: int) -> dict[str, Any]:
-        """The daemon's view once it sees every one of `pids` holding GPU memory."""
-        return self.doc_when(f"{pids} seen holding GPU memory", lambda d: set(pids) <= {
-            p["pid"] for p in d["processes"] if p["holds_gpu"]})
-
-    def status_text(self) -> str:
-        result = gpuwatch(["status"], self.env)
-        assert "from the running daemon" in result.stdout
-        return result.stdout
-
-
 @pytest.fixture
 def watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path
             ) -> Iterator[WatchedNode]:
@@ -83,10 +53,6 @@ def watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path
 
 def findings(doc: dict[str, Any], kind: Optional[str] = None) -> list[dict[str, Any]]:
     return [f for f in doc["findings"] if kind is None or f["kind"] == kind]
-
-
-def by_pid(doc: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:
-    return {f["pid"]: f for f in findings(doc, kind)}
 
 
 # -- 1 ------------------------------------------------------------------------------------------

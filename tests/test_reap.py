@@ -19,9 +19,8 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -30,7 +29,7 @@ from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.simulate.job import launch_env
 from gpuwatch.units import human_bytes
-from tests.daemonproc import RunningDaemon, running_daemon, value
+from tests.daemonproc import WatchedNode, by_pid, running_daemon, value
 from tests.realprocs import GIB, processes_by_pid, status_json
 from tests.scenarios import (
     _orphan,
@@ -66,57 +65,23 @@ EXIT_INCOMPLETE = 4
 # ---- the daemon, the CLI, the audit log ---------------------------------------------------------
 
 
-@dataclass
-class Watched:
-    node: FakeNode
-    env: dict[str, str]
-    daemon: RunningDaemon
-
-    def doc(self) -> dict[str, Any]:
-        _, doc = status_json(self.env)
-        assert doc["source"] == "daemon", doc.get("source_detail")
-        return doc
-
-    def doc_when(self, what: str, predicate: Callable[[dict[str, Any]], bool],
-                 timeout: float = 20) -> dict[str, Any]:
-        def probe() -> Optional[dict[str, Any]]:
-            doc = self.doc()
-            return doc if predicate(doc) else None
-        return wait_for(what, probe, timeout, alive=self.daemon.proc)
-
-    def holding(self, *pids: int) -> dict[str, Any]:
-        """The daemon's view once it sees every one of `pids` holding GPU memory."""
-        return self.doc_when(f"{pids} seen holding GPU memory", lambda d: set(pids) <= {
-            p["pid"] for p in d["processes"] if p["holds_gpu"]})
-
-    def findings_of(self, kind: str, pids: Sequence[int]) -> dict[int, dict[str, Any]]:
-        """Wait until the daemon has a `kind` finding for each of `pids`; {pid: finding}."""
-        doc = self.doc_when(f"{kind} findings for {list(pids)}",
-                            lambda d: set(pids) <= set(by_pid(d, kind)))
-        return {pid: by_pid(doc, kind)[pid] for pid in pids}
-
-
 @contextlib.contextmanager
-def watching(node: FakeNode, env: dict[str, str], tmp_path: Path) -> Iterator[Watched]:
+def watching(node: FakeNode, env: dict[str, str], tmp_path: Path) -> Iterator[WatchedNode]:
     """The daemon on `node`, polling every INTERVAL with short detector graces."""
     with running_daemon(env, tmp_path, config=DETECTORS,
                         args=("--interval", str(INTERVAL))) as daemon:
-        yield Watched(node, env, daemon)
+        yield WatchedNode(node, env, daemon)
 
 
 @pytest.fixture
 def watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path
-            ) -> Iterator[Watched]:
+            ) -> Iterator[WatchedNode]:
     with watching(fake_node, cli_env, tmp_path) as w:
         yield w
 
 
 def findings(doc: dict[str, Any], kind: Optional[str] = None) -> list[dict[str, Any]]:
     return [f for f in doc["findings"] if kind is None or f["kind"] == kind]
-
-
-def by_pid(doc: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:
-    return {f["pid"]: f for f in findings(doc, kind)}
 
 
 def reap(args: Sequence[str], env: Mapping[str, str], timeout: float = 90
@@ -345,7 +310,7 @@ def _free_pid() -> int:
 
 
 def test_a_dry_run_or_a_run_without_confirmation_plans_every_orphan_and_sends_nothing(
-        watched: Watched, cli_env: dict[str, str], tmp_path: Path) -> None:
+        watched: WatchedNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     with torchrun_job(tmp_path, workers=3) as job:
         memory = {pid: (rank + 1) * GIB for rank, pid in enumerate(job.workers)}
         for rank, pid in enumerate(job.workers):
@@ -393,7 +358,7 @@ def test_a_dry_run_or_a_run_without_confirmation_plans_every_orphan_and_sends_no
 
 
 def test_filters_narrow_the_plan_to_the_pids_user_job_kind_and_age_asked_for(
-        watched: Watched, cli_env: dict[str, str], tmp_path: Path) -> None:
+        watched: WatchedNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     with torchrun_job(tmp_path, workers=2) as job:
         for pid in job.workers:
             watched.node.hold(pid, device=0, used=GIB)
@@ -453,7 +418,7 @@ def test_without_a_daemon_or_with_poll_the_plan_comes_from_one_poll(
 
 
 def test_orphans_of_a_sigkilled_launcher_are_reaped_and_their_gpu_memory_freed(
-        watched: Watched, cli_env: dict[str, str], tmp_path: Path) -> None:
+        watched: WatchedNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     with torchrun_job(tmp_path, workers=2) as doomed, torchrun_job(tmp_path, workers=2) as healthy:
         memory = {doomed.workers[0]: 2 * GIB, doomed.workers[1]: 3 * GIB,
                   healthy.workers[0]: GIB, healthy.workers[1]: GIB}
@@ -523,7 +488,7 @@ def test_a_worker_that_ignores_sigterm_is_sigkilled_after_the_grace_period(
 
 
 def test_a_pid_reused_between_plan_and_signal_is_not_signalled(
-        watched: Watched, tmp_path: Path) -> None:
+        watched: WatchedNode, tmp_path: Path) -> None:
     from gpuwatch.sinks.reaper import Filters, Reaper
 
     with torchrun_job(tmp_path, workers=1) as job:
@@ -710,7 +675,7 @@ def test_unkillable_and_ghost_findings_are_reported_and_never_signalled(
 
 
 def test_a_zombie_whose_parent_ignores_sigchld_is_not_reaped(
-        watched: Watched, cli_env: dict[str, str], tmp_path: Path) -> None:
+        watched: WatchedNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     with unreaped_child(tmp_path) as (parent, child):
         watched.node.hold(parent, device=0, used=GIB)  # the parent is a GPU job's process
         watched.findings_of("zombie", [child])
@@ -747,7 +712,7 @@ def test_a_zombie_whose_parent_is_an_orphan_goes_with_its_parent(
 
 
 def test_job_reaps_only_that_jobs_leftovers_and_then_has_nothing_to_do(
-        watched: Watched, cli_env: dict[str, str], tmp_path: Path) -> None:
+        watched: WatchedNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     roles = ("redis", "actor")
     with torchrun_job(tmp_path, workers=1, helpers=roles, trainer_exit_after=3.0,
                       env={"SLURM_JOB_ID": "41001"}) as first:

@@ -583,3 +583,34 @@ def unreaped_child(tmp_path: Path) -> Iterator[tuple[int, int]]:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def free_pid() -> int:
+    """A PID no process has now (the highest free one, far from where new PIDs are handed out)."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    return next(pid for pid in range(pid_max - 1, 300, -1) if not Path(f"/proc/{pid}").exists())
+
+
+@contextlib.contextmanager
+def process_on_pid(pid: int, argv: Sequence[str]) -> Iterator[subprocess.Popen[bytes]]:
+    """A new, unrelated process started on exactly `pid`: real PID reuse, made on purpose by
+    setting the kernel's last-allocated PID (root only; other forks may race, so retry)."""
+    import pytest
+
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    if not os.access(last_pid, os.W_OK):
+        pytest.skip("cannot steer PID allocation here (needs root)")
+    for _ in range(50):
+        last_pid.write_text(str(pid - 1))
+        proc = subprocess.Popen(list(argv))
+        if proc.pid == pid:
+            try:
+                yield proc
+            finally:
+                proc.kill()
+                proc.wait()
+            return
+        proc.kill()
+        proc.wait()
+    pytest.fail(f"could not get PID {pid} back after 50 tries")

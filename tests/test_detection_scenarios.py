@@ -6,9 +6,7 @@ tests/scenarios.md tabulates every scenario's expected findings.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -23,9 +21,11 @@ from tests.daemonproc import WatchedNode, by_pid, running_daemon
 from tests.realprocs import GIB, status_json
 from tests.scenarios import (
     ctrl_c,
+    free_pid,
     orphaned_worker_under_pid1,
     pid_namespaces,
     plain_service,
+    process_on_pid,
     sigkill_launcher,
     torchrun_job,
     unreaped_child,
@@ -198,7 +198,7 @@ def test_7_started_after_the_orphaning_a_ranked_worker_under_pid_1_is_an_orphan_
 # -- 8 ------------------------------------------------------------------------------------------
 def test_8_a_pid_missing_from_proc_and_memory_nobody_accounts_for_are_ghosts(
         watched: WatchedNode) -> None:
-    missing = _free_pid()
+    missing = free_pid()
     watched.node.hold(missing, device=0, used=2 * GIB, ghost=True)
     watched.node.devices[1].unattributed = 3 * GIB
     watched.node.write()
@@ -225,7 +225,8 @@ def test_9_a_finding_does_not_carry_over_to_a_new_process_that_reuses_the_pid(
         # Free once reaped: its adopter may reap lazily (PID 1 here does).
         wait_for(f"PID {old} to be released", lambda: not Path(f"/proc/{old}").exists() or None,
                  60)
-        with _process_with_pid(old) as reused:
+        with process_on_pid(old, [sys.executable, "-c", "import time; time.sleep(600)"]) \
+                as reused:
             watched.node.hold(reused.pid, device=0, used=GIB)
             doc = watched.doc_when("the new process", lambda d: any(
                 p["pid"] == old and p["start_time"] != old_start and p["holds_gpu"]
@@ -259,31 +260,3 @@ def test_a_young_ranked_process_under_pid_1_is_within_its_grace_period(
             later = watched.doc_when("more polls", lambda d: d["taken_at"] > first["taken_at"]
                                      + 5 * INTERVAL)
             assert findings(first) == [] and findings(later) == []
-
-
-def _free_pid() -> int:
-    with open("/proc/sys/kernel/pid_max") as f:
-        pid_max = int(f.read())
-    return next(pid for pid in range(pid_max - 1, 300, -1) if not Path(f"/proc/{pid}").exists())
-
-
-@contextlib.contextmanager
-def _process_with_pid(pid: int) -> Iterator[subprocess.Popen[bytes]]:
-    """A new, unrelated process that gets exactly `pid`: real PID reuse, made on purpose by
-    setting the kernel's last-allocated PID (root only; other forks may race, so retry)."""
-    last_pid = Path("/proc/sys/kernel/ns_last_pid")
-    if not os.access(last_pid, os.W_OK):
-        pytest.skip("cannot steer PID allocation here (needs root)")
-    for _ in range(50):
-        last_pid.write_text(str(pid - 1))
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        if proc.pid == pid:
-            try:
-                yield proc
-            finally:
-                proc.kill()
-                proc.wait()
-            return
-        proc.kill()
-        proc.wait()
-    pytest.fail(f"could not get PID {pid} back after 50 tries")

@@ -34,8 +34,10 @@ from tests.realprocs import GIB, processes_by_pid, status_json
 from tests.scenarios import (
     _orphan,
     clean_env,
+    free_pid,
     orphaned_worker_under_pid1,
     plain_service,
+    process_on_pid,
     running,
     sigkill_launcher,
     state,
@@ -247,27 +249,13 @@ def process_with_pid(pid: int, tmp_path: Path) -> Iterator[tuple[subprocess.Pope
     """A new, unrelated signal recorder that gets exactly `pid`: real PID reuse, made on purpose
     by setting the kernel's last-allocated PID (root only; other forks may race, so retry).
     Yields the process and its signal log once its handlers are in place."""
-    last_pid = Path("/proc/sys/kernel/ns_last_pid")
-    if not os.access(last_pid, os.W_OK):
-        pytest.skip("cannot steer PID allocation here (needs root)")
     script = _script(tmp_path, "newcomer", SIGNAL_RECORDER)
     log = script.parent / "signals.log"
-    for _ in range(50):
-        last_pid.write_text(str(pid - 1))
-        proc = subprocess.Popen([str(script), str(log)])
-        if proc.pid == pid:
-            try:
-                wait_for("the new process's handlers",
-                         lambda: True if log.exists() and "ready" in log.read_text() else None,
-                         20, alive=proc)
-                yield proc, log
-            finally:
-                proc.kill()
-                proc.wait()
-            return
-        proc.kill()
-        proc.wait()
-    pytest.fail(f"could not get PID {pid} back after 50 tries")
+    with process_on_pid(pid, [str(script), str(log)]) as proc:
+        wait_for("the new process's handlers",
+                 lambda: True if log.exists() and "ready" in log.read_text() else None,
+                 20, alive=proc)
+        yield proc, log
 
 
 @contextlib.contextmanager
@@ -298,12 +286,6 @@ def _kernel_thread() -> Optional[int]:
         if int(fields[6]) & PF_KTHREAD:
             return int(entry.name)
     return None
-
-
-def _free_pid() -> int:
-    with open("/proc/sys/kernel/pid_max") as f:
-        pid_max = int(f.read())
-    return next(pid for pid in range(pid_max - 1, 300, -1) if not Path(f"/proc/{pid}").exists())
 
 
 # ---- plans and dry runs ------------------------------------------------------------------------
@@ -647,7 +629,7 @@ def test_unkillable_and_ghost_findings_are_reported_and_never_signalled(
 
     with signal_recorder(tmp_path, name="stuck-in-d") as (stuck, log):
         fake_node.hold(stuck, device=0, used=GIB)
-        missing = _free_pid()
+        missing = free_pid()
         fake_node.hold(missing, device=1, used=2 * GIB, ghost=True)
 
         # A ghost, for real: NVML lists a PID that /proc lacks. Nothing to signal.

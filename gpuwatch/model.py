@@ -234,10 +234,6 @@ class MemoryLimit:
     available_bytes: int
 
 
-#: Finding severities, in increasing order.
-SEVERITIES = ("info", "warning", "critical")
-
-
 @dataclass(frozen=True)
 class Finding:
     """Something wrong on the node, with the evidence for it.
@@ -300,9 +296,6 @@ class NodeSnapshot:
     def gpu_holders(self) -> list[HostProcess]:
         return [p for p in self.processes.values() if p.holds_gpu]
 
-    def children_of(self, pid: int) -> list[HostProcess]:
-        return sorted((p for p in self.processes.values() if p.ppid == pid), key=lambda p: p.pid)
-
 
 @dataclass(frozen=True)
 class NodeReport:
@@ -310,6 +303,3 @@ class NodeReport:
 
     snapshot: NodeSnapshot
     findings: tuple[Finding, ...] = ()
-
-    def findings_for(self, pid: int) -> list[Finding]:
-        return [f for f in self.findings if f.pid == pid]

@@ -129,6 +129,17 @@ class WatchedNode:
                             lambda d: wanted <= set(by_pid(d, kind)))
         return {pid: by_pid(doc, kind)[pid] for pid in wanted}
 
+    def orphan(self, job: Any, used: int) -> tuple[int, dict[str, Any]]:
+        """Let the daemon see the job's single worker hold `used` bytes, kill its launcher, and
+        return the worker's PID and the first document that names it an orphan."""
+        from tests.scenarios import sigkill_launcher
+
+        (worker,) = job.workers
+        self.node.hold(worker, device=0, used=used)
+        self.holding(worker)
+        sigkill_launcher(job)
+        return worker, self.doc_when("the orphan", lambda d: worker in by_pid(d, "orphan"))
+
     def status_text(self) -> str:
         result = gpuwatch(["status"], self.env)
         assert "from the running daemon" in result.stdout

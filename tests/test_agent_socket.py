@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from gpuwatch.simulate.demo import wait_for as poll_until
 from gpuwatch.sources.agent_socket import (
     MAX_DATAGRAM,
     REASONS,
@@ -114,14 +115,8 @@ def handled(receiver: AgentReceiver) -> int:
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
+    """The project's poll-with-deadline, for predicates that answer truthy or falsy."""
+    return poll_until(what, lambda: predicate() or None, timeout)
 
 
 def wait_handled(receiver: AgentReceiver, count: int) -> None:

@@ -215,11 +215,7 @@ def test_8_a_pid_missing_from_proc_and_memory_nobody_accounts_for_are_ghosts(
 def test_9_a_finding_does_not_carry_over_to_a_new_process_that_reuses_the_pid(
         watched: WatchedNode, tmp_path: Path) -> None:
     with torchrun_job(tmp_path, workers=1) as job:
-        old = job.workers[0]
-        watched.node.hold(old, device=0, used=GIB)
-        watched.holding(old)
-        sigkill_launcher(job)
-        doc = watched.doc_when("the orphan", lambda d: old in by_pid(d, "orphan"))
+        old, doc = watched.orphan(job, used=GIB)
         old_start = by_pid(doc, "orphan")[old]["start_time"]
         os.kill(old, 9)
         # Free once reaped: its adopter may reap lazily (PID 1 here does).

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +17,7 @@ from typing import Any, Callable
 import pytest
 
 from gpuwatch.simulate import fakenvml, gen_stub_symbols
+from gpuwatch.simulate.demo import wait_for as poll_until
 from gpuwatch.simulate.fakenvml import (
     ARGUMENT_VERSION_MISMATCH,
     DRIVER_NOT_LOADED,
@@ -72,14 +72,8 @@ def probe(node: FakeNode, body: str) -> dict[str, Any]:
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
+    """The project's poll-with-deadline, for predicates that answer truthy or falsy."""
+    return poll_until(what, lambda: predicate() or None, timeout)
 
 
 def proc_state(pid: int) -> str | None:

@@ -29,7 +29,7 @@ from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.simulate.job import launch_env
 from gpuwatch.units import human_bytes
-from tests.daemonproc import WatchedNode, by_pid, running_daemon, value
+from tests.daemonproc import WatchedNode, running_daemon, value
 from tests.realprocs import GIB, processes_by_pid, status_json
 from tests.scenarios import (
     _orphan,
@@ -474,11 +474,7 @@ def test_a_pid_reused_between_plan_and_signal_is_not_signalled(
     from gpuwatch.sinks.reaper import Filters, Reaper
 
     with torchrun_job(tmp_path, workers=1) as job:
-        old = job.workers[0]
-        watched.node.hold(old, device=0, used=GIB)
-        watched.holding(old)
-        sigkill_launcher(job)
-        doc = watched.doc_when("the orphan", lambda d: old in by_pid(d, "orphan"))
+        old, doc = watched.orphan(job, used=GIB)
         audit_path = tmp_path / "api-audit" / "reap.jsonl"
         audit_path.parent.mkdir()
         reaper = Reaper(load_config(watched.daemon.config_path, environ={}),

@@ -50,7 +50,12 @@ def worker_evidence(p: HostProcess) -> Optional[str]:
 
 
 def command(p: HostProcess, limit: int = 80) -> str:
-    text = " ".join(p.cmdline) or f"[{p.name or '?'}]"
+    """The command line for a sentence: the program by its base name, since the directory
+    (`/opt/conda/envs/train/bin/python`) would push the arguments that identify the process
+    past the limit. The full command line stays in the process record."""
+    if not p.cmdline:
+        return f"[{p.name or '?'}]"
+    text = " ".join((p.cmdline[0].rsplit("/", 1)[-1] or p.cmdline[0], *p.cmdline[1:]))
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

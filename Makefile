@@ -38,7 +38,7 @@ test-deps:
 		fi; }
 
 lint: $(STAMP)
-	$(BIN)/ruff check gpuwatch tests bench
+	$(BIN)/ruff check gpuwatch tests bench dashboards
 
 test: $(STAMP) test-deps lint
 	$(BIN)/python -m pytest

@@ -38,6 +38,8 @@ from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
 from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
 from gpuwatch.sinks.reaper import (
     AUDIT_NAME,
+    OUTCOMES,
+    REAPABLE_KINDS,
     TERMINATE,
     VIA_PARENT,
     Filters,
@@ -109,6 +111,10 @@ class Daemon:
             self.poll_errors.labels(source)
         for result in ("applied", "refused"):
             self.reloads.labels(result)
+        # Present from the start at 0, so that `increase()` sees the first reap of each outcome.
+        for kind in sorted(REAPABLE_KINDS):
+            for outcome in OUTCOMES:
+                self.reaped.labels(kind, outcome)
 
         self._http: Any = None
         self._state_server: Optional[StateServer] = None

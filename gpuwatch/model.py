@@ -105,6 +105,9 @@ class NvmlStatus:
     nvml_version: Optional[str] = None
     cuda_driver_version: Optional[str] = None
     device_count: Optional[int] = None
+    #: While NVML is unavailable: how many /dev/nvidiaN device files the node has. More than
+    #: none means a GPU node whose driver is broken, none a CPU-only node.
+    device_files: Optional[int] = None
 
     @property
     def message(self) -> str:

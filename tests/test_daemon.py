@@ -90,6 +90,8 @@ def test_nvml_lost_while_running_is_reported_and_recovered_with_metrics_answerin
         samples = d.wait_for_metrics("NVML down",
                                      lambda s: s if value(s, "gpuwatch_nvml_up") == 0 else None)
         assert value(samples, "gpuwatch_poll_errors_total", source="nvml") >= 1
+        # This machine has no /dev/nvidiaN: to an alert, a CPU-only node, not a broken driver.
+        assert value(samples, "gpuwatch_nvidia_device_files") == 0
         d.wait_for_log("NVML unavailable: Driver Not Loaded")
         d.wait_for_metrics("polls to go on", lambda s: (
             value(s, "gpuwatch_polls_total") > value(samples, "gpuwatch_polls_total")) or None)

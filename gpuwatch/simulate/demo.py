@@ -117,12 +117,13 @@ def _stop_job(launcher: subprocess.Popen[bytes]) -> None:
 @contextlib.contextmanager
 def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gpus: int = 2,
                    workers: int = 2, interval: float = 1.0, pace: float = 5.0,
-                   daemon_output: Optional[Any] = None) -> Iterator[SimulatedNode]:
+                   daemon_output: Optional[Any] = None,
+                   detectors: str = "") -> Iterator[SimulatedNode]:
     """Start the fake GPUs, two real jobs holding memory on them, and a daemon watching them.
 
     `pace` is the story's unit of time: job B's trainer finishes after 3 units, and its helpers
     become leftovers 2 units later (the daemon's leftover grace); the leaking trainer takes five
-    steps a unit.
+    steps a unit. `detectors` adds lines to the daemon's [detectors] section.
     """
     try:
         lib = build_fake_nvml()
@@ -145,7 +146,7 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
             node.hold(pid, device=rank % gpus, used=(12 + 2 * rank) * GIB)
         node.hold(finishing.workers[0], device=gpus - 1, used=20 * GIB)
         config = work_dir / "gpuwatch.toml"
-        config.write_text(f"[detectors]\nleftover_grace = {2 * pace}\n")
+        config.write_text(f"[detectors]\nleftover_grace = {2 * pace}\n{detectors}\n")
         runtime = work_dir / "run"
         env = node.env()
         env.setdefault("PYTHONUNBUFFERED", "1")

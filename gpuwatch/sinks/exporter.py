@@ -85,6 +85,11 @@ class ReportCollector(Collector):
         yield _gauge("gpuwatch_nvml_up",
                      "1 when NVML answered the last poll, 0 when it is unavailable.",
                      [], [([], 1.0 if s.nvml.available else 0.0)])
+        if s.nvml.device_files is not None:
+            yield _gauge("gpuwatch_nvidia_device_files",
+                         "While NVML is unavailable: the node's /dev/nvidiaN device files (more "
+                         "than 0: a GPU node whose driver does not answer).",
+                         [], [([], float(s.nvml.device_files))])
         if s.nvml.available:
             info = InfoMetricFamily("gpuwatch_nvml", "NVML and driver versions.")
             info.add_metric([], {"driver_version": s.nvml.driver_version or "",

@@ -30,6 +30,10 @@ AUDIT_NAME = "reap.jsonl"
 #: What a reap may act on by default; unkillable and ghost findings can only be reported.
 REAPABLE_KINDS = frozenset({"orphan", "leftover", "zombie"})
 
+#: What carrying out an action can end in (a dry run's results are all "planned").
+OUTCOMES = ("exited", "killed", "reaped", "gone", "identity-changed", "refused", "unkillable",
+            "still-running", "failed")
+
 TERMINATE = "terminate"
 VIA_PARENT = "reap-via-parent"
 REPORT = "report"
@@ -78,8 +82,7 @@ class Action:
 @dataclass(frozen=True)
 class Result:
     action: Action
-    #: planned | exited | killed | reaped | gone | identity-changed | refused | unkillable |
-    #: still-running | failed
+    #: "planned", or one of OUTCOMES
     result: str
     detail: str = ""
 

@@ -7,6 +7,8 @@ status with a readable reason, one device failing marks that device and the othe
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import time
 from dataclasses import replace
 from typing import Any, Callable, Optional
@@ -27,6 +29,17 @@ _NO_INSTANCE = 0xFFFFFFFF
 # Errors after which the library handle itself is suspect, so the next poll initialises again.
 # UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, LIB_RM_VERSION_MISMATCH
 _REINIT_ERRORS = frozenset({1, 9, 12, 18})
+# One character device per GPU; nvidiactl, nvidia-uvm and nvidia-caps are not GPUs.
+_GPU_DEVICE_FILE = re.compile(r"nvidia[0-9]+")
+
+
+def count_nvidia_device_files(dev_dir: str = "/dev") -> int:
+    """The /dev/nvidiaN files: present on a GPU node even when its driver does not answer."""
+    try:
+        with os.scandir(dev_dir) as entries:
+            return sum(1 for e in entries if _GPU_DEVICE_FILE.fullmatch(e.name))
+    except OSError:
+        return 0
 
 
 def _load_pynvml() -> Any:
@@ -58,8 +71,10 @@ class NvmlSource:
     """
 
     def __init__(self, retry_initial: float = 0.0, retry_max: float = 60.0,
-                 nvml: Optional[Any] = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 nvml: Optional[Any] = None, clock: Callable[[], float] = time.monotonic,
+                 dev_dir: str = "/dev") -> None:
         self._nvml = nvml
+        self.dev_dir = dev_dir
         self.retry_initial = retry_initial
         self.retry_max = retry_max
         self._clock = clock
@@ -112,6 +127,7 @@ class NvmlSource:
                 return NvmlReading(status=self._status)
             self._status = self._init()
             if not self._initialised:
+                self._status = self._with_device_files(self._status)
                 delay = min(self.retry_max, self.retry_initial * 2 ** min(self._failures, 30))
                 self._failures += 1
                 self._next_try = now + delay
@@ -134,10 +150,14 @@ class NvmlSource:
     def _lost_library(self, exc: Exception) -> NvmlReading:
         nv = self._nvml
         code = _code(exc)
-        self._status = NvmlStatus(available=False, error=_message(nv, exc), error_code=code)
+        self._status = self._with_device_files(
+            NvmlStatus(available=False, error=_message(nv, exc), error_code=code))
         if code in _REINIT_ERRORS:
             self.close()
         return NvmlReading(status=self._status, errors=(SourceError("nvml", self._status.message),))
+
+    def _with_device_files(self, status: NvmlStatus) -> NvmlStatus:
+        return replace(status, device_files=count_nvidia_device_files(self.dev_dir))
 
     def _static_info(self, index: int, errors: list[NvmlCallError]) -> Optional[_StaticInfo]:
         info = self._static.get(index)

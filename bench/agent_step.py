@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import node  # noqa: F401  (puts the repository on sys.path)
+from node import parse_args, write_figures
 
 from gpuwatch import agent
 
@@ -90,7 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, default=400)
     parser.add_argument("--rate", type=float, default=10_000, help="steps/s of the paced loop")
-    args = parser.parse_args()
+    args = parse_args(parser, quick={"batches": 40})
 
     fetch = [bytes(MIB) for _ in range(64)]
     batches = collections.deque((bytes(4096), i) for i in range(256))
@@ -112,6 +112,7 @@ def main() -> None:
             receiver.kill()
             receiver.wait()
     report(rows, extra)
+    write_figures(args.figures, {"ns": rows, **extra})
 
 
 def measure(path: str, missing: Path, batches: int, rate: float

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import time
 
 from node import (
@@ -19,10 +18,13 @@ from node import (
     bench_node,
     free_port,
     idle_processes,
+    parse_args,
     polls_total,
     rss_bytes,
+    start_daemon,
     stop,
     wait_http,
+    write_figures,
 )
 
 from gpuwatch.simulate.fakenvml import FakeProcess
@@ -33,20 +35,15 @@ def main() -> None:
     parser.add_argument("--polls", type=int, default=10_000)
     parser.add_argument("--early", type=int, default=100)
     parser.add_argument("--interval", type=float, default=0.005)
-    args = parser.parse_args()
+    args = parse_args(parser, quick={"polls": 300, "early": 50})
     port = free_port()
     with bench_node() as b:
-        env = b.node.env()
-        env.update(GPUWATCH_CONFIG="/dev/null", GPUWATCH_RUNTIME_DIR=str(b.tmp / "run"),
-                   GPUWATCH_STATE_DIR=str(b.tmp / "gpuwatch-state"))
         url = f"http://127.0.0.1:{port}/metrics"
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "gpuwatch", "daemon", "--listen", f"127.0.0.1:{port}",
-             "--interval", str(args.interval), "--log-level", "warning"], env=env)
+        daemon = start_daemon(b, port, args.interval)
         churned: list[subprocess.Popen[bytes]] = []
         try:
             wait_http(url, daemon)
-            marks = [args.early, 1_000, 3_000, 6_000]
+            marks = [m for m in (args.early, 1_000, 3_000, 6_000) if m < args.polls]
             readings: list[tuple[float, int]] = []
             started = time.monotonic()
             replaced = 0
@@ -76,8 +73,11 @@ def main() -> None:
     for polls, rss in readings:
         print(f"after {polls:>6.0f} polls: {rss / 2**20:7.2f} MiB")
     (first_at, first), (last_at, last) = readings[0], readings[-1]
-    print(f"growth from {first_at:.0f} to {last_at:.0f} polls: {100 * (last - first) / first:+.1f}%"
+    growth = (last - first) / first
+    print(f"growth from {first_at:.0f} to {last_at:.0f} polls: {100 * growth:+.1f}%"
           " (goal: within 5%)")
+    write_figures(args.figures, {"readings": [[polls, rss / 2**20] for polls, rss in readings],
+                                 "replaced": replaced, "seconds": elapsed, "growth": growth})
 
 
 if __name__ == "__main__":

@@ -1,56 +1,54 @@
 """The daemon against nvitop-exporter on the same simulated node, side by side in one run.
 
-Both watch 8 fake GPUs with 64 real processes holding memory, collecting at the same interval.
-Figures: CPU per collection (process CPU time over a window / collections in it), RSS, and
-/metrics scrape latency. Ratios are the headline; absolute times depend on the machine.
+Both watch 8 fake GPUs with 64, then 512, real processes holding memory, collecting at the same
+interval. Figures: CPU per collection (process CPU time over a window / collections in it), RSS,
+and /metrics scrape latency (scrapes alternate between the two), with the number of per-process
+series each exposes. Ratios are the headline; absolute times depend on the machine.
 
     python bench/exporter_vs_nvitop.py [--interval 0.5] [--window 40] [--scrapes 50]
+                                       [--gpu-procs 64,512]
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
+from typing import Any
 
 from node import (
     bench_node,
+    cli_env,
+    console_script,
     cpu_seconds,
     free_port,
+    int_list,
+    parse_args,
     polls_total,
     rss_bytes,
     scrape,
+    start_daemon,
     stop,
     wait_http,
+    write_figures,
 )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--interval", type=float, default=0.5)
-    parser.add_argument("--window", type=float, default=40.0)
-    parser.add_argument("--scrapes", type=int, default=50)
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--gpu-procs", type=int, default=64)
-    args = parser.parse_args()
-    nvitop_exporter = shutil.which("nvitop-exporter") or str(
-        Path(sys.executable).parent / "nvitop-exporter")
+def per_process_series(body: bytes) -> int:
+    """Samples that carry a PID label: what grows with GPU processes."""
+    return sum(1 for line in body.splitlines()
+               if not line.startswith(b"#") and b'pid="' in line)
 
-    with bench_node(args.gpus, args.gpu_procs) as b:
-        env = b.node.env()
-        env.update(GPUWATCH_CONFIG="/dev/null", GPUWATCH_RUNTIME_DIR=str(b.tmp / "run"),
-                   GPUWATCH_STATE_DIR=str(b.tmp / "gpuwatch-state"))
+
+def compare(args: argparse.Namespace, gpu_procs: int) -> dict[str, Any]:
+    nvitop_exporter = console_script("nvitop-exporter")
+    with bench_node(args.gpus, gpu_procs) as b:
         gw_port, nv_port = free_port(), free_port()
-        gw = subprocess.Popen(
-            [sys.executable, "-m", "gpuwatch", "daemon", "--listen", f"127.0.0.1:{gw_port}",
-             "--interval", str(args.interval), "--log-level", "warning"], env=env)
+        gw = start_daemon(b, gw_port, args.interval)
         nv = subprocess.Popen(
             [nvitop_exporter, "--bind-address", "127.0.0.1", "--port", str(nv_port),
-             "--interval", str(args.interval)], env=env, stdout=subprocess.DEVNULL,
+             "--interval", str(args.interval)], env=cli_env(b), stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)
         try:
             gw_url = f"http://127.0.0.1:{gw_port}/metrics"
@@ -70,30 +68,55 @@ def main() -> None:
             if nv_cpu > args.interval:
                 print(f"note: nvitop-exporter needs {nv_cpu:.3f} s a collection, more than the "
                       "interval: it is saturated and the figure is a lower bound")
-            gw_lat, nv_lat, gw_size, nv_size = [], [], 0, 0
+            gw_lat, nv_lat = [], []
+            gw_body = nv_body = b""
             for _ in range(args.scrapes):
-                latency, body = scrape(gw_url)
+                latency, gw_body = scrape(gw_url)
                 gw_lat.append(latency)
-                gw_size = len(body)
-                latency, body = scrape(nv_url)
+                latency, nv_body = scrape(nv_url)
                 nv_lat.append(latency)
-                nv_size = len(body)
             gw_rss, nv_rss = rss_bytes(gw.pid), rss_bytes(nv.pid)
         finally:
             stop([gw, nv])
+    return {
+        "gpu_procs": gpu_procs,
+        "gpuwatch": {"cpu_ms": gw_cpu * 1e3, "rss_mib": gw_rss / 2**20,
+                     "scrape_ms": statistics.median(gw_lat) * 1e3, "bytes": len(gw_body),
+                     "series": per_process_series(gw_body)},
+        "nvitop-exporter": {"cpu_ms": nv_cpu * 1e3, "rss_mib": nv_rss / 2**20,
+                            "scrape_ms": statistics.median(nv_lat) * 1e3, "bytes": len(nv_body),
+                            "series": per_process_series(nv_body),
+                            "saturated": nv_cpu > args.interval},
+    }
 
-    print(f"exporters on {args.gpus} fake GPUs x {args.gpu_procs} real GPU processes, interval "
-          f"{args.interval:g} s, {args.window:g} s window, {args.scrapes} scrapes each")
-    print(f"{'':<22}{'CPU ms/collection':>18}{'RSS MiB':>9}{'scrape ms (median)':>20}"
-          f"{'/metrics bytes':>16}")
-    for name, cpu, rss, lat, size in (("gpuwatch daemon", gw_cpu, gw_rss, gw_lat, gw_size),
-                                      ("nvitop-exporter", nv_cpu, nv_rss, nv_lat, nv_size)):
-        print(f"{name:<22}{cpu * 1e3:>18.2f}{rss / 2**20:>9.1f}"
-              f"{statistics.median(lat) * 1e3:>20.2f}{size:>16}")
-    print(f"ratio gpuwatch/nvitop-exporter: CPU {gw_cpu / nv_cpu:.2f}x, "
-          f"RSS {gw_rss / nv_rss:.2f}x, "
-          f"scrape {statistics.median(gw_lat) / statistics.median(nv_lat):.2f}x "
-          f"(goal: CPU <= 0.33x, RSS <= 1x)")
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--window", type=float, default=40.0)
+    parser.add_argument("--scrapes", type=int, default=50)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--gpu-procs", type=int_list, default=[64, 512])
+    args = parse_args(parser, quick={"window": 4.0, "scrapes": 5, "gpu_procs": [64]})
+
+    results = []
+    for n in args.gpu_procs:
+        r = compare(args, n)
+        results.append(r)
+        gw, nv = r["gpuwatch"], r["nvitop-exporter"]
+        print(f"exporters on {args.gpus} fake GPUs x {n} real GPU processes, interval "
+              f"{args.interval:g} s, {args.window:g} s window, {args.scrapes} scrapes each")
+        print(f"{'':<18}{'CPU ms/collection':>18}{'RSS MiB':>9}{'scrape ms (median)':>20}"
+              f"{'/metrics bytes':>16}{'PID series':>12}")
+        for name, f in (("gpuwatch daemon", gw), ("nvitop-exporter", nv)):
+            print(f"{name:<18}{f['cpu_ms']:>18.2f}{f['rss_mib']:>9.1f}{f['scrape_ms']:>20.2f}"
+                  f"{f['bytes']:>16}{f['series']:>12}")
+        print(f"ratio gpuwatch/nvitop-exporter: CPU {gw['cpu_ms'] / nv['cpu_ms']:.2f}x, "
+              f"RSS {gw['rss_mib'] / nv['rss_mib']:.2f}x, "
+              f"scrape {gw['scrape_ms'] / nv['scrape_ms']:.2f}x (goal: CPU <= 0.33x, RSS <= 1x)\n",
+              flush=True)
+    write_figures(args.figures, {"interval": args.interval, "window": args.window,
+                                 "by_gpu_procs": {str(r["gpu_procs"]): r for r in results}})
 
 
 if __name__ == "__main__":

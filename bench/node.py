@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
+import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -51,8 +56,13 @@ def _stop_tree(shell: subprocess.Popen[bytes], pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)
-    shell.kill()
-    shell.wait()
+    # The shell's `wait` reaps the children as they die, then the shell exits. Killed first, it
+    # would hand thousands of zombies to PID 1, which in some containers reaps them late.
+    try:
+        shell.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        shell.kill()
+        shell.wait()
 
 
 @contextlib.contextmanager
@@ -60,6 +70,7 @@ def bench_node(gpus: int = 8, gpu_procs: int = 64) -> Iterator[BenchNode]:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         node = FakeNode(tmp / "state", build_fake_nvml(tmp / "lib"), gpus=gpus)
+        check_room_for(gpu_procs)
         launcher, holders = _spawn_tree(gpu_procs, new_session=False)
         try:
             for i, pid in enumerate(holders):
@@ -75,9 +86,27 @@ def idle_processes(n: int) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen(["sleep", "3600"]) for _ in range(n)]
 
 
+def check_room_for(n: int) -> None:
+    """Fail early, with the reason, when `n` more processes would not fit under the PID or
+    per-user process limits (a fork failing half-way through leaves a mess to clean up)."""
+    running = sum(1 for e in os.scandir("/proc") if e.name.isdigit())
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY and running + n + 256 > soft:
+        wanted = hard if hard == resource.RLIM_INFINITY else min(hard, running + n + 256)
+        resource.setrlimit(resource.RLIMIT_NPROC, (wanted, hard))
+        soft = wanted
+    room = min(pid_max, soft if soft != resource.RLIM_INFINITY else pid_max) - running - 256
+    if n > room:
+        raise RuntimeError(f"{n} more processes do not fit: {running} running, pid_max "
+                           f"{pid_max}, RLIMIT_NPROC {soft}")
+
+
 @contextlib.contextmanager
 def unrelated_host_processes(n: int) -> Iterator[None]:
     """`n` idle processes in another process tree than the GPU holders', as on a real host."""
+    check_room_for(n)
     shell, pids = _spawn_tree(n, new_session=True)
     try:
         yield
@@ -137,3 +166,54 @@ def polls_total(url: str) -> float:
         if line.startswith("gpuwatch_polls_total "):
             return float(line.split()[1])
     return 0.0
+
+
+# -- the figures each bench hands to bench/run.py ------------------------------------------------
+
+def parse_args(parser: argparse.ArgumentParser, quick: dict[str, Any]) -> argparse.Namespace:
+    """The bench's arguments; under --quick, `quick` replaces the full-size defaults (flags given
+    on the command line still win)."""
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes and few repetitions: a smoke run, not a measurement")
+    parser.add_argument("--figures", type=Path, default=None,
+                        help="also write the headline figures here, as JSON (for bench/run.py)")
+    args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(**quick)
+        args = parser.parse_args()
+    return args
+
+
+def write_figures(path: Optional[Path], figures: dict[str, Any]) -> None:
+    if path is not None:
+        path.write_text(json.dumps(figures, indent=1))
+
+
+def int_list(text: str) -> list[int]:
+    """'8,64,512' -> [8, 64, 512], for flags that take several sizes."""
+    return [int(part.replace("_", "")) for part in text.split(",") if part]
+
+
+def cli_env(b: BenchNode) -> dict[str, str]:
+    """The fake node's environment for gpuwatch's own commands: no config file, no system
+    runtime or state directory, so no real daemon is ever asked."""
+    env = b.node.env()
+    env.update(GPUWATCH_CONFIG="/dev/null", GPUWATCH_RUNTIME_DIR=str(b.tmp / "run"),
+               GPUWATCH_STATE_DIR=str(b.tmp / "gpuwatch-state"))
+    env.pop("NOTIFY_SOCKET", None)
+    return env
+
+
+def start_daemon(b: BenchNode, port: int, interval: float) -> subprocess.Popen[bytes]:
+    """`gpuwatch daemon` on the fake node, /metrics on 127.0.0.1:`port`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "daemon", "--listen", f"127.0.0.1:{port}",
+         "--interval", str(interval), "--log-level", "warning"], env=cli_env(b))
+
+
+def console_script(name: str) -> str:
+    """A peer tool from this virtualenv (the same nvidia-ml-py as gpuwatch), else from PATH."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    return shutil.which(name) or name

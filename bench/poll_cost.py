@@ -1,21 +1,35 @@
-"""CPU time of one poll on a simulated node: 8 GPUs, 64 real processes holding GPU memory.
+"""CPU and wall time of one poll on a simulated node of 8 fake GPUs, as the node grows two ways.
 
-Run twice side by side: once on a quiet host, once with 2,000 extra idle host processes, to show
-that a poll's cost follows GPU processes rather than every process on the host.
+(a) GPU processes grow: 8, 64, 512 real processes holding memory, on a quiet host.
+(b) Host processes grow: 64 GPU processes, plus 200, 2,000, 10,000 real idle processes in another
+    process tree, as on a shared host. A poll reads GPU holders, their jobs and ancestors only,
+    so (b) should stay flat while (a) grows.
 
-    python bench/poll_cost.py [--polls 300] [--gpu-procs 64] [--host-procs 2000]
+A poll here is what the daemon does each interval: read NVML and /proc, update the history, run
+every detector. Each size is measured in a fresh child process.
+
+    python bench/poll_cost.py [--polls 300] [--gpu-procs 8,64,512] [--host-procs 200,2000,10000]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 from typing import Any
 
-from node import FakeNode, bench_node, unrelated_host_processes
+from node import (
+    FakeNode,
+    bench_node,
+    int_list,
+    parse_args,
+    unrelated_host_processes,
+    write_figures,
+)
 
 # Runs inside a child whose LD_LIBRARY_PATH points at the fake driver.
 _MEASURE = r"""
@@ -51,38 +65,79 @@ def measure(node: FakeNode, polls: int) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(polls)], env=node.env(),
                          check=True, capture_output=True, text=True).stdout
     result: dict[str, Any] = json.loads(out)
+    result["host_total"] = sum(1 for e in os.scandir("/proc") if e.name.isdigit())
     return result
+
+
+def summary(r: dict[str, Any]) -> dict[str, float]:
+    cpu = sorted(r["cpu"])
+    return {"cpu_ms": statistics.median(cpu) * 1e3, "cpu_p95_ms": cpu[int(len(cpu) * 0.95)] * 1e3,
+            "detect_ms": statistics.median(r["detect"]) * 1e3,
+            "wall_ms": statistics.median(r["wall"]) * 1e3, "snapshot": r["processes"],
+            "host_total": r["host_total"]}
+
+
+def print_rows(title: str, rows: list[tuple[str, dict[str, Any]]]) -> None:
+    print(title)
+    print(f"{'':<30} {'CPU ms/poll':>12} {'p95':>7} {'detectors':>10} {'wall ms':>8}"
+          f" {'procs read':>11} {'procs on host':>14}")
+    for label, r in rows:
+        s = summary(r)
+        print(f"{label:<30} {s['cpu_ms']:>12.2f} {s['cpu_p95_ms']:>7.2f} {s['detect_ms']:>10.2f}"
+              f" {s['wall_ms']:>8.2f} {s['snapshot']:>11} {s['host_total']:>14}")
+        if r["errors"]:
+            print(f"  errors: {r['errors'][:3]}")
+    print(flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--polls", type=int, default=300)
     parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--gpu-procs", type=int, default=64)
-    parser.add_argument("--host-procs", type=int, default=2000)
-    args = parser.parse_args()
+    parser.add_argument("--gpu-procs", type=int_list, default=[8, 64, 512],
+                        help="GPU process counts of sweep (a)")
+    parser.add_argument("--host-procs", type=int_list, default=[200, 2000, 10000],
+                        help="idle host process counts of sweep (b)")
+    parser.add_argument("--base-gpu-procs", type=int, default=64,
+                        help="GPU processes during sweep (b)")
+    args = parse_args(parser, quick={"polls": 40, "gpu_procs": [8, 64], "host_procs": [200, 1000]})
+    print(f"poll cost on {args.gpus} fake GPUs, {args.polls} polls per size; the median of "
+          "each, in a fresh process\n")
 
-    with bench_node(args.gpus, args.gpu_procs) as b:
-        rows = [("quiet host", measure(b.node, args.polls))]
-        with unrelated_host_processes(args.host_procs):
-            rows.append((f"+{args.host_procs} idle host processes", measure(b.node, args.polls)))
+    by_gpu: list[tuple[str, dict[str, Any]]] = []
+    for n in args.gpu_procs:
+        with bench_node(args.gpus, n) as b:
+            by_gpu.append((f"{n} GPU processes", measure(b.node, args.polls)))
+    print_rows("(a) GPU processes grow, quiet host", by_gpu)
 
-    print(f"poll cost: {args.gpus} fake GPUs, {args.gpu_procs} real GPU processes, "
-          f"{args.polls} polls each; a poll here is read + history + detectors")
-    print(f"{'host':<32} {'CPU ms/poll (median)':>21} {'p95':>7} {'of which detection':>19}"
-          f" {'wall ms (median)':>17} {'procs in snapshot':>18}")
-    for label, r in rows:
-        cpu = sorted(r["cpu"])
-        print(f"{label:<32} {statistics.median(cpu) * 1e3:>21.2f} "
-              f"{cpu[int(len(cpu) * 0.95)] * 1e3:>7.2f} "
-              f"{statistics.median(r['detect']) * 1e3:>19.2f} "
-              f"{statistics.median(r['wall']) * 1e3:>17.2f} {r['processes']:>18}")
-        if r["errors"]:
-            print(f"  errors: {r['errors'][:3]}")
-    quiet, busy = (statistics.median(r["cpu"]) for _, r in rows)
-    share = statistics.median(rows[1][1]["detect"]) / busy
-    print(f"ratio busy/quiet host: {busy / quiet:.2f}x; detection's share of a poll on the busy "
-          f"host: {100 * share:.0f}%")
+    by_host: list[tuple[str, dict[str, Any]]] = []
+    with bench_node(args.gpus, args.base_gpu_procs) as b, contextlib.ExitStack() as spawned:
+        running = 0
+        for n in sorted(args.host_procs):
+            spawned.enter_context(unrelated_host_processes(n - running))
+            running = n
+            by_host.append((f"+{n:,} idle host processes", measure(b.node, args.polls)))
+    print_rows(f"(b) host processes grow, {args.base_gpu_procs} GPU processes", by_host)
+
+    g0, g1 = summary(by_gpu[0][1]), summary(by_gpu[-1][1])
+    h0, h1 = summary(by_host[0][1]), summary(by_host[-1][1])
+    gpu_growth, host_growth = g1["cpu_ms"] / g0["cpu_ms"], h1["cpu_ms"] / h0["cpu_ms"]
+    # Cost of one more process of each kind: what a poll pays for a GPU process, and for a
+    # process that has nothing to do with the GPUs.
+    per_gpu_proc = (g1["cpu_ms"] - g0["cpu_ms"]) / (args.gpu_procs[-1] - args.gpu_procs[0])
+    per_host_proc = (h1["cpu_ms"] - h0["cpu_ms"]) / (max(args.host_procs) - min(args.host_procs))
+    print(f"{args.gpu_procs[-1] / args.gpu_procs[0]:g}x the GPU processes: {gpu_growth:.2f}x the "
+          f"CPU ({per_gpu_proc * 1e3:.1f} us per GPU process); "
+          f"{max(args.host_procs) / min(args.host_procs):g}x the host processes: "
+          f"{host_growth:.2f}x the CPU ({per_host_proc * 1e3:.3f} us per host process)")
+    write_figures(args.figures, {
+        "gpus": args.gpus, "polls": args.polls, "base_gpu_procs": args.base_gpu_procs,
+        "by_gpu_procs": {str(n): summary(r) for n, (_, r) in zip(args.gpu_procs, by_gpu)},
+        "by_host_procs": {str(n): summary(r)
+                          for n, (_, r) in zip(sorted(args.host_procs), by_host)},
+        "gpu_growth": gpu_growth, "host_growth": host_growth,
+        "us_per_gpu_proc": per_gpu_proc * 1e3, "us_per_host_proc": per_host_proc * 1e3,
+    })
 
 
 if __name__ == "__main__":

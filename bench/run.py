@@ -1,18 +1,300 @@
-"""Run every benchmark under bench/ and print its figures: `make bench`."""
+"""Run every benchmark under bench/, print one table of headline figures with each goal marked,
+and write BENCHMARKS.md (the machine, the command, the table, each bench's own figures).
+
+    python bench/run.py            # the full run (`make bench`), writes BENCHMARKS.md
+    python bench/run.py --quick    # small sizes, a minute or two: a smoke run, writes nothing
+    python bench/run.py --only poll_cost oneshot --no-write
+
+Every bench runs in its own process on its own simulated node and hands its figures back as JSON
+(--figures). Absolute times depend on the machine; the ratios against the peers measured in the
+same run are the headline.
+"""
 
 from __future__ import annotations
 
+import argparse
+import ast
+import datetime
+import json
+import os
+import platform
+import shlex
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
+from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["poll_cost.py", "exporter_vs_nvitop.py", "daemon_rss.py", "agent_ingest.py",
-           "agent_step.py"]
+ROOT = HERE.parent
+BENCHES = ["poll_cost", "exporter_vs_nvitop", "oneshot", "daemon_rss", "agent_step",
+           "agent_ingest"]
+PACKAGES = ["gpuwatch", "nvidia-ml-py", "psutil", "prometheus-client", "nvitop",
+            "nvitop-exporter", "gpustat"]
+
+Figures = dict[str, Any]
+
+
+@dataclass
+class Row:
+    figure: str
+    value: str
+    goal: str = ""
+    met: Optional[bool] = None  # None: a figure with no goal
+
+    @property
+    def verdict(self) -> str:
+        return "" if self.met is None else ("met" if self.met else "MISSED")
+
+
+def run_bench(name: str, quick: bool, figures_path: Path) -> tuple[int, str]:
+    """Run one bench, its output shown as it comes and kept for BENCHMARKS.md."""
+    argv = [sys.executable, str(HERE / f"{name}.py"), "--figures", str(figures_path)]
+    if quick:
+        argv.append("--quick")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        lines.append(line)
+    return proc.wait(), "".join(lines)
+
+
+# -- the headline rows, one function per bench ---------------------------------------------------
+
+def _ms(x: float) -> str:
+    return f"{x:.2f} ms" if x < 100 else f"{x:.0f} ms"
+
+
+def poll_rows(f: Figures) -> list[Row]:
+    by_gpu, by_host = f["by_gpu_procs"], f["by_host_procs"]
+    rows = [Row(f"poll CPU (wall), {f['gpus']} GPUs x {n} GPU processes",
+                f"{_ms(s['cpu_ms'])} ({_ms(s['wall_ms'])})") for n, s in by_gpu.items()]
+    rows += [Row(f"poll CPU (wall), {f['base_gpu_procs']} GPU processes + {int(n):,} host "
+                 "processes", f"{_ms(s['cpu_ms'])} ({_ms(s['wall_ms'])})")
+             for n, s in by_host.items()]
+    gpu_sizes, host_sizes = [int(n) for n in by_gpu], [int(n) for n in by_host]
+    rows.append(Row(f"poll CPU growth, {gpu_sizes[-1] // gpu_sizes[0]}x the GPU processes",
+                    f"{f['gpu_growth']:.2f}x ({f['us_per_gpu_proc']:.1f} us per GPU process)"))
+    rows.append(Row(f"poll CPU growth, {host_sizes[-1] // host_sizes[0]}x the host processes",
+                    f"{f['host_growth']:.2f}x ({f['us_per_host_proc']:.3f} us per host process)",
+                    "flat: <= 1.25x", f["host_growth"] <= 1.25))
+    return rows
+
+
+def exporter_rows(f: Figures) -> list[Row]:
+    rows = []
+    for n, r in f["by_gpu_procs"].items():
+        gw, nv = r["gpuwatch"], r["nvitop-exporter"]
+        cpu, rss = gw["cpu_ms"] / nv["cpu_ms"], gw["rss_mib"] / nv["rss_mib"]
+        at = f"8 GPUs x {n} GPU processes"
+        saturated = " (nvitop-exporter saturated: a lower bound)" if nv["saturated"] else ""
+        rows.append(Row(f"daemon CPU per poll / nvitop-exporter per collection, {at}",
+                        f"{_ms(gw['cpu_ms'])} / {_ms(nv['cpu_ms'])} = {cpu:.2f}x{saturated}",
+                        "<= 0.33x" if n == "64" else "",
+                        cpu <= 1 / 3 if n == "64" else None))
+        rows.append(Row(f"daemon RSS / nvitop-exporter RSS, {at}",
+                        f"{gw['rss_mib']:.1f} / {nv['rss_mib']:.1f} MiB = {rss:.2f}x",
+                        "<= 1x", rss <= 1))
+        rows.append(Row(f"/metrics scrape, {at} ({gw['series']} / {nv['series']} PID series)",
+                        f"{_ms(gw['scrape_ms'])} / {_ms(nv['scrape_ms'])} = "
+                        f"{gw['scrape_ms'] / nv['scrape_ms']:.2f}x"))
+    return rows
+
+
+def oneshot_rows(f: Figures) -> list[Row]:
+    wall = f["wall_ms"]
+    ours = wall["gpuwatch status --json"]
+    return [
+        Row("`gpuwatch status --json` / `gpustat --json`, wall",
+            f"{ours:.0f} / {wall['gpustat --json']:.0f} ms = {ours / wall['gpustat --json']:.2f}x",
+            "< 1x", ours < wall["gpustat --json"]),
+        Row("`gpuwatch status --json` / `nvitop -1`, wall",
+            f"{ours:.0f} / {wall['nvitop -1']:.0f} ms = {ours / wall['nvitop -1']:.2f}x"),
+    ]
+
+
+def rss_rows(f: Figures) -> list[Row]:
+    (first_at, first), (last_at, last) = f["readings"][0], f["readings"][-1]
+    return [Row(f"daemon RSS after {first_at:,.0f} -> {last_at:,.0f} polls",
+                f"{first:.1f} -> {last:.1f} MiB ({100 * f['growth']:+.1f}%)", "within 5%",
+                abs(f["growth"]) <= 0.05)]
+
+
+def agent_step_rows(f: Figures) -> list[Row]:
+    ns = f["ns"]
+    bare = ns["bare sendto"]
+    amortised = next(v for k, v in ns.items() if k.endswith("amortised"))
+    sends = ns["step() that sends"]
+    return [
+        Row("`agent.step()` / bare `sendto`, amortised (10 kHz loop, default coalescing)",
+            f"{amortised / 1e3:.2f} / {bare / 1e3:.2f} us = {amortised / bare:.2f}x", "<= 3x",
+            amortised <= 3 * bare),
+        Row("`agent.step()` that sends a report / bare `sendto`",
+            f"{sends / 1e3:.1f} / {bare / 1e3:.1f} us = {sends / bare:.2f}x", "<= 3x",
+            sends <= 3 * bare),
+    ]
+
+
+def ingest_rows(f: Figures) -> list[Row]:
+    rows = [Row("daemon ingest, realistic agent reports per CPU second",
+                f"{f['handle_per_cpu_s']:,.0f}/s", f">= {f['goal']:,}/s",
+                f["handle_per_cpu_s"] >= f["goal"])]
+    if "blocking" in f:
+        rows.append(Row("daemon ingest end to end over the socket (floor)",
+                        f"{f['blocking']['per_s']:,.0f}/s"))
+    return rows
+
+
+ROWS: dict[str, Callable[[Figures], list[Row]]] = {
+    "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "oneshot": oneshot_rows,
+    "daemon_rss": rss_rows, "agent_step": agent_step_rows, "agent_ingest": ingest_rows,
+}
+
+
+# -- the machine ---------------------------------------------------------------------------------
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or platform.machine()
+    hypervisor = False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu in (platform.processor(),
+                                                             platform.machine()):
+                    cpu = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    hypervisor = " hypervisor" in line
+    except OSError:
+        pass
+    memory = "?"
+    try:
+        with open("/proc/meminfo") as f:
+            kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+        memory = f"{kib / 2**20:.1f} GiB"
+    except (OSError, StopIteration, ValueError):
+        pass
+    distro = ""
+    try:
+        with open("/etc/os-release") as f:
+            distro = next((line.split("=", 1)[1].strip().strip('"') for line in f
+                           if line.startswith("PRETTY_NAME=")), "")
+    except OSError:
+        pass
+    versions = []
+    for package in PACKAGES:
+        try:
+            versions.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{package} (not installed)")
+    return {
+        "CPU": cpu + (" (virtual machine)" if hypervisor else ""),
+        "cores": str(os.cpu_count()),
+        "memory": memory,
+        "OS": f"{platform.system()} {platform.release()}" + (f", {distro}" if distro else ""),
+        "Python": f"{platform.python_implementation()} {platform.python_version()}",
+        "packages": ", ".join(versions),
+        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+# -- output --------------------------------------------------------------------------------------
+
+def text_table(rows: list[Row]) -> str:
+    widths = [max(len(h), *(len(c) for c in cells)) for h, *cells in zip(
+        ("figure", "value", "goal", ""), *((r.figure, r.value, r.goal, r.verdict) for r in rows))]
+    lines = []
+    for cells in [("figure", "value", "goal", ""),
+                  *((r.figure, r.value, r.goal, r.verdict) for r in rows)]:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = ["| figure | value | goal | |", "|---|---|---|---|"]
+    lines += [f"| {r.figure} | {r.value} | {r.goal} | {r.verdict} |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_markdown(path: Path, command: str, info: dict[str, str], rows: list[Row],
+                   outputs: dict[str, str], seconds: float) -> None:
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts = [
+        "# Benchmarks",
+        "",
+        "Figures from `bench/` on a simulated node: the fake NVML driver of `gpuwatch/simulate` "
+        "(loaded by the real nvidia-ml-py) with real processes holding its GPU memory. The peers "
+        "(nvitop-exporter, gpustat, nvitop) run unmodified against the same node in the same run, "
+        "so ratios are the headline; absolute times belong to this machine.",
+        "",
+        f"Produced by `{command}` on {date}, in {seconds / 60:.0f} minutes.",
+        "",
+        "## Machine",
+        "",
+        *(f"- {key}: {value}" for key, value in info.items()),
+        "",
+        "## Headline figures",
+        "",
+        markdown_table(rows),
+        "",
+        "## Each benchmark's figures",
+    ]
+    for name, out in outputs.items():
+        source = (HERE / f"{name}.py").read_text()
+        doc = (ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].replace("\n", " ")
+        parts += ["", f"### `bench/{name}.py`", "", doc, "", "```", out.rstrip(), "```"]
+    path.write_text("\n".join(parts) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes and few repetitions; writes nothing unless --write")
+    parser.add_argument("--only", nargs="+", choices=BENCHES, default=BENCHES)
+    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=None,
+                        help="write the markdown report (default: on a full run of everything)")
+    parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
+    args = parser.parse_args()
+    write = args.write if args.write is not None else (not args.quick and args.only == BENCHES)
+    command = "python bench/run.py" + "".join(
+        f" {shlex.quote(a)}" for a in sys.argv[1:])
+    info = machine()
+    started = time.monotonic()
+    rows: list[Row] = []
+    outputs: dict[str, str] = {}
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="gpuwatch-bench-") as tmp:
+        for name in args.only:
+            print(f"== {name}", flush=True)
+            figures_path = Path(tmp) / f"{name}.json"
+            code, out = run_bench(name, args.quick, figures_path)
+            outputs[name] = out
+            if code != 0 or not figures_path.exists():
+                failed.append(name)
+                rows.append(Row(f"bench/{name}.py", f"failed (exit {code})", "", False))
+                continue
+            rows += ROWS[name](json.loads(figures_path.read_text()))
+            print(flush=True)
+    info["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    seconds = time.monotonic() - started
+
+    print(f"== summary ({'quick, not a measurement' if args.quick else 'full run'}, "
+          f"{seconds:.0f} s; {info['cores']} x {info['CPU']})")
+    print(text_table(rows))
+    missed = [r.figure for r in rows if r.met is False]
+    print(f"goals: {sum(r.met is True for r in rows)} met, {len(missed)} missed")
+    if write:
+        write_markdown(args.output, command, info, rows, outputs, seconds)
+        print(f"wrote {args.output}")
+    sys.exit(1 if failed else 0)
+
 
 if __name__ == "__main__":
-    failed = 0
-    for name in BENCHES:
-        print(f"== {name}", flush=True)
-        failed |= subprocess.run([sys.executable, str(HERE / name)]).returncode
-    sys.exit(failed)
+    main()

@@ -176,6 +176,10 @@ class DetectorConfig:
     ghost_min_bytes: int = _setting(
         1 << 30, _positive_int,
         "used GPU memory no process accounts for, above which a GPU has a ghost finding")
+    ghost_grace: float = _setting(
+        10.0, _non_negative_float,
+        "seconds GPU memory must stay unaccounted for (or a PID listed by NVML stay absent "
+        "from /proc) before it is a ghost: a process exiting mid-poll leaves one for a poll")
     protected_names: tuple[str, ...] = _setting(
         ("nvidia-persistenced", "nv-hostengine", "nvidia-fabricmanager", "dcgm-exporter",
          "Xorg", "Xwayland", "gnome-shell", "gpuwatch"), _names,
@@ -210,7 +214,7 @@ class DetectorConfig:
     def for_single_poll(self) -> DetectorConfig:
         """One look at the node (a one-shot `status`): report what is seen, with no duration
         to wait for; what needs time (leftovers, unkillable) cannot show in one poll anyway."""
-        return replace(self, zombie_grace=0.0, min_age=0.0)
+        return replace(self, zombie_grace=0.0, min_age=0.0, ghost_grace=0.0)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Per process identity (PID + start time, so a reused PID starts afresh): its pare
 first seen (an orphan is a process whose recorded launcher is gone, whoever adopted it), when it
 was reparented, since when it has been a zombie or in uninterruptible sleep, and its RSS and GPU
 memory samples. Per job: its members and trainers (GPU holders), and when the last trainer exited
-(what is still alive after that is a leftover).
+(what is still alive after that is a leftover). Per GPU: its recent unattributed memory, and
+since when NVML has listed each PID that /proc lacks (a ghost must outlast process churn).
 
 Everything is capped and whatever is absent from a poll is forgotten, so the daemon's memory stays
 flat however long it runs. Samples are packed arrays (8 bytes a figure, NaN for unknown) rather
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
@@ -28,6 +29,8 @@ _NAN = math.nan
 _DEPARTED = 4096
 #: Step points kept per instrumented process: the leak test's window and then some.
 STEP_POINTS = 512
+#: Unattributed-memory readings kept per GPU: enough to cover a ghost grace at a fast interval.
+GPU_READINGS = 64
 
 
 class Sample(NamedTuple):
@@ -195,6 +198,8 @@ class History:
         self._departed: OrderedDict[Identity, Departed] = OrderedDict()
         self._jobs: dict[str, JobRecord] = {}
         self._finding_since: dict[tuple[object, ...], float] = {}
+        self._unattributed: dict[int, deque[tuple[float, Optional[int]]]] = {}
+        self._unlisted_since: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self._by_identity)
@@ -214,6 +219,25 @@ class History:
     def job_of(self, p: HostProcess) -> Optional[JobRecord]:
         h = self._by_identity.get(p.identity)
         return self.job(h.job_key) if h is not None else None
+
+    def unattributed_held(self, gpu: int, min_bytes: int, seconds: float, now: float) -> bool:
+        """Whether GPU `gpu` has had at least `min_bytes` of unattributed memory at every
+        reading over the last `seconds` (or over every reading kept, when they cover less). A
+        holder that exits between NVML's memory figure and its process list leaves such an
+        excess for a poll or two; a dead context keeps it."""
+        readings = self._unattributed.get(gpu)
+        if not readings:
+            return False
+        for at, unattributed in reversed(readings):
+            if unattributed is None or unattributed < min_bytes:
+                return False
+            if at <= now - seconds:
+                return True
+        return len(readings) == readings.maxlen
+
+    def unlisted_since(self, pid: int) -> Optional[float]:
+        """Since when NVML has listed `pid` as holding GPU memory while /proc has no such PID."""
+        return self._unlisted_since.get(pid)
 
     def watch_pids(self) -> set[int]:
         """Members of jobs that have had trainers: read them every poll, even reparented."""
@@ -246,6 +270,20 @@ class History:
         self._trim()
         self._record_agents(snapshot)
         self._update_jobs(snapshot, seen)
+        self._record_gpus(snapshot)
+
+    def _record_gpus(self, snapshot: NodeSnapshot) -> None:
+        now = snapshot.taken_at
+        readings = {}
+        for g in snapshot.gpus:  # a GPU missing from a poll starts afresh when it is back
+            kept = self._unattributed.get(g.index) or deque(maxlen=GPU_READINGS)
+            kept.append((now, g.unattributed_memory_bytes))
+            readings[g.index] = kept
+        self._unattributed = readings
+        since = self._unlisted_since
+        self._unlisted_since = {p.pid: since.get(p.pid, now)
+                                for p in snapshot.processes.values()
+                                if not p.in_procfs and p.holds_gpu}
 
     def _record_agents(self, snapshot: NodeSnapshot) -> None:
         for pid, agent in snapshot.agents.items():
@@ -262,7 +300,14 @@ class History:
 
     def _update_jobs(self, snapshot: NodeSnapshot, seen: set[Identity]) -> None:
         now = snapshot.taken_at
+        # A GPU whose process lists could not be read hides its holders: a trainer last seen
+        # holding stays a trainer while alive, or a driver fault would turn every job's helpers
+        # into leftovers once it outlasted the grace.
+        blind = not snapshot.nvml.available or any(g.holders_unknown for g in snapshot.gpus)
+        last_trainers: dict[str, set[Identity]] = {}
         for job in self._jobs.values():
+            if blind:
+                last_trainers[job.key] = set(job.trainers)
             job.members.clear()
             job.trainers.clear()
         for p in snapshot.processes.values():
@@ -279,7 +324,8 @@ class History:
             job.label = job.label or p.job
             agent = snapshot.agents.get(p.pid)
             done = agent is not None and agent.finished_at is not None
-            if p.holds_gpu and p.state != "zombie" and not done:
+            holds = p.holds_gpu or p.identity in last_trainers.get(job.key, ())
+            if holds and p.state != "zombie" and not done:
                 job.trainers.add(p.identity)
                 job.had_trainer = True
                 job.last_trainer = (p.pid, p.name)

@@ -79,6 +79,11 @@ class GpuDevice:
         return not self.errors
 
     @property
+    def holders_unknown(self) -> bool:
+        """A process list could not be read: who holds memory on this GPU is not known."""
+        return self.lost or any("RunningProcesses" in e.call for e in self.errors)
+
+    @property
     def attributed_memory_bytes(self) -> int:
         return sum(p.memory_bytes or 0 for p in self.processes)
 
@@ -86,9 +91,12 @@ class GpuDevice:
     def unattributed_memory_bytes(self) -> Optional[int]:
         """Used memory that no listed process accounts for (driver reservations excluded).
 
-        None when the device's used memory, or any process's figure, is unknown.
+        None when the device's used memory, or any process's figure, is unknown, or when a
+        process list could not be read (the holders it would have listed are unknown too).
         """
         if self.memory_used_bytes is None:
+            return None
+        if self.holders_unknown:
             return None
         if any(p.memory_bytes is None for p in self.processes):
             return None

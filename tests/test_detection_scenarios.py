@@ -39,6 +39,7 @@ DETECTORS = f"""
 [detectors]
 leftover_grace = {LEFTOVER_GRACE}
 zombie_grace = 0.5
+ghost_grace = 0.5
 min_age = 0
 """
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ from gpuwatch.model import (
     Job,
     NodeReport,
     NodeSnapshot,
+    NvmlCallError,
     NvmlStatus,
 )
 
@@ -153,6 +155,33 @@ def test_a_member_without_gpu_memory_is_an_orphan_while_its_job_trains_a_leftove
     assert report.findings[0].reason.startswith("`redis-server --port 6380` still runs")
 
 
+def test_trainers_hidden_by_a_driver_fault_keep_their_helpers_from_being_leftovers() -> None:
+    """Found by the soak: while NVML or a GPU's process list fails, no process is seen holding
+    memory; that is not the trainers ending."""
+    history = History()
+    launcher = proc(10, 1, pgid=10)
+    trainer = proc(11, 10, gpu=GIB, pgid=10)
+    helper = proc(12, 10, pgid=10, cmdline=("redis-server",))
+    hidden = proc(11, 10, pgid=10)  # alive, its memory not visible
+    gpu = GpuDevice(index=0, memory_used_bytes=GIB)
+    unreadable = GpuDevice(index=0, memory_used_bytes=GIB, errors=(NvmlCallError(
+        "nvmlDeviceGetComputeRunningProcesses_v3", 10, "Timeout"),))
+    driver_gone = replace(snapshot(0.0), nvml=NvmlStatus(available=False, error="Driver gone"))
+    run(history, snapshot(1.0, launcher, trainer, helper, gpus=(gpu,)))
+    for t in (2.0, 30.0, 60.0):
+        assert kinds(run(history, replace(snapshot(t, launcher, hidden, helper),
+                                         nvml=driver_gone.nvml))) == []
+        assert kinds(run(history, snapshot(t + 1, launcher, hidden, helper,
+                                           gpus=(unreadable,)))) == []
+    # The lists answer again and the trainer holds nothing: now it has finished, and what of
+    # its job still runs is left over once the grace is past.
+    free = GpuDevice(index=0, memory_used_bytes=0)
+    assert kinds(run(history, snapshot(62.0, launcher, hidden, helper, gpus=(free,)))) == []
+    assert kinds(run(history, snapshot(81.0, launcher, hidden, helper, gpus=(free,)))) == []
+    assert sorted(kinds(run(history, snapshot(83.0, launcher, hidden, helper, gpus=(free,))))) \
+        == [("leftover", 11), ("leftover", 12)]
+
+
 def test_a_login_shell_is_never_a_job_root() -> None:
     shell = proc(20, 1, name="bash", sid=20, pgid=20)
     trainer = proc(21, 20, gpu=GIB, pgid=21, sid=20)
@@ -174,8 +203,45 @@ def test_slurm_jobs_climb_to_the_step_through_ancestors_of_the_same_job() -> Non
 
 
 def test_unattributed_memory_below_the_threshold_is_no_ghost() -> None:
-    config = DetectorConfig(ghost_min_bytes=GIB)
+    config = DetectorConfig(ghost_min_bytes=GIB, ghost_grace=0.0)
     small = GpuDevice(index=0, memory_used_bytes=GIB // 2)
     large = GpuDevice(index=1, memory_used_bytes=3 * GIB)
     report = run(History(), snapshot(1.0, gpus=(small, large)), config)
     assert [(f.kind, f.pid, f.gpus) for f in report.findings] == [("ghost", None, (1,))]
+
+
+def test_a_ghost_must_outlast_the_grace_and_a_one_poll_excess_from_churn_never_is_one() -> None:
+    """A holder exiting between NVML's memory figure, its process list and /proc leaves, for a
+    poll, memory no listed process accounts for and a listed PID /proc lacks."""
+    config = DetectorConfig(ghost_min_bytes=GIB, ghost_grace=10.0)
+    history = History()
+    dead = proc(4000, 1, gpu=2 * GIB, in_procfs=False)
+    excess = GpuDevice(index=0, memory_used_bytes=3 * GIB)
+    quiet = GpuDevice(index=0, memory_used_bytes=0)
+    for t in (0.0, 2.0, 4.0):  # churn: one poll shows it, the next does not
+        assert kinds(run(history, snapshot(t, dead, gpus=(excess,)), config)) == []
+        assert kinds(run(history, snapshot(t + 1.0, gpus=(quiet,)), config)) == []
+    for t in (10.0, 12.0, 16.0, 19.0):  # a dead context: there every poll, still within grace
+        assert kinds(run(history, snapshot(t, dead, gpus=(excess,)), config)) == []
+    report = run(history, snapshot(20.0, dead, gpus=(excess,)), config)
+    assert sorted(kinds(report), key=str) == [("ghost", 4000), ("ghost", None)]
+    # One reading below the threshold inside the window is enough to hold the device ghost back.
+    dip = GpuDevice(index=0, memory_used_bytes=GIB // 2)
+    run(history, snapshot(22.0, dead, gpus=(dip,)), config)
+    report = run(history, snapshot(24.0, dead, gpus=(excess,)), config)
+    assert kinds(report) == [("ghost", 4000)]
+
+
+def test_a_process_list_that_failed_leaves_unattributed_memory_unknown() -> None:
+    """Found by the soak (bench/soak.py): a TIMEOUT on one GPU's compute-process list made all
+    its used memory look unattributed, and a ghost finding appeared for memory its holders
+    account for."""
+    holder = GpuProcessUsage(0, "GPU-0", 4242, 8 << 30)
+    complete = GpuDevice(index=0, memory_used_bytes=20 << 30, processes=(holder,))
+    failed = GpuDevice(index=0, memory_used_bytes=20 << 30, errors=(NvmlCallError(
+        "nvmlDeviceGetComputeRunningProcesses", 10, "Timeout"),))
+    assert complete.unattributed_memory_bytes == 12 << 30
+    assert failed.unattributed_memory_bytes is None
+    no_grace = DetectorConfig(ghost_min_bytes=GIB, ghost_grace=0.0)
+    assert kinds(run(History(), snapshot(1.0, gpus=(complete,)), no_grace)) == [("ghost", None)]
+    assert kinds(run(History(), snapshot(1.0, gpus=(failed,)), no_grace)) == []

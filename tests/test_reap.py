@@ -52,6 +52,7 @@ DETECTORS = """
 [detectors]
 leftover_grace = 1
 zombie_grace = 0.5
+ghost_grace = 0.5
 min_age = 0
 """
 GRACE = "1"

@@ -3,7 +3,9 @@
 Two shapes: NVML lists a PID that /proc does not have (it exited with its context not torn down,
 or lives in another PID namespace, or the driver's list is stale), and device memory in use
 beyond what the listed processes hold by more than the configured threshold (memory of a dead
-context, or of processes NVML cannot attribute).
+context, or of processes NVML cannot attribute). Either must last `ghost_grace` seconds: NVML's
+memory figure, its process lists and /proc are read one after the other, so a process exiting in
+between looks like a ghost for a poll.
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from gpuwatch.units import human_bytes
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
+    now, grace = snapshot.taken_at, config.ghost_grace
     for p in snapshot.processes.values():
         if not p.in_procfs and p.holds_gpu:
+            since = history.unlisted_since(p.pid)
+            if since is None or now - since < grace:
+                continue
             yield finding("ghost", "warning", p,
                           "NVML lists this PID on the GPU but /proc has no such process "
                           "(exited without releasing its memory, or another PID namespace)")
     for g in snapshot.gpus:
         unattributed = g.unattributed_memory_bytes
-        if unattributed is not None and unattributed >= config.ghost_min_bytes:
+        if (unattributed is not None and unattributed >= config.ghost_min_bytes
+                and history.unattributed_held(g.index, config.ghost_min_bytes, grace, now)):
             yield Finding(
                 kind="ghost", severity="warning", gpus=(g.index,),
                 gpu_memory_bytes=unattributed,

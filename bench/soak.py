@@ -600,6 +600,9 @@ def run_soak(opts: SoakOptions) -> SoakResult:
     rng = random.Random(opts.seed)
     work = opts.work_dir or Path(tempfile.mkdtemp(prefix="gpuwatch-soak-"))
     work.mkdir(parents=True, exist_ok=True)
+    if any(work.iterdir()):
+        # An earlier run's ready files and daemon.json would be read as this run's.
+        raise ValueError(f"soak: the work directory {work} is not empty")
     procs = _Processes()
     stop = threading.Event()
     threads: list[threading.Thread] = []
@@ -1215,6 +1218,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if a.prometheus and shutil.which("prometheus") is None:
         p.error("--prometheus: no `prometheus` on PATH")
+    if a.keep is not None and a.keep.is_dir() and any(a.keep.iterdir()):
+        p.error(f"--keep: {a.keep} is not empty (an earlier run's files would be read as this "
+                "run's)")
     opts = SoakOptions(
         duration=a.duration, interval=a.interval, gpus=a.gpus, storm_rate=a.storm_rate,
         storm_gpu_share=a.storm_gpu_share, agents=a.agents, datagram_rate=a.datagram_rate,

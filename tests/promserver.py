@@ -30,19 +30,18 @@ def prometheus_scraping(target: str, tmp_path: Path,
     `rule_files` every second; yields its base URL once it is ready."""
     port = free_port()
     config = tmp_path / "prometheus.yml"
-    rules = "".join(f'  - "{path}"\n' for path in rule_files)
+    rules = ("rule_files:\n" + "".join(f'  - "{path}"\n' for path in rule_files)
+             if rule_files else "rule_files: []\n")
     config.write_text(f"""
 global:
   scrape_interval: 1s
   scrape_timeout: 900ms
   evaluation_interval: 1s
-rule_files:
-{rules or "  []"}
-scrape_configs:
+{rules}scrape_configs:
   - job_name: gpuwatch
     static_configs:
       - targets: ["{target}"]
-""".replace("rule_files:\n  []", "rule_files: []"))
+""")
     log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
         ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",

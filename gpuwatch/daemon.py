@@ -23,6 +23,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     start_http_server,
 )
@@ -34,6 +35,13 @@ from gpuwatch.history import History
 from gpuwatch.logs import setup_logging
 from gpuwatch.model import NodeReport, NodeSnapshot
 from gpuwatch.poll import Poller
+from gpuwatch.runtime_dir import (
+    DAEMON_INFO_NAME,
+    EXIT_ALREADY_RUNNING,
+    AlreadyRunning,
+    lock_runtime_dir,
+    remove_own_daemon_info,
+)
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
 from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
 from gpuwatch.sinks.reaper import (
@@ -52,8 +60,6 @@ from gpuwatch.sources.nvml import NvmlSource
 
 log = logging.getLogger("gpuwatch.daemon")
 
-#: Written to the runtime directory so that the CLI, the demo and tests find the live daemon.
-DAEMON_INFO_NAME = "daemon.json"
 _POLL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -67,7 +73,8 @@ class Daemon:
         d = config.daemon
         self.agents = AgentReceiver(d.runtime_dir / AGENT_SOCKET_NAME)
         self.poller = poller or Poller(nvml=NvmlSource(retry_initial=1.0,
-                                                       retry_max=d.nvml_retry_max))
+                                                       retry_max=d.nvml_retry_max),
+                                       hostname=d.node_name or None)
         if self.poller.agents is None:
             self.poller.agents = self.agents
         self._exit_reported: set[int] = set()
@@ -87,6 +94,8 @@ class Daemon:
             lambda: self._latest, config.exporter.max_process_series,
             agent_counts=lambda: (self.agents.accepted, self.agents.rejected))
         self.registry.register(self.collector)
+        # The daemon's own CPU, memory and file descriptors: a node agent is watched too.
+        ProcessCollector(registry=self.registry)
         self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=self.registry)
         self.poll_errors = Counter(
             "gpuwatch_poll_errors", "Problems met while polling, by source (nvml, procfs, poll: "
@@ -147,24 +156,38 @@ class Daemon:
             except OSError as exc:
                 raise OSError(f"daemon.{key} {directory}: cannot use it as a directory: "
                               f"{exc.strerror}") from None
-        self._install_signal_handlers()
-        host, port = split_listen(d.listen)
-        self._http, _ = start_http_server(port, addr=host or "0.0.0.0", registry=self.registry)
-        bound_port = self._http.server_address[1]
-        self.metrics_url = f"http://{_url_host(host)}:{bound_port}/metrics"
-        self._state_server = StateServer(d.runtime_dir / STATE_SOCKET_NAME, self.document_bytes,
-                                         group=d.state_socket_group)
-        self._state_server.start()
-        self.agents.start()
-        self._write_daemon_info(bound_port)
-        log.info("gpuwatch %s serving %s; state socket %s; agent socket %s; polling every %g s",
-                 __version__, self.metrics_url, self._state_server.path, self.agents.path,
-                 d.interval)
+        # Before any socket or file in the directory is touched: a second daemon there would take
+        # over the sockets the CLI and the agents use, and delete them when it exits.
+        lock = lock_runtime_dir(d.runtime_dir)
+        # A reload may change daemon.runtime_dir; what this run created stays where it was made.
+        runtime_dir = d.runtime_dir
         try:
-            self._loop()
+            self._install_signal_handlers()
+            host, port = split_listen(d.listen)
+            try:
+                self._http, _ = start_http_server(port, addr=host or "0.0.0.0",
+                                                  registry=self.registry)
+                bound_port = self._http.server_address[1]
+                self.metrics_url = f"http://{_url_host(host)}:{bound_port}/metrics"
+                self._state_server = StateServer(runtime_dir / STATE_SOCKET_NAME,
+                                                 self.document_bytes, group=d.state_socket_group)
+                self._state_server.start()
+                self.agents.start()
+                self._write_daemon_info(bound_port)
+            except BaseException:
+                self._shutdown(runtime_dir)
+                raise
+            log.info("gpuwatch %s serving %s; state socket %s; agent socket %s; polling every "
+                     "%g s", __version__, self.metrics_url, self._state_server.path,
+                     self.agents.path, d.interval)
+            try:
+                self._loop()
+            finally:
+                systemd_notify.stopping()
+                self._shutdown(runtime_dir)
         finally:
-            systemd_notify.stopping()
-            self._shutdown()
+            # Only once every file of this run is gone, so that the next daemon starts clean.
+            os.close(lock)
         log.info("stopped")
         return 0
 
@@ -315,7 +338,7 @@ class Daemon:
             systemd_notify.ready(status=self._status_line())
             return False
         old = self.config
-        for key in ("listen", "runtime_dir", "state_dir"):
+        for key in ("listen", "runtime_dir", "state_dir", "node_name"):
             if getattr(new.daemon, key) != getattr(old.daemon, key):
                 log.warning("daemon.%s changed; it takes effect at the next restart", key)
         self.config = new
@@ -338,14 +361,14 @@ class Daemon:
         tmp.write_text(json.dumps(info))
         os.replace(tmp, path)
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, runtime_dir: Path) -> None:
         if self._state_server is not None:
             self._state_server.stop()
         self.agents.stop()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
-        (self.config.daemon.runtime_dir / DAEMON_INFO_NAME).unlink(missing_ok=True)
+        remove_own_daemon_info(runtime_dir / DAEMON_INFO_NAME)
         self.poller.close()
 
 
@@ -374,6 +397,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     setup_logging(config.daemon.log_format, config.daemon.log_level)
     try:
         return Daemon(config, config_path=args.config, overrides=overrides).run()
+    except AlreadyRunning as exc:
+        print(f"gpuwatch daemon: {exc}", file=sys.stderr)
+        return EXIT_ALREADY_RUNNING
     except OSError as exc:  # the port or a directory is not ours to take
         print(f"gpuwatch daemon: {exc}", file=sys.stderr)
         return 1

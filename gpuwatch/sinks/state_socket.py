@@ -18,6 +18,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from gpuwatch.runtime_dir import FileIdentity, file_identity, unlink_if_same
+
 log = logging.getLogger(__name__)
 
 STATE_SOCKET_NAME = "state.sock"
@@ -33,10 +35,13 @@ class StateServer:
         self._group = group
         self._server: Optional[socketserver.ThreadingUnixStreamServer] = None
         self._thread: Optional[threading.Thread] = None
+        self._inode: Optional[FileIdentity] = None
 
     def start(self) -> None:
+        # A stale socket from a previous run: the caller makes sure no live server owns it (the
+        # daemon holds the runtime directory's lock).
         with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()  # a stale socket from a previous run
+            self.path.unlink()
         document = self._document
 
         class Handler(socketserver.StreamRequestHandler):
@@ -60,6 +65,11 @@ class StateServer:
             server = socketserver.ThreadingUnixStreamServer(str(self.path), Handler)
         finally:
             os.umask(old_umask)
+        try:
+            self._inode = file_identity(self.path)
+        except BaseException:
+            server.server_close()
+            raise
         server.daemon_threads = True
         self._restrict_group()
         self._server = server
@@ -83,8 +93,9 @@ class StateServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        # Only the socket this server bound: whoever put another file at the path since owns it.
+        inode, self._inode = self._inode, None
+        unlink_if_same(self.path, inode)
 
 
 class StateUnavailable(Exception):

@@ -73,6 +73,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 from gpuwatch.model import AgentReading, BufferSize, StepPoint
+from gpuwatch.runtime_dir import FileIdentity, file_identity, unlink_if_same
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class AgentReceiver:
         self._sock: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
-        self._inode: Optional[tuple[int, int]] = None
+        self._inode: Optional[FileIdentity] = None
 
     # -- counters ----------------------------------------------------------------------------
     @property
@@ -191,7 +192,7 @@ class AgentReceiver:
                 # Sending to a datagram socket needs write permission on its file; the file gets
                 # its final mode before it has the name senders use.
                 os.chmod(temporary, 0o666)
-                st = os.stat(temporary)
+                identity = file_identity(temporary)
                 os.replace(temporary, self.path)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -200,7 +201,7 @@ class AgentReceiver:
         except BaseException:
             sock.close()
             raise
-        self._inode = (st.st_dev, st.st_ino)
+        self._inode = identity
         self._sock = sock
         self._stopping.clear()
         self._thread = threading.Thread(target=self._receive_loop, args=(sock,),
@@ -219,17 +220,9 @@ class AgentReceiver:
             sock.close()
         self._sock = None
         self._thread = None
-        self._unlink_own_socket()
-
-    def _unlink_own_socket(self) -> None:
         # Only our own socket: a daemon started since may have put its own at this path.
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return
-        if (st.st_dev, st.st_ino) == self._inode:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+        inode, self._inode = self._inode, None
+        unlink_if_same(self.path, inode)
 
     def _receive_loop(self, sock: socket.socket) -> None:
         recvmsg = sock.recvmsg

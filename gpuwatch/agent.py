@@ -226,7 +226,8 @@ def configure(socket_path: Union[str, os.PathLike[str], None] = None,
 def graceful_shutdown(*cleanups: Callable[[], Any]) -> None:
     """On the first SIGINT (Ctrl+C), run `cleanups` in order, then exit with status 130; a second
     SIGINT while they run exits at once. Call it from the main thread (Python delivers signals
-    there only); a later call replaces the cleanups."""
+    there only); a later call replaces the cleanups. It takes SIGINT even where the process
+    started with it ignored (a `cmd &` in a script); forked children get back what was there."""
     global _cleanups, _previous_sigint
     for cleanup in cleanups:
         if not callable(cleanup):

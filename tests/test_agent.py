@@ -401,15 +401,18 @@ def test_a_daemon_that_starts_late_gets_reports_after_the_backoff(runtime_dir: P
 # ---- fork, finished ----------------------------------------------------------------------------
 
 
+@pytest.mark.sigint
 def test_a_forked_child_reports_as_itself(runtime_dir: Path, receiver: Receiver) -> None:
     proc = start("""
         import json, os, signal, sys, time
         from gpuwatch import agent
+        # Not necessarily Python's default handler: ignored, when started by a `cmd &` in a script.
+        before = signal.getsignal(signal.SIGINT)
         agent.graceful_shutdown(lambda: print("parent cleanup"))
         agent.step(10)
         child = os.fork()
         if child == 0:
-            inherited = signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+            inherited = signal.getsignal(signal.SIGINT) is not before
             agent.finished()
             time.sleep(0.06)  # past the coalescing interval the finished report started
             agent.step(3)
@@ -503,6 +506,7 @@ def test_a_process_group_never_destroyed_is_reported_at_exit(
     assert "torch.distributed process group was never destroyed" in err
 
 
+@pytest.mark.sigint
 def test_importing_the_agent_alone_changes_nothing_in_the_process(runtime_dir: Path) -> None:
     result = run("""
         import atexit, json, os, signal, sys, threading
@@ -532,6 +536,7 @@ def test_importing_the_agent_alone_changes_nothing_in_the_process(runtime_dir: P
 # ---- graceful_shutdown -------------------------------------------------------------------------
 
 
+@pytest.mark.sigint
 def test_first_sigint_runs_the_cleanups_in_order_and_exits_130(runtime_dir: Path) -> None:
     done = runtime_dir / "cleanups"
     proc = start(f"""
@@ -558,6 +563,7 @@ def test_first_sigint_runs_the_cleanups_in_order_and_exits_130(runtime_dir: Path
     assert "gpuwatch: interrupted: running 3 cleanups" in err
 
 
+@pytest.mark.sigint
 def test_second_sigint_during_a_slow_cleanup_exits_at_once(runtime_dir: Path) -> None:
     started, finished = runtime_dir / "started", runtime_dir / "finished"
     proc = start(f"""
@@ -580,6 +586,38 @@ def test_second_sigint_during_a_slow_cleanup_exits_at_once(runtime_dir: Path) ->
     wait_exit(proc, timeout=10)
     assert proc.returncode == 130
     assert not finished.exists()
+
+
+@pytest.mark.sigint
+def test_graceful_shutdown_takes_sigint_even_where_it_was_ignored(runtime_dir: Path) -> None:
+    # A `python train.py &` in a job script starts with SIGINT ignored; the program asked for
+    # its cleanups on Ctrl+C all the same. Its forked children get the ignoring back.
+    done = runtime_dir / "cleanup"
+    program = textwrap.dedent(f"""
+        import os, signal, time
+        print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+        from gpuwatch import agent
+        agent.graceful_shutdown(lambda: open({str(done)!r}, "w").close())
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else 1)
+        _, status = os.waitpid(child, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+        while True:
+            time.sleep(1)
+        """)
+    env = {**os.environ, "GPUWATCH_RUNTIME_DIR": str(runtime_dir), "PYTHONPATH": str(REPO)}
+    # The trap is what the shell does for `cmd &` in a script; exec keeps the disposition.
+    proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", sys.executable, "-c",
+                             program], env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "True\n"  # started with SIGINT ignored
+    assert proc.stdout.readline() == "0\n"  # its forked child: ignored again
+    proc.send_signal(signal.SIGINT)
+    wait_exit(proc)
+    assert proc.returncode == 130
+    assert done.exists()
 
 
 # ---- with torch, where it is installed ---------------------------------------------------------

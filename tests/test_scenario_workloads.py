@@ -104,6 +104,7 @@ def test_sigterm_to_the_launcher_is_forwarded_to_workers_and_helpers(tmp_path: P
 # ---- Ctrl+C and the stubborn worker --------------------------------------------------------------
 
 
+@pytest.mark.sigint
 @pytest.mark.parametrize("via", [None, "subreaper", "shell"])
 def test_ctrl_c_leaves_only_the_stubborn_worker(tmp_path: Path, via: Optional[str]) -> None:
     with torchrun_job(tmp_path, workers=3, helpers=("redis",), stubborn_rank=1,
@@ -169,6 +170,7 @@ def test_sigkill_on_a_launcher_run_from_a_shell_gives_the_workers_to_the_shell(
         assert running(job.shell)
 
 
+@pytest.mark.sigint
 def test_cleanup_leaves_nothing_running(tmp_path: Path) -> None:
     with torchrun_job(tmp_path, workers=2, helpers=("redis",), stubborn_rank=0,
                       sigint_grace=0.2, via="subreaper") as job:

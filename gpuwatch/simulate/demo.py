@@ -1,9 +1,25 @@
 """`gpuwatch demo`: the daemon on a simulated node, for trying gpuwatch without a GPU.
 
-The GPUs are simulated by the fake NVML driver (built here with the system C compiler); the job is
-real: a launcher and its worker processes, registered with the fake driver as holding GPU memory.
-The daemon is the real one, in its own process, loading the fake driver through LD_LIBRARY_PATH
-exactly as it would load NVIDIA's.
+The GPUs are simulated by the fake NVML driver (built here with the system C compiler); the jobs
+are real: each is a launcher named `torchrun` (gpuwatch.simulate.job under that name) with its
+workers and helpers, registered with the fake driver as holding GPU memory. The daemon is the real
+one, in its own process, loading the fake driver through LD_LIBRARY_PATH exactly as it would load
+NVIDIA's.
+
+However the demo ends (Ctrl+C, SIGTERM, SIGHUP when its terminal closes, `--duration` running out,
+an error of its own), it ends everything it started: the daemon, every launcher, every worker and
+helper, the orphans among them now under PID 1, and anything they forked. It freezes them
+(SIGSTOP) until no new process appears among them, so that none can fork one out of reach, then
+kills them by identity (PID and start time, through a pidfd, so that a reused PID is never
+signalled), waits on its own children and until the others are gone, and removes its temporary
+directory. It takes its stop signals synchronously (blocked, and waited for where it waits), so a
+signal never interrupts it halfway through starting or ending something.
+
+A SIGKILL of the demo runs none of that. What the kernel still does: each child was started with
+PR_SET_PDEATHSIG, so the daemon gets SIGKILL (and port 9966 is free again) and each launcher
+SIGTERM, which it forwards to its workers and helpers. What survives: job A's workers and helper
+once the story has killed their launcher (orphans: nothing of the demo is left to signal them;
+`gpuwatch reap` or `kill` ends them), and the temporary directory (`gpuwatch-demo-*` in $TMPDIR).
 """
 
 from __future__ import annotations
@@ -18,25 +34,72 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TextIO, TypeVar
 
+import gpuwatch
 from gpuwatch.config import DEFAULT_PORT, split_listen
 from gpuwatch.simulate.fakenvml import FakeNode, FakeNvmlBuildError, build_fake_nvml
 
 T = TypeVar("T")
 GIB = 1 << 30
 
+#: What ends the demo besides --duration: Ctrl+C, `kill`, and its terminal closing.
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+#: How long the daemon gets to stop on SIGTERM before it is killed.
+DAEMON_STOP_TIMEOUT = 10.0
+#: How long the demo waits for what it killed to be gone.
+GONE_TIMEOUT = 10.0
+#: How long it keeps freezing what it started before it kills what it has frozen.
+FREEZE_TIMEOUT = 2.0
+
+# `python -I -c _WITH_DEATH_SIGNAL SIGNUM PARENT PROGRAM [ARG...]`: asks the kernel to send SIGNUM
+# when PARENT (the demo) dies, even of a SIGKILL, then becomes PROGRAM (same PID). A wrapper rather
+# than a preexec_fn: running Python between fork and exec is unsafe where the parent has threads
+# (the tests run simulated_node in pytest's process). It also undoes the demo's blocking of its
+# stop signals, which a child would otherwise inherit through exec. The kernel sends SIGNUM when
+# the thread that started the child ends, so a node must be started from a thread that outlives it.
+_WITH_DEATH_SIGNAL = f"""\
+import ctypes, os, signal, sys
+signum, parent = int(sys.argv[1]), int(sys.argv[2])
+ctypes.CDLL(None, use_errno=True).prctl(1, signum, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:
+    sys.exit(1)  # the parent died before prctl: no signal would ever come
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {sorted(int(s) for s in STOP_SIGNALS)})
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
+
+# The launcher under the name a real one has, so that ps and `gpuwatch status` show `torchrun` at
+# the root of each job (a script run through its #! line takes the script's name as its comm).
+_TORCHRUN = """\
+#!{python}
+import sys
+sys.path.insert(0, {root!r})
+from gpuwatch.simulate.job import main
+sys.exit(main())
+"""
+
 
 class DemoError(RuntimeError):
     pass
 
 
+class DemoStopped(BaseException):
+    """A stop signal arrived. Like KeyboardInterrupt, out of reach of `except Exception`."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def wait_for(what: str, probe: Callable[[], Optional[T]], timeout: float,
-             alive: Optional[subprocess.Popen[bytes]] = None) -> T:
-    """Poll `probe` until it returns something, failing clearly at the deadline."""
+             alive: Optional[subprocess.Popen[bytes]] = None,
+             pause: Callable[[float], None] = time.sleep) -> T:
+    """Poll `probe` until it returns something, failing clearly at the deadline. `pause` waits
+    between probes (the demo's also watches for its stop signals)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = probe()
@@ -44,7 +107,7 @@ def wait_for(what: str, probe: Callable[[], Optional[T]], timeout: float,
             return value
         if alive is not None and alive.poll() is not None:
             raise DemoError(f"{what}: the process exited with code {alive.returncode}")
-        time.sleep(0.05)
+        pause(0.05)
     raise DemoError(f"{what}: not ready after {timeout:g} s")
 
 
@@ -69,11 +132,166 @@ def free_listen(listen: str) -> str:
     return listen
 
 
+# ---- processes by identity ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    state: str
+    ppid: int
+    #: Start time in clock ticks after boot: with the PID, what tells a process from a later one
+    #: that was given the same PID.
+    start_ticks: int
+
+
+def proc_stat(pid: int) -> Optional[ProcStat]:
+    """What /proc/PID/stat says, or None where there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return ProcStat(fields[0].decode(), int(fields[1]), int(fields[19]))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def running(pid: int, start_ticks: int) -> bool:
+    """Whether the process that started at `start_ticks` with this PID still runs (a zombie has
+    ended: only its exit status is left)."""
+    stat = proc_stat(pid)
+    return stat is not None and stat.start_ticks == start_ticks and stat.state not in ("Z", "X")
+
+
+def _proc_table() -> dict[int, ProcStat]:
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = proc_stat(int(name))
+            if stat is not None:
+                table[int(name)] = stat
+    return table
+
+
+def signal_process(pid: int, start_ticks: int, signum: int) -> bool:
+    """Send `signum` to `pid` if it is still the process that started at `start_ticks`. Through a
+    pidfd where the kernel has them: the check and the signal then name the same process even if
+    it exits in between and its PID is given to another."""
+    fd: Optional[int] = None
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except (AttributeError, OSError):
+        pass  # no pidfds (Linux < 5.3): a check right before kill() is the best there is
+    try:
+        stat = proc_stat(pid)
+        if stat is None or stat.start_ticks != start_ticks:
+            return False
+        if fd is None:
+            os.kill(pid, signum)
+        else:
+            signal.pidfd_send_signal(fd, signum)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+class StartedProcesses:
+    """Every process a simulated node started, and every process those started, by identity."""
+
+    def __init__(self) -> None:
+        #: The node's own children: each is waited on, so none is left a zombie.
+        self.children: list[subprocess.Popen[bytes]] = []
+        #: PID -> start ticks of each process known to be ours, the children among them.
+        self.known: dict[int, int] = {}
+
+    def spawn(self, args: Sequence[str], death_signal: int,
+              **popen: Any) -> subprocess.Popen[bytes]:
+        """Start `args` as a child that gets `death_signal` when this process dies."""
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _WITH_DEATH_SIGNAL,
+                                 str(int(death_signal)), str(os.getpid()), *args], **popen)
+        self.children.append(proc)
+        # A child not yet waited on cannot have had its PID given to another process.
+        stat = proc_stat(proc.pid)
+        if stat is not None:
+            self.known[proc.pid] = stat.start_ticks
+        return proc
+
+    def adopt_descendants(self) -> int:
+        """Add every live descendant of a known live process; returns how many were new."""
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, stat in table.items():
+            children.setdefault(stat.ppid, []).append(pid)
+        todo = [pid for pid, ticks in self.known.items()
+                if pid in table and table[pid].start_ticks == ticks]
+        added = 0
+        while todo:
+            for child in children.get(todo.pop(), ()):
+                ticks = table[child].start_ticks
+                if self.known.get(child) != ticks:
+                    self.known[child] = ticks
+                    todo.append(child)
+                    added += 1
+        return added
+
+    def still_running(self) -> list[int]:
+        return sorted(pid for pid, ticks in self.known.items() if running(pid, ticks))
+
+    def end_all(self, gracefully: Sequence[subprocess.Popen[bytes]] = ()) -> list[int]:
+        """End them all: SIGTERM to `gracefully` (waiting for each), then SIGKILL to the rest,
+        frozen first. Returns the PIDs still running after GONE_TIMEOUT (stuck in the kernel)."""
+        self.adopt_descendants()
+        for proc in gracefully:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(DAEMON_STOP_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        # A process that runs can fork a child after the last look at its family and be killed
+        # before that child is seen; stopped, it cannot. So: stop all, look again, until a look
+        # finds nothing new and every one of them stopped (or the freeze runs out of time).
+        freeze_until = time.monotonic() + FREEZE_TIMEOUT
+        while True:
+            added = self.adopt_descendants()
+            thawed = [pid for pid in self.still_running()
+                      if (stat := proc_stat(pid)) is not None and stat.state not in ("T", "t")]
+            for pid in thawed:
+                signal_process(pid, self.known[pid], signal.SIGSTOP)
+            if (not added and not thawed) or time.monotonic() >= freeze_until:
+                break
+            time.sleep(0.01)
+        for pid in self.still_running():
+            signal_process(pid, self.known[pid], signal.SIGKILL)
+        deadline = time.monotonic() + GONE_TIMEOUT
+        for proc in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        while self.still_running() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.still_running()
+
+
+# ---- the simulated node ------------------------------------------------------------------------
+
+
 @dataclass
 class SimulatedJob:
+    #: The job's `torchrun`, a child of the node (the wrapper that started it became it).
     launcher: subprocess.Popen[bytes]
     workers: list[int]
     helpers: dict[str, int]
+    #: TORCHELASTIC_RUN_ID of its workers.
+    run_id: str = ""
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A worker of a simulated job: its launcher's child, not the node's."""
+    pid: int
 
 
 @dataclass
@@ -84,46 +302,68 @@ class SimulatedNode:
     training: SimulatedJob
     #: Job B's trainer finishes early and leaves its helpers running: leftovers.
     finishing: SimulatedJob
-    #: A training loop instrumented with gpuwatch.agent whose fetch cache never lets go.
-    leaking: subprocess.Popen[bytes]
+    #: Job C: one worker, a training loop instrumented with gpuwatch.agent whose fetch cache
+    #: never lets go.
+    instrumented: SimulatedJob
     daemon: subprocess.Popen[bytes]
     metrics_url: str
+    processes: StartedProcesses = field(repr=False, default_factory=StartedProcesses)
 
     @property
     def runtime_dir(self) -> Path:
         return self.work_dir / "run"
 
+    @property
+    def leaking(self) -> Worker:
+        """Job C's trainer, the process that leaks."""
+        return Worker(self.instrumented.workers[0])
 
-def _start_job(work_dir: Path, name: str, *args: str) -> SimulatedJob:
+
+def _write_torchrun(work_dir: Path) -> list[str]:
+    """The command that starts a launcher named `torchrun`."""
+    script = work_dir / "bin" / "torchrun"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    root = str(Path(gpuwatch.__file__).resolve().parent.parent)
+    script.write_text(_TORCHRUN.format(python=sys.executable, root=root))
+    script.chmod(0o755)
+    # The kernel reads at most 255 bytes of a #! line, and splits no arguments out of it.
+    if len(sys.executable) > 250 or any(c.isspace() for c in sys.executable):
+        return [sys.executable, str(script)]
+    return [str(script)]
+
+
+def _run_id(name: str) -> str:
+    # As a cluster names runs: the experiment, then something unique (torchrun's --rdzv-id).
+    return f"{name}-{uuid.uuid4().hex[:6]}"
+
+
+def _start_job(started: StartedProcesses, torchrun: list[str], work_dir: Path, name: str,
+               run_id: str, pause: Callable[[float], None], *args: str,
+               env: Optional[dict[str, str]] = None) -> SimulatedJob:
     ready = work_dir / f"{name}.json"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "gpuwatch.simulate.job", "--ready", str(ready), *args],
-        start_new_session=True)
-    try:
-        info = wait_for(f"simulated job {name}", lambda: read_json(ready), 20, alive=launcher)
-    except DemoError:
-        _stop_job(launcher)
-        raise
+    # SIGTERM when the demo dies: the launcher forwards it to its workers and helpers.
+    launcher = started.spawn([*torchrun, "--ready", str(ready), "--run-id", run_id, *args],
+                             signal.SIGTERM, start_new_session=True, env=env)
+    info = wait_for(f"simulated job {name}", lambda: read_json(ready), 20, alive=launcher,
+                    pause=pause)
+    started.adopt_descendants()
     return SimulatedJob(launcher, [int(p) for p in info["workers"]],
-                        {role: int(pid) for role, pid in info.get("helpers", {}).items()})
-
-
-def _stop_job(launcher: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(launcher.pid, signal.SIGKILL)
-    launcher.wait()
+                        {role: int(pid) for role, pid in info.get("helpers", {}).items()},
+                        run_id)
 
 
 @contextlib.contextmanager
 def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gpus: int = 2,
                    workers: int = 2, interval: float = 1.0, pace: float = 5.0,
-                   daemon_output: Optional[Any] = None,
-                   detectors: str = "") -> Iterator[SimulatedNode]:
-    """Start the fake GPUs, two real jobs holding memory on them, and a daemon watching them.
+                   daemon_output: Optional[Any] = None, detectors: str = "",
+                   pause: Callable[[float], None] = time.sleep) -> Iterator[SimulatedNode]:
+    """Start the fake GPUs, three real jobs holding memory on them, and a daemon watching them;
+    on the way out, end every process started here (see the module's docstring).
 
     `pace` is the story's unit of time: job B's trainer finishes after 3 units, and its helpers
     become leftovers 2 units later (the daemon's leftover grace); the leaking trainer takes five
-    steps a unit. `detectors` adds lines to the daemon's [detectors] section.
+    steps a unit. `detectors` adds lines to the daemon's [detectors] section. `pause` is how it
+    waits while things start (see wait_for).
     """
     try:
         lib = build_fake_nvml()
@@ -131,17 +371,15 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
         raise DemoError(str(exc)) from None
     node = FakeNode(work_dir / "nvml-state", lib, gpus=gpus)
     node.write()
-    jobs: list[SimulatedJob] = []
+    started = StartedProcesses()
     daemon: Optional[subprocess.Popen[bytes]] = None
-    leaking: Optional[subprocess.Popen[bytes]] = None
     try:
-        training = _start_job(work_dir, "job-a", "--workers", str(workers),
-                              "--helpers", "dataloader")
-        jobs.append(training)
-        finishing = _start_job(work_dir, "job-b", "--workers", "1", "--helpers",
-                               "redis,actor,preprocessor", "--trainer-exit-after",
-                               str(3 * pace))
-        jobs.append(finishing)
+        torchrun = _write_torchrun(work_dir)
+        training = _start_job(started, torchrun, work_dir, "job-a", _run_id("pretrain-7b"),
+                              pause, "--workers", str(workers), "--helpers", "dataloader")
+        finishing = _start_job(started, torchrun, work_dir, "job-b", _run_id("rlhf"), pause,
+                               "--workers", "1", "--helpers", "redis,actor,preprocessor",
+                               "--trainer-exit-after", str(3 * pace))
         for rank, pid in enumerate(training.workers):
             node.hold(pid, device=rank % gpus, used=(12 + 2 * rank) * GIB)
         node.hold(finishing.workers[0], device=gpus - 1, used=20 * GIB)
@@ -150,97 +388,163 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
         runtime = work_dir / "run"
         env = node.env()
         env.setdefault("PYTHONUNBUFFERED", "1")
-        daemon = subprocess.Popen(
+        # SIGKILL when the demo dies: nothing of the daemon must outlive it, its port least.
+        daemon = started.spawn(
             [sys.executable, "-m", "gpuwatch", "daemon", "--config", str(config),
              "--listen", free_listen(listen), "--interval", str(interval),
              "--runtime-dir", str(runtime), "--state-dir", str(work_dir / "state")],
-            env=env, stdout=daemon_output, stderr=daemon_output)
+            signal.SIGKILL, env=env, stdout=daemon_output, stderr=daemon_output)
         info = wait_for("the daemon", lambda: read_json(runtime / "daemon.json"), 30,
-                        alive=daemon)
+                        alive=daemon, pause=pause)
         # 2 MiB a step for 300 steps: visible, and bounded if the demo is left running.
-        leaking = subprocess.Popen(
-            [sys.executable, "-m", "gpuwatch.simulate.trainer", "--pattern", "leak",
-             "--leak-mib", "2", "--noise-mib", "1", "--steps", "300", "--linger", "86400",
-             "--step-seconds", str(pace / 5)], env={**env, "GPUWATCH_RUNTIME_DIR": str(runtime)},
-            start_new_session=True)
-        node.hold(leaking.pid, device=0, used=6 * GIB)
-        yield SimulatedNode(work_dir, node, training, finishing, leaking, daemon,
-                            info["metrics_url"])
+        instrumented = _start_job(
+            started, torchrun, work_dir, "job-c", _run_id("sft"), pause, "--workers", "1", "--",
+            sys.executable, "-m", "gpuwatch.simulate.trainer", "--pattern", "leak",
+            "--leak-mib", "2", "--noise-mib", "1", "--steps", "300", "--linger", "86400",
+            "--step-seconds", str(pace / 5), env={**env, "GPUWATCH_RUNTIME_DIR": str(runtime)})
+        node.hold(instrumented.workers[0], device=0, used=6 * GIB)
+        yield SimulatedNode(work_dir, node, training, finishing, instrumented, daemon,
+                            info["metrics_url"], started)
     finally:
-        if daemon is not None and daemon.poll() is None:
-            daemon.terminate()
-            try:
-                daemon.wait(10)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
-        for job in jobs:
-            _stop_job(job.launcher)
-        if leaking is not None:
-            leaking.kill()
-            leaking.wait()
-        # Orphaned workers left the launcher's process group's reach only if it was killed
-        # alone; they still carry its process group id.
-        for job in jobs:
-            for pid in (*job.workers, *job.helpers.values()):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        left = started.end_all(gracefully=[daemon] if daemon is not None else [])
+        if left:
+            _say(f"gpuwatch demo: still running after SIGKILL (stuck in the kernel?): "
+                 f"{' '.join(map(str, left))}", sys.stderr)
 
 
-def _reap(gpuwatch: str, sim: SimulatedNode) -> None:
+# ---- the demo ----------------------------------------------------------------------------------
+
+
+def _say(text: str, stream: Optional[TextIO] = None) -> None:
+    # The terminal may be gone (SIGHUP): losing a message must not stop the cleanup.
+    with contextlib.suppress(OSError, ValueError):
+        print(text, file=stream or sys.stdout, flush=True)
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[Callable[[float], None]]:
+    """Take the stop signals synchronously: blocked, and waited for by the `pause` yielded, which
+    raises DemoStopped when one is pending. Handlers are installed too, because a disposition of
+    SIG_IGN (inherited by a `cmd &` in a script, or from nohup) must not decide what stops it."""
+    previous = {s: signal.signal(s, lambda *_: None) for s in STOP_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+    def pause(seconds: float) -> None:
+        info = signal.sigtimedwait(STOP_SIGNALS, seconds)
+        if info is not None:
+            _say(f"\ngpuwatch demo: {signal.Signals(info.si_signo).name}: stopping its jobs "
+                 "and its daemon", sys.stderr)
+            raise DemoStopped(info.si_signo)
+
+    try:
+        yield pause
+    finally:
+        # What arrived while it was ending changes nothing any more.
+        while signal.sigtimedwait(STOP_SIGNALS, 0) is not None:
+            pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for s, handler in previous.items():
+            if handler is not None:
+                signal.signal(s, handler)
+
+
+def _run(sim: SimulatedNode, args: list[str], env: dict[str, str],
+         pause: Callable[[float], None]) -> int:
+    proc = sim.processes.spawn(args, signal.SIGKILL, env=env)
+    while proc.poll() is None:
+        pause(0.05)
+    return proc.returncode
+
+
+def _reap(gpuwatch_cmd: list[str], sim: SimulatedNode, pause: Callable[[float], None]) -> None:
     """The end of the story: what an SRE (or a Slurm epilog) would run on the node."""
     env = {**sim.node.env(), "GPUWATCH_RUNTIME_DIR": str(sim.runtime_dir),
            "GPUWATCH_STATE_DIR": str(sim.work_dir / "state")}
     for args in (["reap", "--dry-run"], ["reap", "--yes", "--kind", "orphan", "--grace", "2"]):
-        print(f"\n$ gpuwatch {' '.join(args)}", flush=True)
-        subprocess.run([*gpuwatch.split(), *args], env=env)
+        _say(f"\n$ gpuwatch {' '.join(args)}")
+        _run(sim, [*gpuwatch_cmd, *args], env, pause)
 
 
-def run_demo(listen: str, workers: int, duration: Optional[float], pace: float = 5.0) -> int:
-    work_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-demo-"))
-    try:
-        with simulated_node(work_dir, listen=listen, workers=workers, pace=pace) as sim:
-            beside = Path(sys.executable).with_name("gpuwatch")  # the venv's own script
-            gpuwatch = str(beside) if beside.exists() else f"{sys.executable} -m gpuwatch"
-            a, b = sim.training, sim.finishing
-            print(f"""gpuwatch demo: no GPU needed. A simulated node: 2 GPUs behind a fake NVML
-driver, two real jobs on them, watched by the real daemon (PID {sim.daemon.pid}).
-  job A: launcher {a.launcher.pid}, workers {' '.join(map(str, a.workers))}, a dataloader helper
-  job B: launcher {b.launcher.pid}, trainer {b.workers[0]}, helpers redis, actor, preprocessor
-  job C: trainer {sim.leaking.pid}, instrumented with gpuwatch.agent; its fetch_buffer keeps
-         every batch (2 MiB a step)
+def _play(work_dir: Path, listen: str, workers: int, duration: Optional[float], pace: float,
+          pause: Callable[[float], None]) -> int:
+    with simulated_node(work_dir, listen=listen, workers=workers, pace=pace,
+                        pause=pause) as sim:
+        beside = Path(sys.executable).with_name("gpuwatch")  # the venv's own script
+        gpuwatch_cmd = [str(beside)] if beside.exists() else [sys.executable, "-m", "gpuwatch"]
+        shown = " ".join(gpuwatch_cmd)
+        a, b, c = sim.training, sim.finishing, sim.instrumented
+        _say(f"""gpuwatch demo: no GPU needed. A simulated node: 2 GPUs behind a fake NVML driver,
+three real jobs on them (each started by torchrun), watched by the real daemon \
+(PID {sim.daemon.pid}).
+  job A: launcher {a.launcher.pid}, workers {' '.join(map(str, a.workers))}, helper dataloader \
+{a.helpers['dataloader']}; run {a.run_id}
+  job B: launcher {b.launcher.pid}, trainer {b.workers[0]}, helpers \
+{', '.join(f'{role} {pid}' for role, pid in b.helpers.items())}; run {b.run_id}
+  job C: launcher {c.launcher.pid}, trainer {c.workers[0]}, instrumented with gpuwatch.agent; \
+run {c.run_id}
+         its fetch_buffer keeps every batch (2 MiB a step)
 
   metrics  {sim.metrics_url}
-  status   GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {gpuwatch} status
-  JSON     GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {gpuwatch} status --json
+  status   GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {shown} status
+  JSON     GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {shown} status --json
 
 What happens:
   after {3 * pace:g} s  job B's trainer finishes; {2 * pace:g} s later its helpers are leftovers
   after {4 * pace:g} s  job A's launcher is killed (kill -9): its workers become orphans
   after ~{4 * pace:g} s  job C's leak is named, with the buffer and the step it runs out at
   after {6 * pace:g} s  `gpuwatch reap --dry-run`, then `gpuwatch reap --yes --kind orphan`
-Ctrl+C stops the demo, its jobs and its daemon.""", flush=True)
-            started = time.monotonic()
-            killed = reaped = False
-            deadline = None if duration is None else started + duration
-            while deadline is None or time.monotonic() < deadline:
-                if sim.daemon.poll() is not None:
-                    print(f"gpuwatch demo: the daemon exited with code {sim.daemon.returncode}",
-                          file=sys.stderr)
-                    return 1
-                if not killed and time.monotonic() - started >= 4 * pace:
-                    killed = True
-                    os.kill(a.launcher.pid, signal.SIGKILL)
-                    print(f"gpuwatch demo: killed job A's launcher {a.launcher.pid}", flush=True)
-                if not reaped and time.monotonic() - started >= 6 * pace:
-                    reaped = True
-                    _reap(gpuwatch, sim)
-                time.sleep(0.1)
-    except DemoError as exc:
-        print(f"gpuwatch demo: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ngpuwatch demo: stopped")
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
+Ctrl+C stops the demo and everything it started.""")
+        started = time.monotonic()
+        killed = reaped = False
+        deadline = None if duration is None else started + duration
+        while deadline is None or time.monotonic() < deadline:
+            if sim.daemon.poll() is not None:
+                # A Ctrl+C reaches the daemon too (same process group): then it is the Ctrl+C
+                # that ends the demo, not the daemon.
+                pause(0)
+                _say(f"gpuwatch demo: the daemon exited with code {sim.daemon.returncode}",
+                     sys.stderr)
+                return 1
+            if not killed and time.monotonic() - started >= 4 * pace:
+                killed = True
+                a.launcher.kill()
+                a.launcher.wait()  # its exit status is ours to collect: no zombie of the demo's
+                _say(f"gpuwatch demo: killed job A's launcher {a.launcher.pid}")
+            if not reaped and time.monotonic() - started >= 6 * pace:
+                reaped = True
+                _reap(gpuwatch_cmd, sim, pause)
+            pause(0.1)
     return 0
+
+
+def _keep_exit_quiet() -> None:
+    # Python exits with status 120 when it cannot flush stdout at exit (the terminal is gone
+    # after a SIGHUP); what is left to say then goes nowhere instead.
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, fd)
+                os.close(devnull)
+
+
+def run_demo(listen: str, workers: int, duration: Optional[float], pace: float = 5.0) -> int:
+    """Play the story until `duration` runs out or a stop signal arrives, then end everything
+    it started. Returns the exit status: 0 when `duration` ran out, 1 on an error, 128+N on
+    signal N (130 on Ctrl+C, 143 on SIGTERM, 129 on SIGHUP), as a shell reports them."""
+    try:
+        with _stop_signals() as pause:
+            work_dir = Path(tempfile.mkdtemp(prefix="gpuwatch-demo-"))
+            try:
+                return _play(work_dir, listen, workers, duration, pace, pause)
+            except DemoStopped as exc:
+                return 128 + exc.signum
+            except DemoError as exc:
+                _say(f"gpuwatch demo: {exc}", sys.stderr)
+                return 1
+            finally:
+                shutil.rmtree(work_dir, ignore_errors=True)
+    finally:
+        _keep_exit_quiet()

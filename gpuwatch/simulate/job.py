@@ -26,6 +26,10 @@ Launcher options that reproduce what is seen on real nodes:
     KeyboardInterrupt and returns, and the interpreter then waits forever to join the heartbeat:
     the process outlives its job. The same happens on SIGTERM (SystemExit takes the same way out);
     only SIGKILL ends it.
+`-- COMMAND...`
+    Workers run COMMAND (a training script, as torchrun runs one) instead of idling, each with
+    the distributed-launch variables of its rank. They report nothing: the job is ready as soon
+    as they are started and the helpers are up.
 `--sigint-grace SECONDS` (default 2)
     On SIGINT the launcher does not signal anyone (the terminal already sent Ctrl+C to the whole
     group; a second SIGINT would break the stubborn worker out of its join). It waits up to SECONDS
@@ -116,7 +120,8 @@ def _exit_status(code: int) -> int:
 
 def run_launcher(workers: int, ready: Path, run_id: str, helpers: Sequence[str] = (),
                  trainer_exit_after: Optional[float] = None, waits_for: str = "helpers",
-                 stubborn_rank: Optional[int] = None, sigint_grace: float = 2.0) -> int:
+                 stubborn_rank: Optional[int] = None, sigint_grace: float = 2.0,
+                 command: Sequence[str] = ()) -> int:
     worker_procs: list[subprocess.Popen[bytes]] = []
     helper_procs: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -136,6 +141,10 @@ def run_launcher(workers: int, ready: Path, run_id: str, helpers: Sequence[str] 
     read_end, write_end = os.pipe()
     try:
         for rank in range(workers):
+            if command:
+                worker_procs.append(subprocess.Popen(list(command),
+                                                     env=launch_env(rank, workers, run_id)))
+                continue
             extra = ["--stubborn"] if rank == stubborn_rank else []
             if trainer_exit_after is not None:
                 extra += ["--exit-after", repr(trainer_exit_after)]
@@ -148,7 +157,7 @@ def run_launcher(workers: int, ready: Path, run_id: str, helpers: Sequence[str] 
     # Every child writes one line once its signal handling is in place, then closes its end.
     with os.fdopen(read_end, "rb") as reports:
         reported = reports.read().count(b"\n")
-    if reported < len(worker_procs) + len(helper_procs):
+    if reported < (0 if command else len(worker_procs)) + len(helper_procs):
         forward(signal.SIGKILL, None)
         print("gpuwatch.simulate.job: a worker or helper died while starting", file=sys.stderr)
         return 1
@@ -288,6 +297,8 @@ def launcher_parser() -> argparse.ArgumentParser:
                         help="worker R survives Ctrl+C in its shutdown join")
     parser.add_argument("--sigint-grace", type=_seconds, default=2.0, metavar="SECONDS",
                         help="on SIGINT, wait this long for the workers, then exit 130")
+    parser.add_argument("command", nargs="*", metavar="-- COMMAND",
+                        help="what each worker runs (default: a worker that idles)")
     return parser
 
 
@@ -322,10 +333,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--workers must be at least 1")
     if args.stubborn_rank is not None and not 0 <= args.stubborn_rank < args.workers:
         parser.error(f"--stubborn-rank must be a rank between 0 and {args.workers - 1}")
+    if args.command and (args.stubborn_rank is not None or args.trainer_exit_after is not None):
+        parser.error("--stubborn-rank and --trainer-exit-after apply to the idling workers only")
     return run_launcher(args.workers, args.ready, args.run_id or uuid.uuid4().hex[:12],
                         helpers=args.helpers, trainer_exit_after=args.trainer_exit_after,
                         waits_for=args.launcher_waits_for, stubborn_rank=args.stubborn_rank,
-                        sigint_grace=args.sigint_grace)
+                        sigint_grace=args.sigint_grace, command=args.command)
 
 
 if __name__ == "__main__":

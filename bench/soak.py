@@ -263,7 +263,7 @@ class Scraper(threading.Thread):
             return None
         now = time.monotonic()
         for (name, labels), v in samples.items():
-            if name == "gpuwatch_finding" and v:
+            if name == "gpuwatch_finding_info" and v:
                 d = dict(labels)
                 key = (d.get("kind", ""), d.get("pid", ""))
                 self.findings_scrapes[key] += 1

@@ -91,7 +91,7 @@ def status(
     from gpuwatch.sinks.status_view import render_status
 
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
-    doc = _status_document(cfg.daemon.runtime_dir, ask_daemon=not poll, detectors=cfg.detectors)
+    doc = _status_document(cfg, ask_daemon=not poll)
     if as_json:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -100,7 +100,7 @@ def status(
     raise typer.Exit(status_exit_code(doc))
 
 
-def _status_document(runtime_dir: Path, ask_daemon: bool, detectors: Any) -> dict[str, Any]:
+def _status_document(cfg: Any, ask_daemon: bool) -> dict[str, Any]:
     from gpuwatch.detectors import assess
     from gpuwatch.history import History
     from gpuwatch.poll import Poller
@@ -110,15 +110,15 @@ def _status_document(runtime_dir: Path, ask_daemon: bool, detectors: Any) -> dic
     why = "--poll given"
     if ask_daemon:
         try:
-            return fetch_status(runtime_dir / STATE_SOCKET_NAME)
+            return fetch_status(cfg.daemon.runtime_dir / STATE_SOCKET_NAME)
         except StateUnavailable as exc:
             why = str(exc)
-    poller = Poller()
+    poller = Poller(hostname=cfg.daemon.node_name or None)
     try:
         snapshot = poller.poll()
     finally:
         poller.close()
-    report = assess(snapshot, History(), detectors.for_single_poll())
+    report = assess(snapshot, History(), cfg.detectors.for_single_poll())
     return status_document(report, source=SOURCE_POLL, source_detail=why)
 
 
@@ -138,7 +138,8 @@ def daemon(
 ) -> None:
     """The node daemon: polls NVML and /proc, serves Prometheus /metrics and the state socket.
 
-    A bad configuration exits with 78 and names the key. SIGHUP reloads the configuration.
+    A bad configuration exits with 78 and names the key; another daemon already running on the
+    same runtime directory, with 75 and its PID. SIGHUP reloads the configuration.
     """
     from gpuwatch.daemon import exec_daemon
 
@@ -184,8 +185,8 @@ def reap(
     kernel threads, protected names or users, and checks each process's identity right before
     every signal. Every action goes to the audit log (reap.jsonl in the state directory).
     """
-    from gpuwatch.daemon import DAEMON_INFO_NAME
     from gpuwatch.detectors import KINDS
+    from gpuwatch.runtime_dir import DAEMON_INFO_NAME
     from gpuwatch.sinks.reap_view import render_reap
     from gpuwatch.sinks.reaper import AUDIT_NAME, REAPABLE_KINDS, Filters, Reaper
 
@@ -196,7 +197,7 @@ def reap(
                    + ", ".join(KINDS), err=True)
         raise typer.Exit(EXIT_USAGE)
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
-    doc = _status_document(cfg.daemon.runtime_dir, ask_daemon=not poll, detectors=cfg.detectors)
+    doc = _status_document(cfg, ask_daemon=not poll)
     daemon_pid = _daemon_pid(cfg.daemon.runtime_dir / DAEMON_INFO_NAME)
     reaper = Reaper(cfg, cfg.daemon.state_dir / AUDIT_NAME, daemon_pid=daemon_pid)
     filters = Filters(kinds=frozenset(kinds) if kinds else REAPABLE_KINDS, job=job,
@@ -275,7 +276,17 @@ def _daemon_pid(info: Path) -> Optional[int]:
     return pid if isinstance(pid, int) else None
 
 
-@app.command()
+DEMO_EXIT_CODES = """\b
+Exit codes (128+N for signal N, as a shell reports it):
+  0    --duration ran out
+  1    the demo failed (no C compiler; a job or the daemon did not start)
+  130  stopped by Ctrl+C (SIGINT)
+  143  stopped by SIGTERM
+  129  stopped by SIGHUP: its terminal closed
+"""
+
+
+@app.command(epilog=DEMO_EXIT_CODES)
 def demo(
     listen: str = typer.Option("127.0.0.1:9966", "--listen",
                                help="HOST:PORT for the demo daemon's /metrics (another free "
@@ -289,7 +300,8 @@ def demo(
     """A simulated node with real jobs on fake GPUs, watched by the real daemon. No GPU needed.
 
     One job's trainer finishes and leaves its helpers behind (leftovers); the other's launcher
-    is killed and leaves its workers behind (orphans).
+    is killed and leaves its workers behind (orphans); a third leaks. However the demo ends, it
+    ends every process it started, the orphans included, and removes its temporary directory.
     """
     from gpuwatch.simulate.demo import run_demo
 

@@ -144,6 +144,10 @@ class DaemonConfig:
                                      "longest wait between NVML re-initialisation attempts")
     state_socket_group: str = _setting("gpuwatch", str,
                                        "group allowed to read state.sock besides root")
+    node_name: str = _setting(
+        "", str, "the node's name in metrics (gpuwatch_node_info), alerts and `status`; empty: "
+        "the hostname (on Kubernetes, set it from the downward API's spec.nodeName)",
+        env="GPUWATCH_NODE_NAME")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
 
@@ -197,7 +197,7 @@ class History:
         self._by_identity: OrderedDict[Identity, ProcessHistory] = OrderedDict()
         self._departed: OrderedDict[Identity, Departed] = OrderedDict()
         self._jobs: dict[str, JobRecord] = {}
-        self._finding_since: dict[tuple[object, ...], float] = {}
+        self._open_findings: dict[tuple[object, ...], tuple[float, str]] = {}
         self._unattributed: dict[int, deque[tuple[float, Optional[int]]]] = {}
         self._unlisted_since: dict[int, float] = {}
 
@@ -219,6 +219,14 @@ class History:
     def job_of(self, p: HostProcess) -> Optional[JobRecord]:
         h = self._by_identity.get(p.identity)
         return self.job(h.job_key) if h is not None else None
+
+    def job_label(self, p: HostProcess) -> Optional[Job]:
+        """The process's own job, else the label of the job tree it was first seen in: a
+        launcher or a helper carries no job variables, yet it belongs to its workers' job."""
+        if p.job is not None:
+            return p.job
+        record = self.job_of(p)
+        return record.label if record is not None else None
 
     def unattributed_held(self, gpu: int, min_bytes: int, seconds: float, now: float) -> bool:
         """Whether GPU `gpu` has had at least `min_bytes` of unattributed memory at every
@@ -351,15 +359,27 @@ class History:
         self._trim()
 
     # -- findings ------------------------------------------------------------------------------
-    def stamp(self, findings: Iterable[Finding], now: float) -> list[Finding]:
-        """Give each finding the time it was first seen; forget findings that closed."""
+    def stamp(self, findings: Iterable[Finding], processes: Mapping[int, HostProcess],
+              now: float) -> list[Finding]:
+        """Give each finding the time it was first seen, the reason it was first given and its
+        job; forget findings that closed.
+
+        A reason is the evidence when the finding opened ("exited before 10:00:00Z (not reaped
+        yet)"); the same process may be described otherwise a poll later (its launcher reaped,
+        a leak's culprit named), but what people and alerts saw must not change under them.
+        Figures that move belong in `details`.
+        """
         stamped = []
-        open_now = {}
+        open_now: dict[tuple[object, ...], tuple[float, str]] = {}
         for f in findings:
-            since = self._finding_since.get(f.identity, now)
-            open_now[f.identity] = since
-            stamped.append(replace(f, since=since))
-        self._finding_since = open_now
+            since, reason = self._open_findings.get(f.identity, (now, f.reason))
+            open_now[f.identity] = (since, reason)
+            job = f.job
+            p = processes.get(f.pid) if f.pid is not None else None
+            if job is None and p is not None and p.identity == (f.pid, f.start_time):
+                job = self.job_label(p)
+            stamped.append(replace(f, since=since, reason=reason, job=job))
+        self._open_findings = open_now
         return stamped
 
 

@@ -67,9 +67,15 @@ def job_root(pid: int, processes: Mapping[int, HostProcess]) -> Optional[int]:
 
 
 def job_roots(processes: Mapping[int, HostProcess]) -> dict[int, int]:
+    """Each process's job root. A launcher is the root of its own job: climbing from it alone
+    would make whatever started it (a shell script, the demo, a CI runner) its launcher, and put
+    torchrun in another job than its workers."""
     roots: dict[int, int] = {}
     for pid in processes:
         root = job_root(pid, processes)
         if root is not None:
             roots[pid] = root
+    for root in set(roots.values()):
+        if root in roots:
+            roots[root] = root
     return roots

@@ -174,6 +174,10 @@ class HostProcess:
     gpu_usage: tuple[GpuProcessUsage, ...] = ()
     #: What could not be read about this process (permission, vanished mid-read).
     read_errors: tuple[str, ...] = ()
+    #: Where a process in uninterruptible sleep waits in the kernel: its wait channel
+    #: (/proc/PID/wchan) and, where readable (root), its kernel stack. Read for D state only.
+    wchan: Optional[str] = None
+    kernel_stack: tuple[str, ...] = ()
 
     @property
     def holds_gpu(self) -> bool:
@@ -190,6 +194,17 @@ class HostProcess:
     @property
     def identity(self) -> tuple[int, Optional[float]]:
         return (self.pid, self.start_time)
+
+    @property
+    def waits_in_gpu_driver(self) -> bool:
+        """Its wait channel or kernel stack names the NVIDIA driver (nvidia.ko, nvidia-uvm)."""
+        return any(mark in frame.lower() for frame in (self.wchan or "", *self.kernel_stack)
+                   for mark in _GPU_DRIVER_MARKS)
+
+
+#: What names the NVIDIA kernel modules in a wait channel or a stack frame: their module names
+#: (`[nvidia]`, `[nvidia_uvm]`), nvidia.ko's `nvidia_*` symbols and nvidia-uvm's `uvm_*`.
+_GPU_DRIVER_MARKS = ("nvidia", "uvm_")
 
 
 @dataclass(frozen=True)
@@ -250,12 +265,13 @@ class Finding:
     """Something wrong on the node, with the evidence for it.
 
     `pid` with `start_time` names the process, so a finding never carries over to a process that
-    reuses the PID. `reason` is stable while the finding stays open (metrics carry it as a label);
-    `since` says when it was first seen.
+    reuses the PID. `reason` is stable while the finding stays open; `since` says when it was
+    first seen; `job` is the process's job, or the job of the tree it was first seen in.
     """
 
     kind: str  # orphan | zombie | leftover | ghost | leak | stalled | unkillable
     severity: str
+    #: The evidence in words, as first given: it stays the same while the finding is open.
     reason: str
     pid: Optional[int] = None  # None for device-level findings (unattributed GPU memory)
     start_time: Optional[float] = None
@@ -314,3 +330,9 @@ class NodeReport:
 
     snapshot: NodeSnapshot
     findings: tuple[Finding, ...] = ()
+    #: Each process's job by PID: its own (cgroup, environment), else the job of the tree it was
+    #: first seen in (a launcher or a helper carries no job variables of its own).
+    jobs: Mapping[int, Job] = field(default_factory=lambda: MappingProxyType({}))
+
+    def job_of(self, p: HostProcess) -> Optional[Job]:
+        return self.jobs.get(p.pid, p.job)

@@ -370,7 +370,8 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
                  helpers: Sequence[str] = (), trainer_exit_after: Optional[float] = None,
                  launcher_waits_for: str = "helpers", stubborn_rank: Optional[int] = None,
                  via: Optional[str] = None, sigint_grace: float = 2.0,
-                 run_id: Optional[str] = None) -> Iterator[JobPids]:
+                 run_id: Optional[str] = None, cgroup: Optional[Path] = None
+                 ) -> Iterator[JobPids]:
     """A launcher with `workers` workers and one helper per role in `helpers` (see
     gpuwatch.simulate.job for `trainer_exit_after`, `launcher_waits_for`, `stubborn_rank` and
     `sigint_grace`), with `env` added to this process's environment. The launcher leads its own
@@ -396,6 +397,9 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
         flag survives exec) instead of a namespace's init: the nearest stand-in where PID
         namespaces are refused. The shell is not PID 1 then.
 
+    `cgroup` (with `via` None): a cgroup directory the launcher joins before it starts, as a
+    scheduler places a job's first process; everything it starts inherits the cgroup.
+
     Yields the job's PIDs once every worker and helper is up.
     """
     if via not in VIAS:
@@ -412,7 +416,10 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
     bash = shutil.which("bash") or "bash"
     subreaper_ready = _unique(tmp_path, "subreaper", ".json")
     if via is None:
-        top = subprocess.Popen(launcher_cmd, env=full_env, start_new_session=True)
+        join = (None if cgroup is None else
+                lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())))
+        top = subprocess.Popen(launcher_cmd, env=full_env, start_new_session=True,
+                               preexec_fn=join)
     elif via == "subreaper":
         top = subprocess.Popen([sys.executable, "-m", "gpuwatch.simulate.job", "subreaper",
                                 "--ready", str(subreaper_ready), "--", *launcher_cmd[3:]],
@@ -497,6 +504,37 @@ def sigkill_launcher(job: JobPids) -> None:
              GONE_TIMEOUT)
 
 
+# ---- scheduler cgroups ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def slurm_job_cgroup(job_id: str) -> Iterator[Path]:
+    """A real cgroup where Slurm's cgroup plugin puts a job step on a cgroup v1 host
+    (`/slurm/uid_UID/job_ID/step_0` in the pids hierarchy), for a job to be started in. Skips
+    where this process may not create cgroups (not root, no writable v1 hierarchy)."""
+    root = Path("/sys/fs/cgroup/pids")
+    if os.geteuid() != 0 or not os.access(root, os.W_OK) or not (root / "cgroup.procs").exists():
+        pytest.skip("cannot create a Slurm-like cgroup here (needs root and cgroup v1's pids "
+                    "hierarchy writable)")
+    parts = [root / "slurm", root / "slurm" / f"uid_{os.getuid()}",
+             root / "slurm" / f"uid_{os.getuid()}" / f"job_{job_id}"]
+    parts.append(parts[-1] / "step_0")
+    made = [p for p in parts if not p.exists()]
+    for p in made:
+        p.mkdir()
+    try:
+        yield parts[-1]
+    finally:
+        def removed() -> Optional[bool]:
+            for p in reversed(made):
+                with contextlib.suppress(FileNotFoundError):
+                    try:
+                        p.rmdir()
+                    except OSError:  # busy until its last process is reaped
+                        return None
+            return True
+
+        wait_for("the job's cgroup to empty", removed, GONE_TIMEOUT)
+
+
 # ---- zombies -------------------------------------------------------------------------------------
 
 _built: dict[str, Path] = {}
@@ -543,6 +581,39 @@ def zombie_leader(tmp_path: Path) -> Iterator[int]:
             proc.stdout.close()
 
 
+STUCK_JOB = """\
+import signal, subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+stuck = [subprocess.Popen([sys.argv[1], "600"], stdout=subprocess.PIPE) for _ in range(2)]
+print(worker.pid, *(int(p.stdout.readline()) for p in stuck), flush=True)
+signal.pause()
+"""
+
+
+@contextlib.contextmanager
+def job_with_processes_in_d_state(tmp_path: Path) -> Iterator[tuple[int, int, int]]:
+    """A launcher with a worker and two helpers in uninterruptible sleep (state D, through
+    tests/programs/vfork_waiter.c), as a process stuck in a kernel call is. Yields (worker, first
+    stuck helper, second stuck helper) once /proc shows both helpers in D."""
+    exe = build_program("vfork_waiter", tmp_path)
+    launcher = subprocess.Popen([sys.executable, "-c", STUCK_JOB, str(exe)],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert launcher.stdout is not None
+        worker, *stuck = (int(p) for p in launcher.stdout.readline().split())
+        assert len(stuck) == 2, "the launcher did not report its processes"
+        wait_for("the helpers in uninterruptible sleep",
+                 lambda: True if all(state(p) == "D" for p in stuck) else None,
+                 START_TIMEOUT, alive=launcher)
+        yield worker, stuck[0], stuck[1]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        if launcher.stdout is not None:
+            launcher.stdout.close()
+
+
 UNREAPED_PARENT = """\
 import os, signal, sys
 signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # ignored, the kernel would reap for us
@@ -560,12 +631,14 @@ while True:
 
 
 @contextlib.contextmanager
-def unreaped_child(tmp_path: Path) -> Iterator[tuple[int, int]]:
-    """A live parent that never waits on its exited child. Yields (parent PID, child PID) once
-    the child is a zombie ('Z') and the parent is running."""
+def unreaped_child(tmp_path: Path, env: Optional[Mapping[str, str]] = None
+                   ) -> Iterator[tuple[int, int]]:
+    """A live parent (with `env` added to its environment) that never waits on its exited
+    child. Yields (parent PID, child PID) once the child is a zombie ('Z') and the parent is
+    running."""
     del tmp_path  # nothing to write; taken for the same signature as the other scenarios
     proc = subprocess.Popen([sys.executable, "-c", UNREAPED_PARENT], stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
     try:
         assert proc.stdout is not None
         child = int(proc.stdout.readline() or 0)

@@ -47,6 +47,11 @@ def test_daemon_serves_per_process_series_for_a_real_job_and_stops_on_sigterm(
         assert value(samples, "gpuwatch_gpu_memory_used_bytes", gpu="1") == 5 * GIB
         assert value(samples, "gpuwatch_polls_total") >= 1
         assert "cmdline" not in d.scrape_text() and "--worker" not in d.scrape_text()
+        # The node by name, and the daemon's own process, for dashboards and alerts.
+        assert value(samples, "gpuwatch_node_info", node=socket.gethostname(),
+                     driver_version="550.54.15") == 1
+        assert value(samples, "process_resident_memory_bytes") > 0
+        assert value(samples, "process_cpu_seconds_total") > 0
 
         # The state socket serves the CLI; only root and the gpuwatch group may read it.
         sock = d.runtime_dir / "state.sock"
@@ -60,6 +65,19 @@ def test_daemon_serves_per_process_series_for_a_real_job_and_stops_on_sigterm(
         assert d.proc.wait(10) == 0
         assert time.monotonic() - started < 5
         assert not sock.exists() and not (d.runtime_dir / "daemon.json").exists()
+
+
+def test_the_node_is_named_as_configured_in_metrics_and_status(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """On Kubernetes `instance` is a pod IP and the hostname the pod's: the node's name comes
+    from the configuration (GPUWATCH_NODE_NAME from the downward API)."""
+    env = {**cli_env, "GPUWATCH_NODE_NAME": "gpu-node-07"}
+    with running_daemon(env, tmp_path) as d:
+        samples = d.wait_for_metrics("the node's info", lambda s: s if value(
+            s, "gpuwatch_node_info") is not None else None)
+        assert value(samples, "gpuwatch_node_info", node="gpu-node-07") == 1
+        assert gpuwatch(["status"], env).stdout.startswith("node gpu-node-07 ")
+    assert gpuwatch(["status", "--poll"], env).stdout.startswith("node gpu-node-07 ")
 
 
 def test_series_of_a_process_vanish_when_it_exits(

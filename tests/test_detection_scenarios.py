@@ -18,10 +18,11 @@ import pytest
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import WatchedNode, by_pid, running_daemon
-from tests.realprocs import GIB, status_json
+from tests.realprocs import GIB, processes_by_pid, status_json
 from tests.scenarios import (
     ctrl_c,
     free_pid,
+    job_with_processes_in_d_state,
     orphaned_worker_under_pid1,
     pid_namespaces,
     plain_service,
@@ -41,6 +42,7 @@ leftover_grace = {LEFTOVER_GRACE}
 zombie_grace = 0.5
 ghost_grace = 0.5
 min_age = 0
+unkillable_after = 1
 """
 
 
@@ -84,6 +86,7 @@ def test_1_sigkilled_launcher_leaves_four_orphans_found_within_one_poll(
 
 
 # -- 2 ------------------------------------------------------------------------------------------
+@pytest.mark.sigint
 def test_2_ctrl_c_leaves_only_the_worker_kept_alive_by_a_thread_flagged(
         watched: WatchedNode, tmp_path: Path) -> None:
     with torchrun_job(tmp_path, workers=4, stubborn_rank=3) as job:
@@ -109,7 +112,8 @@ def test_3_main_thread_gone_with_a_thread_holding_gpu_memory_is_a_critical_zombi
         (f,) = findings(doc)
         assert (f["kind"], f["pid"], f["severity"]) == ("zombie", pid, "critical")
         assert f["gpu_memory_bytes"] == 4 * GIB
-        assert "main thread exited but 2 threads still run" in f["reason"]
+        assert "main thread exited but other threads still run" in f["reason"]
+        assert processes_by_pid(doc)[pid]["num_threads"] == 2
         assert "[zombie]" in watched.status_text()
 
 
@@ -229,6 +233,31 @@ def test_9_a_finding_does_not_carry_over_to_a_new_process_that_reuses_the_pid(
                 p["pid"] == old and p["start_time"] != old_start and p["holds_gpu"]
                 for p in d["processes"]))
             assert findings(doc) == []
+
+
+# -- 10 -----------------------------------------------------------------------------------------
+def test_10_stuck_in_the_kernel_is_critical_only_with_the_gpu_at_stake(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    """Real processes in D state (a vfork parent waits in the kernel): the one holding GPU memory
+    is critical, the one that holds none and waits outside the NVIDIA driver only a warning."""
+    with job_with_processes_in_d_state(tmp_path) as (worker, holding, elsewhere):
+        watched.node.hold(worker, device=0, used=GIB)
+        watched.node.hold(holding, device=1, used=2 * GIB)
+        doc = watched.doc_when("two unkillable findings",
+                               lambda d: len(findings(d, "unkillable")) == 2)
+        found = by_pid(doc, "unkillable")
+        procs = processes_by_pid(doc)
+        for pid in (holding, elsewhere):
+            assert procs[pid]["state"] == "disk-sleep"
+            assert procs[pid]["wchan"] or procs[pid]["kernel_stack"], procs[pid]
+        where = procs[elsewhere]["wchan"] or procs[elsewhere]["kernel_stack"][0]
+        assert found[holding]["severity"] == "critical"
+        assert found[holding]["gpu_memory_bytes"] == 2 * GIB
+        assert "holds GPU memory while waiting in" in found[holding]["reason"]
+        assert found[elsewhere]["severity"] == "warning"
+        assert f"waits in {where}, not in the GPU driver, and holds no GPU memory" in \
+            found[elsewhere]["reason"]
+        assert set(by_pid(doc, "orphan")) == set()
 
 
 # -- no false alarms -------------------------------------------------------------------------------

@@ -75,6 +75,69 @@ def test_10_uninterruptible_sleep_over_several_polls_is_unkillable_and_a_blip_is
     assert kinds(report) == []
 
 
+def stuck_for_long(history: History, p: HostProcess, launcher: HostProcess) -> NodeReport:
+    run(history, snapshot(1000.0, launcher, p))
+    return run(history, snapshot(1040.0, launcher, p))
+
+
+def test_10_stuck_in_the_nvidia_driver_is_critical_even_without_gpu_memory() -> None:
+    launcher = proc(10, 1, pgid=10)
+    for wchan, stack in (("uvm_va_space_destroy", ()),
+                         (None, ("os_acquire_mutex [nvidia]", "rm_free_unused_clients"))):
+        stuck = proc(11, 10, pgid=10, state="disk-sleep", wchan=wchan, kernel_stack=stack)
+        (f,) = stuck_for_long(History(), stuck, launcher).findings
+        assert (f.kind, f.severity) == ("unkillable", "critical")
+        assert "waits in the NVIDIA driver (" in f.reason
+
+
+def test_10_stuck_elsewhere_holding_no_gpu_memory_is_only_a_warning() -> None:
+    """A checkpoint write to a hung NFS server: worth knowing, no reason to drain the node."""
+    stuck = proc(11, 10, pgid=10, state="disk-sleep", wchan="nfs_wait_bit_killable",
+                 kernel_stack=("nfs_wait_bit_killable [nfs]", "__wait_on_bit"))
+    (f,) = stuck_for_long(History(), stuck, proc(10, 1, pgid=10)).findings
+    assert (f.kind, f.severity) == ("unkillable", "warning")
+    assert "waits in nfs_wait_bit_killable, not in the GPU driver, and holds no GPU memory" \
+        in f.reason
+    holding = replace(stuck, gpu_usage=(GpuProcessUsage(0, "GPU-0", 11, GIB),))
+    (f,) = stuck_for_long(History(), holding, proc(10, 1, pgid=10)).findings
+    assert f.severity == "critical"
+    assert "holds GPU memory while waiting in nfs_wait_bit_killable" in f.reason
+
+
+def test_a_reason_stays_as_first_given_while_the_finding_is_open() -> None:
+    """The launcher is a zombie when the orphan is first seen, and reaped a poll later: the
+    evidence read differently then, but the reason people and alerts saw does not change."""
+    history = History()
+    launcher = proc(10, 1, pgid=10, name="torchrun")
+    run(history, snapshot(1.0, launcher, proc(11, 10, gpu=GIB, pgid=10)))
+    orphaned = proc(11, 1, gpu=GIB, pgid=10)
+    (first,) = run(history, snapshot(2.0, replace(launcher, state="zombie"), orphaned)).findings
+    assert first.kind == "orphan" and "(not reaped yet)" in first.reason
+    for t in (3.0, 4.0):  # the launcher is gone now
+        (f,) = run(history, snapshot(t, orphaned)).findings
+        assert (f.reason, f.since) == (first.reason, 2.0)
+    # A history that never saw the launcher as a zombie words the same evidence otherwise.
+    other = History()
+    run(other, snapshot(1.0, launcher, proc(11, 10, gpu=GIB, pgid=10)))
+    (fresh,) = run(other, snapshot(4.0, orphaned)).findings
+    assert "exited after 00:00:01Z" in fresh.reason and fresh.reason != first.reason
+
+
+def test_every_finding_and_process_carries_the_job_of_the_tree_it_was_first_seen_in() -> None:
+    """The launcher and a helper carry no job variables; the trainer does. When the trainer
+    ends, the helper's leftover finding names the job, so `reap --job` finds it."""
+    history = History()
+    job = Job("e0cc1a2b", "torchelastic")
+    launcher = proc(10, 1, pgid=10, name="torchrun")
+    trainer = proc(11, 10, gpu=GIB, pgid=10, job=job)
+    helper = proc(12, 10, pgid=10, name="redis-server")
+    report = run(history, snapshot(1.0, launcher, trainer, helper))
+    assert report.job_of(launcher) == job and report.job_of(helper) == job
+    run(history, snapshot(2.0, launcher, helper))  # the trainer ended
+    (f,) = run(history, snapshot(30.0, launcher, helper)).findings
+    assert (f.kind, f.pid, f.job) == ("leftover", 12, job)
+
+
 def test_pid_reuse_never_inherits_the_old_processes_lineage_or_finding() -> None:
     history = History()
     launcher = proc(10, 1, pgid=10)

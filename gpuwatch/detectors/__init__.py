@@ -8,6 +8,8 @@ variables), and its reason says which evidence was used.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import (
     ghosts,
@@ -32,8 +34,11 @@ __all__ = ["DETECTORS", "KINDS", "assess", "detect", "is_protected"]
 def assess(snapshot: NodeSnapshot, history: History, config: DetectorConfig) -> NodeReport:
     """Record the snapshot in the history, then run every detector over both."""
     history.record(snapshot)
-    findings = history.stamp(detect(snapshot, history, config), snapshot.taken_at)
-    return NodeReport(snapshot, tuple(findings))
+    findings = history.stamp(detect(snapshot, history, config), snapshot.processes,
+                             snapshot.taken_at)
+    jobs = {pid: job for pid, p in snapshot.processes.items()
+            if (job := history.job_label(p)) is not None}
+    return NodeReport(snapshot, tuple(findings), MappingProxyType(jobs))
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig) -> list[Finding]:

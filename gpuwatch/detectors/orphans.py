@@ -1,7 +1,7 @@
 """orphan: a process of a GPU job whose launching parent has exited.
 
-Reasons stay the same while the finding is open (metrics carry them as a label): they name
-moments by clock time, never "N s ago", and leave figures that change to their own fields.
+Reasons name moments by clock time, never "N s ago", and leave figures that change to their own
+fields; the history keeps each reason as first given while the finding is open.
 
 With history: the parent recorded when the process was first seen is gone. Reparenting happens
 only when a parent exits, so a changed parent PID is the evidence, whoever adopted the process

@@ -1,8 +1,12 @@
 """unkillable: stuck in uninterruptible sleep (D), typically inside the driver.
 
-Signals cannot end such a process, so reaping cannot free its memory: the node needs attention
-(a driver reset or a reboot). Brief D states are normal I/O; only one that lasts longer than the
-threshold, over consecutive polls, is reported.
+Signals cannot end such a process, so reaping cannot free its memory. Brief D states are normal
+I/O; only one that lasts longer than the threshold, over consecutive polls, is reported.
+
+Critical only when the GPU is at stake: the process holds GPU memory, or it waits in the NVIDIA
+driver (its wait channel or kernel stack names nvidia or nvidia-uvm): then the node needs a GPU
+reset or a reboot before the next job. A job member stuck elsewhere (a checkpoint write to a hung
+NFS server) is a warning: worth knowing, no reason to drain the node.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Iterator
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import finding, is_protected
 from gpuwatch.history import History
-from gpuwatch.model import Finding, NodeSnapshot
+from gpuwatch.model import Finding, HostProcess, NodeSnapshot
 from gpuwatch.units import clock_time
 
 
@@ -26,6 +30,22 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             continue
         if snapshot.taken_at - h.disk_sleep_since < config.unkillable_after:
             continue
-        yield finding("unkillable", "critical", p,
-                      f"in uninterruptible sleep (D) since {clock_time(h.disk_sleep_since)}; "
-                      "signals cannot end it, the node needs attention")
+        since = f"in uninterruptible sleep (D) since {clock_time(h.disk_sleep_since)}"
+        if p.waits_in_gpu_driver:
+            severity = "critical"
+            where = f"waits in the NVIDIA driver ({_where(p)})"
+        elif p.holds_gpu:
+            severity = "critical"
+            where = f"holds GPU memory while waiting in {_where(p)}"
+        else:
+            severity = "warning"
+            where = f"waits in {_where(p)}, not in the GPU driver, and holds no GPU memory"
+        yield finding("unkillable", severity, p,
+                      f"{since}; {where}; signals cannot end it")
+
+
+def _where(p: HostProcess) -> str:
+    if p.wchan:
+        return p.wchan
+    driver = [frame for frame in p.kernel_stack if "nvidia" in frame.lower()]
+    return (driver or list(p.kernel_stack) or ["an unknown kernel function"])[0]

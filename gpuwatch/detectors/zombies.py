@@ -31,7 +31,8 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         if threads > 1:
             severity = "critical" if p.holds_gpu else "warning"
             holding = " and hold its GPU memory" if p.holds_gpu else ""
-            reason = (f"main thread exited but {threads} threads still run{holding}; "
+            # No thread count: it changes while the finding is open (num_threads has it).
+            reason = (f"main thread exited but other threads still run{holding}; "
                       "only killing the process frees it")
         else:
             parent = snapshot.processes.get(p.ppid) if p.ppid else None

@@ -49,7 +49,8 @@ def status_document(report: NodeReport, source: str = SOURCE_POLL,
             "device_count": nvml.device_count,
         },
         "gpus": [_gpu(g) for g in snapshot.gpus],
-        "processes": [_process(p, snapshot.job_roots.get(p.pid), snapshot.agents.get(p.pid))
+        "processes": [_process(p, report.job_of(p), snapshot.job_roots.get(p.pid),
+                               snapshot.agents.get(p.pid))
                       for p in sorted(snapshot.processes.values(), key=lambda p: p.pid)],
         "findings": [_finding(f) for f in report.findings],
         "errors": [{"source": e.source, "message": e.message} for e in snapshot.errors],
@@ -127,8 +128,8 @@ def _job(job: Optional[Job]) -> Optional[dict[str, str]]:
     return {"id": job.id, "source": job.source} if job is not None else None
 
 
-def _process(p: HostProcess, job_root: Optional[int], agent: Optional[AgentReading]
-             ) -> dict[str, Any]:
+def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
+             agent: Optional[AgentReading]) -> dict[str, Any]:
     return {
         "pid": p.pid,
         "ppid": p.ppid,
@@ -145,11 +146,13 @@ def _process(p: HostProcess, job_root: Optional[int], agent: Optional[AgentReadi
         "gpu_memory_bytes": p.gpu_memory_bytes,
         "gpus": [_usage(u) for u in p.gpu_usage],
         "holds_gpu": p.holds_gpu,
-        "job": _job(p.job),
+        "job": _job(job),
         "cgroup": p.cgroup,
         "launch_env": dict(p.launch_env),
         "cmdline": list(p.cmdline),
         "in_procfs": p.in_procfs,
         "read_errors": list(p.read_errors),
+        "wchan": p.wchan,
+        "kernel_stack": list(p.kernel_stack),
         "agent": _agent(agent),
     }

@@ -21,20 +21,21 @@ from prometheus_client.registry import Collector
 
 from gpuwatch import __version__
 from gpuwatch.detectors import KINDS
-from gpuwatch.model import Finding, HostProcess, NodeReport, NodeSnapshot
+from gpuwatch.model import Finding, HostProcess, Job, NodeReport, NodeSnapshot
 
 # Label names for a process. `job_id`, not `job`: Prometheus owns `job` (the scrape job) and
 # would rename ours to `exported_job` (docs/design-notes.md).
 PROCESS_LABELS = ("pid", "name", "user", "job_id", "job_source")
 
 
-def process_labels(p: HostProcess) -> list[str]:
+def process_labels(pid: Optional[int], name: Optional[str], user: Optional[str],
+                   job: Optional[Job]) -> list[str]:
     return [
-        str(p.pid),
-        p.name or "",
-        p.user or "",
-        p.job.id if p.job else "",
-        p.job.source if p.job else "",
+        str(pid) if pid is not None else "",
+        name or "",
+        user or "",
+        job.id if job else "",
+        job.source if job else "",
     ]
 
 
@@ -82,6 +83,14 @@ class ReportCollector(Collector):
         yield from self._leaks(report)
 
     def _node(self, s: NodeSnapshot) -> Iterator[Metric]:
+        node = InfoMetricFamily(
+            "gpuwatch_node", "The node as its daemon names it (daemon.node_name, else the "
+            "hostname), with its driver and gpuwatch versions: join on instance for a node name "
+            "that survives pod IPs and DNS aliases.")
+        node.add_metric([], {"node": s.hostname, "version": __version__,
+                             "driver_version": s.nvml.driver_version or "",
+                             "cuda_driver_version": s.nvml.cuda_driver_version or ""})
+        yield node
         yield _gauge("gpuwatch_nvml_up",
                      "1 when NVML answered the last poll, 0 when it is unavailable.",
                      [], [([], 1.0 if s.nvml.available else 0.0)])
@@ -141,7 +150,7 @@ class ReportCollector(Collector):
         gpu_mem, rss, start, steps, step_at, items, sizes = [], [], [], [], [], [], []
         agents = report.snapshot.agents
         for p in exported:
-            base = process_labels(p)
+            base = process_labels(p.pid, p.name, p.user, report.job_of(p))
             agent = agents.get(p.pid)
             if agent is not None and agent.step is not None:
                 steps.append((base, float(agent.step)))
@@ -198,8 +207,7 @@ class ReportCollector(Collector):
             if f.kind != "leak":
                 continue
             d = f.details
-            key = [str(f.pid), f.name or "", f.user or "", f.job.id if f.job else "",
-                   f.job.source if f.job else "", str(d.get("series", "")),
+            key = [*process_labels(f.pid, f.name, f.user, f.job), str(d.get("series", "")),
                    str(d.get("culprit") or "")]
             if "growth_bytes_per_step" in d:
                 per_step.append((key, float(d["growth_bytes_per_step"])))
@@ -223,25 +231,33 @@ class ReportCollector(Collector):
                      labels, oom_at)
 
     def _findings(self, findings: tuple[Finding, ...]) -> Iterator[Metric]:
-        labels = ["kind", "severity", *PROCESS_LABELS, "gpu", "reason"]
-        open_, memory = [], []
+        """The findings, with no free text among the labels of the series alerts are built on.
+
+        `gpuwatch_finding` and `gpuwatch_finding_gpu_memory_bytes` carry what identifies a
+        finding (kind, process, job, GPU) and its severity; the reason, which is words, is only
+        on `gpuwatch_finding_info`, for tables and alert annotations.
+        """
+        labels = ["kind", "severity", *PROCESS_LABELS, "gpu"]
+        open_, memory, info = [], [], []
         counts = dict.fromkeys(KINDS, 0)
         for f in findings:
             counts[f.kind] = counts.get(f.kind, 0) + 1
-            key = [f.kind, f.severity, str(f.pid) if f.pid is not None else "", f.name or "",
-                   f.user or "", f.job.id if f.job else "", f.job.source if f.job else "",
-                   ",".join(map(str, f.gpus)), f.reason]
+            key = [f.kind, f.severity, *process_labels(f.pid, f.name, f.user, f.job),
+                   ",".join(map(str, f.gpus))]
             open_.append((key, 1.0))
+            info.append(([*key, f.reason], 1.0))
             if f.gpu_memory_bytes is not None:
-                memory.append((key[:-1], float(f.gpu_memory_bytes)))
+                memory.append((key, float(f.gpu_memory_bytes)))
         yield _gauge("gpuwatch_finding",
-                     "1 for each open finding; the labels say what, where and why.",
-                     labels, open_)
+                     "1 for each open finding; the labels say what and where.", labels, open_)
+        yield _gauge("gpuwatch_finding_info",
+                     "1 for each open finding, with its reason in words: for tables and alert "
+                     "annotations, never for an alert's labels.", [*labels, "reason"], info)
         yield _gauge("gpuwatch_findings", "Open findings by kind.", ["kind"],
                      [([kind], float(n)) for kind, n in counts.items()])
         yield _gauge("gpuwatch_finding_gpu_memory_bytes",
                      "GPU memory at stake in an open finding (what reaping it would free).",
-                     labels[:-1], memory)
+                     labels, memory)
 
 
 def _gauge(name: str, doc: str, labels: list[str] | tuple[str, ...],

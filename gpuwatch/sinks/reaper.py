@@ -127,7 +127,7 @@ class Reaper:
             return False
         if filters.user is not None and f["user"] != filters.user:
             return False
-        if filters.job is not None and (f["job"] or {}).get("id") != filters.job:
+        if filters.job is not None and not _job_matches(f["job"], filters.job):
             return False
         return doc["taken_at"] - f["since"] >= filters.older_than
 
@@ -299,6 +299,14 @@ class Reaper:
             os.write(fd, lines.encode())
         finally:
             os.close(fd)
+
+
+def _job_matches(job: Optional[dict[str, str]], wanted: str) -> bool:
+    """`--job 41234` (the id a scheduler hands its epilog) or `--job slurm:41234` (as `status`
+    shows it)."""
+    if not job:
+        return False
+    return wanted in (job["id"], f"{job['source']}:{job['id']}")
 
 
 def read_audit_counts(path: Path, offset: int) -> tuple[dict[tuple[str, str], int], int]:

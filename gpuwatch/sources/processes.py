@@ -101,6 +101,7 @@ class ProcessSource:
             # another PID namespace whose PIDs NVML reports. Kept, marked, never a crash.
             return HostProcess(pid=pid, in_procfs=False, gpu_usage=usage,
                                read_errors=("not in /proc (exited, or another PID namespace)",))
+        wchan, stack = self._kernel_wait(pid) if dynamic.state == "disk-sleep" else (None, ())
         key = (pid, dynamic.start_time)
         static = self._static.get(key)
         if static is None:
@@ -128,7 +129,23 @@ class ProcessSource:
             launch_env=static.launch_env,
             gpu_usage=usage,
             read_errors=static.read_errors,
+            wchan=wchan,
+            kernel_stack=stack,
         )
+
+    def _kernel_wait(self, pid: int) -> tuple[Optional[str], tuple[str, ...]]:
+        """Where a process in uninterruptible sleep waits: its wait channel and, where readable
+        (root), its kernel stack. Read only in D state, which is rare and short, so it costs a
+        poll nothing otherwise; the unkillable detector tells the GPU driver from the rest."""
+        wchan = self._read_proc_text(pid, "wchan")
+        frames = []
+        for line in (self._read_proc_text(pid, "stack") or "").splitlines():
+            # "[<0>] uvm_va_space_destroy+0x4c/0x90 [nvidia_uvm]": the symbol and its module.
+            parts = line.split()
+            if len(parts) >= 2:
+                frames.append(" ".join([parts[1].split("+", 1)[0], *parts[2:]]))
+        wchan = (wchan or "").strip()
+        return (wchan if wchan not in ("", "0") else None), tuple(frames)
 
     def stat(self, pid: int) -> Optional[ProcStat]:
         """What changes between polls, from the one /proc/PID/stat line.

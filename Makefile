@@ -11,7 +11,7 @@ export GPUWATCH_RUNTIME_DIR ?= $(CURDIR)/.run/runtime
 export GPUWATCH_STATE_DIR ?= $(CURDIR)/.run/state
 endif
 
-.PHONY: run test test-deps lint bench clean
+.PHONY: run test test-deps lint bench clean test-gpu bench-gpu gpu-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,14 +27,17 @@ run: $(STAMP)
 		exec $(BIN)/gpuwatch demo; \
 	fi
 
-# promtool and prometheus for the exporter and end-to-end tests, from Debian's package.
+# promtool, prometheus and alertmanager for the exporter, alert and end-to-end tests, from
+# Debian's packages.
 test-deps:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null \
+		&& command -v prometheus-alertmanager >/dev/null || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-				--no-install-recommends prometheus >/dev/null; \
+				--no-install-recommends prometheus prometheus-alertmanager >/dev/null; \
 		else \
-			echo "make test: prometheus/promtool missing and cannot apt-get; those tests will skip"; \
+			echo "make test: prometheus/promtool/alertmanager missing and cannot apt-get;" \
+				"those tests will skip"; \
 		fi; }
 
 lint: $(STAMP)
@@ -45,6 +48,44 @@ test: $(STAMP) test-deps lint
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
+
+# The `gpu` tests (tests/gpu) and the real-NVML bench, on this node's NVIDIA GPUs. Where
+# $(PYTHON) already has PyTorch and gpuwatch's dependencies (a GPU node without network), they run
+# with it as it is, the checkout on PYTHONPATH, and nothing is installed. Otherwise they run in
+# the venv, which gets PyTorch first where a GPU answers: without one the tests skip anyway, and
+# PyTorch is several GiB.
+GPU_MISSING = $(PYTHON) -c 'import importlib.util as u, sys; \
+	need = ["torch", "pynvml", "psutil", "prometheus_client", "typer", "pytest"]; \
+	need += [] if sys.version_info >= (3, 11) else ["tomli"]; \
+	print(" ".join(m for m in need if u.find_spec(m) is None))'
+
+test-gpu:
+	@missing="$$($(GPU_MISSING) || echo python)"; \
+	if [ -z "$$missing" ]; then \
+		echo "make test-gpu: $(PYTHON) has PyTorch and every dependency; installing nothing"; \
+		PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m pytest -m gpu tests/gpu; \
+	else \
+		echo "make test-gpu: $(PYTHON) lacks $$missing; running in $(VENV)"; \
+		$(MAKE) --no-print-directory gpu-venv && $(BIN)/python -m pytest -m gpu tests/gpu; \
+	fi
+
+bench-gpu:
+	@missing="$$($(GPU_MISSING) || echo python)"; \
+	if [ -z "$$missing" ]; then \
+		$(PYTHON) bench/real_nvml.py; \
+	else \
+		$(MAKE) --no-print-directory gpu-venv && $(BIN)/python bench/real_nvml.py; \
+	fi
+
+gpu-venv: $(STAMP)
+	@if $(BIN)/python -c 'import torch' 2>/dev/null; then :; \
+	elif nvidia-smi -L >/dev/null 2>&1; then \
+		echo "make: installing PyTorch into $(VENV) (several GiB)"; \
+		$(BIN)/python -m pip install -q torch; \
+	else \
+		echo "make: no NVIDIA GPU answers here (nvidia-smi -L), so PyTorch is not installed:" \
+			"the gpu tests skip and bench/real_nvml.py has nothing to measure"; \
+	fi
 
 clean:
 	rm -rf $(VENV) .run build *.egg-info .pytest_cache .ruff_cache

@@ -1,9 +1,13 @@
-"""Build the Grafana dashboards in this folder: `python dashboards/build.py`.
+"""Build the Grafana dashboards and the alert rules in this folder: `python dashboards/build.py`.
 
-The JSON files next to this script are what users import; this script is their source, so that
-every panel gets the same datasource, selectors and units from one place (the monitoring mixins
-do the same with jsonnet). `--check` fails when a JSON file differs from what the script builds,
-which the test suite runs.
+The JSON and YAML files next to this script are what users import; this script (and rules.py for
+the alerts) is their source, so that every panel and rule gets the same datasource, selectors and
+units from one place (the monitoring mixins do the same with jsonnet). `--check` fails when a
+file differs from what the script builds, which the test suite runs.
+
+Settings, as a mixin's config: `--selector` (the series of your gpuwatch scrape job; default
+`job="gpuwatch"`), `--runbook-url` (where the alerts' runbook links point), `--for-scale` (shorter
+`for:` durations, for tests) and `--out` (another folder than this one).
 
 Standard library only.
 """
@@ -15,9 +19,12 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from rules import Rules, Settings, parse_settings  # noqa: E402 - beside this script
+
 SCHEMA_VERSION = 39  # Grafana 10.4 and 11
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 NODE_UID, FLEET_UID = "gpuwatch-node", "gpuwatch-fleet"
@@ -81,6 +88,15 @@ def stat(title: str, description: str, expr: str, unit: str,
                                              "values": False},
                            "colorMode": "background", "graphMode": "none",
                            "textMode": "value"})
+
+
+def node_name(title: str, description: str, expr: str, legend: str) -> Panel:
+    """A full-width line of text: the series' labels through `legend`, not its value."""
+    return _panel("stat", title, description, [target(expr, legend)], 24, 3, "none",
+                  defaults={"color": {"mode": "fixed", "fixedColor": "text"}},
+                  options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
+                                             "values": False},
+                           "colorMode": "none", "graphMode": "none", "textMode": "name"})
 
 
 def table(title: str, description: str, columns: Sequence[tuple[str, str, Optional[str]]],
@@ -162,10 +178,18 @@ def _query_variable(name: str, label: str, query: str, multi: bool = False,
     return variable
 
 
-def _node_variables(label: str, many: bool) -> list[dict[str, Any]]:
-    """Data source, scrape job, and the node (or nodes) of that job."""
+def named(expr: str, keys: str = "instance, job") -> str:
+    """`expr` (which keeps `instance` and `job`) with the node's name as a `node` label."""
+    return (f"({expr}) * on (instance, job) group_left (node) "
+            f"max by ({keys}, node) (gpuwatch_node_info{{{NODE}}})")
+
+
+def _node_variables(label: str, many: bool, settings: Settings) -> list[dict[str, Any]]:
+    """Data source, scrape job (among those the selector setting admits), and the node (or
+    nodes) of that job."""
     return [_datasource_variable(),
-            _query_variable("job", "Scrape job", "label_values(gpuwatch_build_info, job)"),
+            _query_variable("job", "Scrape job",
+                            f"label_values(gpuwatch_build_info{{{settings.selector}}}, job)"),
             _query_variable("instance", label,
                             'label_values(gpuwatch_build_info{job=~"$job"}, instance)',
                             multi=many, include_all=many)]
@@ -190,7 +214,7 @@ def _dashboard(uid: str, title: str, description: str, variables: list[dict[str,
     }
 
 
-def node_dashboard() -> dict[str, Any]:
+def node_dashboard(settings: Settings) -> dict[str, Any]:
     selector, process = NODE, NODE_PROCESS
     reason_columns = ["kind", "severity", "pid", "name", "user", "job_id", "gpu"]
     process_columns = ["pid", "name", "user", "job_id", "series", "culprit"]
@@ -222,6 +246,11 @@ def node_dashboard() -> dict[str, Any]:
              "intervals means its poll loop is stuck (a hung NVML call).",
              f"time() - gpuwatch_last_poll_timestamp_seconds{{{selector}}}", "s",
              thresholds=((None, "green"), (60, "orange"), (120, "red"))),
+        node_name("Node", "The node's name as its daemon reports it (daemon.node_name, else "
+                  "the hostname), its driver and the gpuwatch version.",
+                  f"gpuwatch_node_info{{{selector}}}",
+                  "{{node}} · driver {{driver_version}} · CUDA {{cuda_driver_version}} · "
+                  "gpuwatch {{version}}"),
         row("GPU memory"),
         timeseries("GPU memory by process", "Which PIDs hold how much GPU memory, summed "
                    "over GPUs. A PID that stays flat after its job ended is what the next job "
@@ -252,7 +281,7 @@ def node_dashboard() -> dict[str, Any]:
         row("Findings"),
         table("Open findings", "Every open finding with its evidence. The PID and GPU memory "
               "are what `gpuwatch reap --dry-run --pid PID` on the node acts on.",
-              [(f"gpuwatch_finding{{{selector}}}", "", None),
+              [(f"gpuwatch_finding_info{{{selector}}}", "", None),
                (f"gpuwatch_finding_gpu_memory_bytes{{{selector}}}", "GPU memory", "bytes")],
               order=[*reason_columns, "GPU memory", "reason"], height=9,
               sort_by="GPU memory"),
@@ -317,7 +346,7 @@ def node_dashboard() -> dict[str, Any]:
                    "none", width=8),
     ]
     variables = [
-        *_node_variables("Node", many=False),
+        *_node_variables("Node", many=False, settings=settings),
         _query_variable("job_id", "Training job",
                         "label_values(gpuwatch_process_gpu_memory_bytes"
                         '{job=~"$job", instance=~"$instance"}, job_id)',
@@ -329,12 +358,13 @@ def node_dashboard() -> dict[str, Any]:
                       variables, panels, link_to=(FLEET_UID, "gpuwatch fleet"))
 
 
-def fleet_dashboard() -> dict[str, Any]:
+def fleet_dashboard(settings: Settings) -> dict[str, Any]:
     selector = NODE
-    to_node = [{"title": "Open ${__value.raw} in the node dashboard",
+    # Every fleet table row has the node's instance: the node dashboard is selected by it.
+    to_node = [{"title": "Open ${__data.fields.node} in the node dashboard",
                 "url": f"/d/{NODE_UID}/{NODE_UID}?${{__url_time_range}}"
                        "&var-datasource=${datasource}&var-job=${job}"
-                       "&var-instance=${__value.raw}"}]
+                       "&var-instance=${__data.fields.instance}"}]
     panels: list[Panel] = [
         row("Fleet"),
         stat("Nodes reporting", "Nodes whose gpuwatch answered the last scrape.",
@@ -359,70 +389,92 @@ def fleet_dashboard() -> dict[str, Any]:
              thresholds=((None, "green"), (1, "red"))),
         timeseries("GPU memory held by orphans and leftovers, per node", "Stranded GPU memory "
                    "by node: a node that stays up here fails the next job placed on it.",
-                   [target("sum by (instance) (gpuwatch_finding_gpu_memory_bytes"
-                           f'{{{selector}, kind=~"orphan|leftover"}})', "{{instance}}")],
+                   [target(named("sum by (instance, job) (gpuwatch_finding_gpu_memory_bytes"
+                                 f'{{{selector}, kind=~"orphan|leftover"}})'), "{{node}}")],
                    "bytes", stacked=True),
         timeseries("Open findings by kind", "Open findings summed over the fleet.",
                    [target(f"sum by (kind) (gpuwatch_findings{{{selector}}})", "{{kind}}")],
                    "none"),
         table("Nodes with findings", "Open findings by node and kind, with the GPU memory at "
               "stake. The node name opens its node dashboard.",
-              [(f"sum by (instance, kind) (gpuwatch_findings{{{selector}}}) > 0", "findings",
-                "none"),
-               (f"sum by (instance, kind) (gpuwatch_finding_gpu_memory_bytes{{{selector}}})",
-                "GPU memory", "bytes")],
-              order=["instance", "kind"], width=12, links={"instance": to_node},
+              [(named(f"sum by (instance, job, kind) (gpuwatch_findings{{{selector}}}) > 0"),
+                "findings", "none"),
+               (named("sum by (instance, job, kind) (gpuwatch_finding_gpu_memory_bytes"
+                      f"{{{selector}}})"), "GPU memory", "bytes")],
+              order=["node", "kind", "instance"], width=12, links={"node": to_node},
               sort_by="GPU memory"),
         table("Top leaking jobs", "Training jobs whose processes leak the most per step, and "
               "the soonest projected out-of-memory among their processes.",
-              [("topk(10, sum by (instance, job_id) (label_replace("
-                f'gpuwatch_leak_growth_bytes_per_step{{{selector}}}, "job_id", "(no job)", '
-                '"job_id", "")))', "growth per step", "bytes"),
-               ("min by (instance, job_id) (label_replace("
-                f'gpuwatch_leak_projected_oom_timestamp_seconds{{{selector}}}, "job_id", '
-                '"(no job)", "job_id", "")) - time()', "time to OOM", "s")],
-              order=["job_id", "instance"], width=12, links={"instance": to_node},
+              [(named("topk(10, sum by (instance, job, job_id) (label_replace("
+                      f'gpuwatch_leak_growth_bytes_per_step{{{selector}}}, "job_id", '
+                      '"(no job)", "job_id", "")))'), "growth per step", "bytes"),
+               (named("min by (instance, job, job_id) (label_replace("
+                      f'gpuwatch_leak_projected_oom_timestamp_seconds{{{selector}}}, "job_id", '
+                      '"(no job)", "job_id", "")) - time()'), "time to OOM", "s")],
+              order=["job_id", "node", "instance"], width=12, links={"node": to_node},
               sort_by="growth per step"),
         timeseries("GPU memory in use and unattributed, per node", "Used GPU memory by node, "
                    "and the part no listed process accounts for.",
-                   [target(f"sum by (instance) (gpuwatch_gpu_memory_used_bytes{{{selector}}})",
-                           "{{instance}} used", "A"),
-                    target("sum by (instance) (gpuwatch_gpu_unattributed_memory_bytes"
-                           f"{{{selector}}})", "{{instance}} unattributed", "B")],
+                   [target(named("sum by (instance, job) (gpuwatch_gpu_memory_used_bytes"
+                                 f"{{{selector}}})"), "{{node}} used", "A"),
+                    target(named("sum by (instance, job) (gpuwatch_gpu_unattributed_memory_bytes"
+                                 f"{{{selector}}})"), "{{node}} unattributed", "B")],
                    "bytes"),
         timeseries("Reaps across the fleet", "Reap actions by node and result.",
-                   [target("sum by (instance, result) (increase(gpuwatch_reaped_total"
-                           f"{{{selector}}}[$__rate_interval]))", "{{instance}} {{result}}")],
+                   [target(named("sum by (instance, job, result) (increase("
+                                 f"gpuwatch_reaped_total{{{selector}}}[$__rate_interval]))"),
+                           "{{node}} {{result}}")],
                    "none", bars=True),
         timeseries("Poll duration p99, per node", "A node whose polls slow down has a slow "
                    "driver or a process storm.",
-                   [target("histogram_quantile(0.99, sum by (instance, le) (rate("
-                           f"gpuwatch_poll_duration_seconds_bucket{{{selector}}}"
-                           "[$__rate_interval])))", "{{instance}}")],
+                   [target(named("histogram_quantile(0.99, sum by (instance, job, le) (rate("
+                                 f"gpuwatch_poll_duration_seconds_bucket{{{selector}}}"
+                                 "[$__rate_interval])))"), "{{node}}")],
                    "s", width=24),
     ]
     return _dashboard(FLEET_UID, "gpuwatch / fleet",
                       "Every GPU node at once: stranded GPU memory, nodes with findings, the "
                       "jobs leaking most, reaps and nodes that stopped reporting.",
-                      _node_variables("Nodes", many=True), panels,
+                      _node_variables("Nodes", many=True, settings=settings), panels,
                       link_to=(NODE_UID, "gpuwatch node"))
 
 
-DASHBOARDS = {"gpuwatch-node.json": node_dashboard, "gpuwatch-fleet.json": fleet_dashboard}
+DASHBOARDS: dict[str, Callable[[Settings], dict[str, Any]]] = {
+    "gpuwatch-node.json": node_dashboard, "gpuwatch-fleet.json": fleet_dashboard}
+RULES = "gpuwatch-alerts.yml"
 
 
-def rendered(build: Any) -> str:
-    return json.dumps(build(), indent=2) + "\n"
+def rendered(settings: Settings) -> dict[str, str]:
+    """Every file this script writes, by name."""
+    files = {name: json.dumps(build(settings), indent=2) + "\n"
+             for name, build in DASHBOARDS.items()}
+    files[RULES] = Rules(settings).yaml()
+    return files
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 when a JSON file differs from what this script builds")
+                        help="exit 1 when a file differs from what this script builds")
+    parser.add_argument("--selector", help="PromQL label matchers that select gpuwatch's "
+                        "series and its targets' `up` (default: job=\"gpuwatch\")")
+    parser.add_argument("--runbook-url", help="where docs/runbooks.md is read; each alert "
+                        "links to its section (default: the project's own)")
+    parser.add_argument("--for-scale", type=float, metavar="FACTOR",
+                        help="multiply every alert's `for:` by FACTOR (0 < FACTOR <= 1; at "
+                             "least 1 s), for tests")
+    parser.add_argument("--out", type=Path, default=HERE, help="folder to write to "
+                        "(default: this one)")
     args = parser.parse_args(argv)
+    try:
+        settings = parse_settings(args.selector, args.runbook_url, args.for_scale)
+    except ValueError as exc:
+        parser.error(str(exc))
     stale = []
-    for name, build in DASHBOARDS.items():
-        path, text = HERE / name, rendered(build)
+    if not args.check:
+        args.out.mkdir(parents=True, exist_ok=True)
+    for name, text in rendered(settings).items():
+        path = args.out / name
         if args.check:
             if not path.exists() or path.read_text() != text:
                 stale.append(name)

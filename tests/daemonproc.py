@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -16,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatch.simulate.demo import read_json, wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
-from tests.realprocs import gpuwatch, status_json
+from tests.realprocs import gpuwatch, status_json, terminate
 
 T = TypeVar("T")
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -70,6 +69,7 @@ def running_daemon(env: Mapping[str, str], tmp_path: Path, config: str = "",
                    args: tuple[str, ...] = ("--interval", "0.2")) -> Iterator[RunningDaemon]:
     """Start the daemon on 127.0.0.1 (a free port), wait until it serves, stop it after."""
     runtime = Path(env.get("GPUWATCH_RUNTIME_DIR", tmp_path / "run"))
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config_path = tmp_path / "gpuwatch.toml"
     config_path.write_text(config)
     log_path = tmp_path / "daemon.log"
@@ -78,17 +78,16 @@ def running_daemon(env: Mapping[str, str], tmp_path: Path, config: str = "",
             [sys.executable, "-m", "gpuwatch", "daemon", "--listen", "127.0.0.1:0",
              "--config", str(config_path), "--runtime-dir", str(runtime), *args],
             env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    def own_info() -> Optional[dict[str, Any]]:
+        # Not a daemon.json left by an earlier daemon that was killed: this one's.
+        info = read_json(runtime / "daemon.json")
+        return info if info is not None and info.get("pid") == proc.pid else None
+
     try:
-        info = wait_for("daemon.json", lambda: read_json(runtime / "daemon.json"), 30, alive=proc)
+        info = wait_for("daemon.json naming this daemon", own_info, 30, alive=proc)
         yield RunningDaemon(proc, runtime, info["metrics_url"], log_path, config_path)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc)
 
 
 def by_pid(doc: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:

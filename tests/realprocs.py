@@ -48,6 +48,17 @@ def running_job(tmp_path: Path, workers: int = 2,
         launcher.wait()
 
 
+def terminate(proc: subprocess.Popen[Any], timeout: float = 15) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout`; waits either way."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def gpuwatch(args: list[str], env: Mapping[str, str], timeout: float = 60
              ) -> subprocess.CompletedProcess[str]:
     """Run the CLI as a user would, in its own process (so LD_LIBRARY_PATH takes effect)."""

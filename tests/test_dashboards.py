@@ -103,10 +103,72 @@ def test_node_and_fleet_dashboards_link_to_each_other() -> None:
     node, fleet = load("gpuwatch-node.json"), load("gpuwatch-fleet.json")
     assert any("/d/gpuwatch-fleet/" in link["url"] for link in node["links"])
     assert any("/d/gpuwatch-node/" in link["url"] for link in fleet["links"])
-    # From a fleet table row straight to that node's dashboard.
-    row_links = [link["url"] for p in panels(fleet) for o in p["fieldConfig"]["overrides"]
-                 for prop in o["properties"] if prop["id"] == "links" for link in prop["value"]]
-    assert row_links and all("var-instance=${__value.raw}" in u for u in row_links)
+    # From a fleet table row, by the node's name, straight to that node's dashboard.
+    row_links = [(o["matcher"]["options"], link["url"]) for p in panels(fleet)
+                 for o in p["fieldConfig"]["overrides"] for prop in o["properties"]
+                 if prop["id"] == "links" for link in prop["value"]]
+    assert row_links
+    assert all(column == "node" and "var-instance=${__data.fields.instance}" in url
+               for column, url in row_links)
+
+
+def test_the_fleet_dashboard_names_nodes_by_their_daemons_node_name() -> None:
+    fleet = load("gpuwatch-fleet.json")
+    per_node = [p for p in panels(fleet) if p["type"] != "stat" and (
+        "per node" in p["title"] or p["title"] in ("Nodes with findings", "Top leaking jobs"))]
+    assert len(per_node) >= 5
+    for panel in per_node:
+        for t in panel["targets"]:
+            assert "group_left (node)" in t["expr"] and "gpuwatch_node_info" in t["expr"], \
+                panel["title"]
+            if "legendFormat" in t:
+                assert "{{node}}" in t["legendFormat"], panel["title"]
+
+
+def build(tmp_path: Path, *args: str) -> Path:
+    subprocess.run([sys.executable, str(DASHBOARDS / "build.py"), "--out", str(tmp_path), *args],
+                   check=True, capture_output=True, text=True)
+    return tmp_path
+
+
+def test_the_scrape_selector_is_a_build_setting_of_the_rules_and_dashboards(
+        tmp_path: Path) -> None:
+    out = build(tmp_path, "--selector", 'job="gpu-nodes", cluster="a"')
+    rules = (out / "gpuwatch-alerts.yml").read_text()
+    assert 'job="gpuwatch"' not in rules
+    for expr in re.findall(r"expr: \|-\n((?:          .*\n)+)", rules):
+        for series in re.findall(r"\b(?:gpuwatch_\w+|up)\{[^}]*\}", expr):
+            assert 'job="gpu-nodes", cluster="a"' in series, series
+    for name in BOARDS:
+        board = json.loads((out / name).read_text())
+        job = next(v for v in board["templating"]["list"] if v["name"] == "job")
+        assert job["definition"] == \
+            'label_values(gpuwatch_build_info{job="gpu-nodes", cluster="a"}, job)'
+
+
+def test_the_build_scales_alert_durations_for_tests_and_points_runbooks_where_asked(
+        tmp_path: Path) -> None:
+    out = build(tmp_path, "--for-scale", "0.01", "--runbook-url", "https://wiki.example/gw#")
+    rules = (out / "gpuwatch-alerts.yml").read_text()
+    shipped = RULES.read_text()
+    durations = re.findall(r"^        for: (\S+)$", rules, re.M)
+    assert durations and set(durations) <= {"1s", "2s", "3s", "6s", "18s", "36s"}
+    assert len(durations) == len(re.findall(r"^        for: ", shipped, re.M))
+    assert "1h" not in durations and "5m" in re.findall(r"^        for: (\S+)$", shipped, re.M)
+    links = re.findall(r'runbook_url: "([^"]+)"', rules)
+    assert links and all(u.startswith("https://wiki.example/gw#gpuwatch") for u in links)
+    assert subprocess.run([sys.executable, str(DASHBOARDS / "build.py"), "--for-scale", "2"],
+                          capture_output=True).returncode == 2
+
+
+def test_every_alert_links_to_its_section_of_the_runbooks() -> None:
+    runbooks = (ROOT / "docs" / "runbooks.md").read_text()
+    sections = {h.strip().lower() for h in re.findall(r"^## (\w+)$", runbooks, re.M)}
+    text = RULES.read_text()
+    alerts = re.findall(r"^      - alert: (\w+)$", text, re.M)
+    links = re.findall(r'runbook_url: "[^"#]+#(\w+)"', text)
+    assert [name.lower() for name in alerts] == links
+    assert set(links) <= sections, sorted(set(links) - sections)
 
 
 def test_the_node_dashboard_answers_what_the_on_call_asks() -> None:
@@ -120,6 +182,8 @@ def test_the_node_dashboard_answers_what_the_on_call_asks() -> None:
                     and p["title"] == "Open findings")
     order = findings["transformations"][-1]["options"]["indexByName"]
     assert {"kind", "pid", "name", "job_id", "gpu", "reason"} <= set(order)
+    # The reason comes from the info series: gpuwatch_finding has no free text.
+    assert "gpuwatch_finding_info{" in findings["targets"][0]["expr"]
 
 
 def test_dashboards_and_rules_name_only_documented_metrics() -> None:

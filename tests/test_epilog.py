@@ -1,0 +1,172 @@
+"""The README's Slurm epilog, run verbatim by `sh` against a real daemon on the simulated node:
+the recipe a scheduler runs after every job must free exactly what the job left behind.
+
+The job's id reaches gpuwatch the two ways Slurm gives it: the job's environment
+(`SLURM_JOB_ID`), and the cgroup Slurm's cgroup plugin puts the job in. `scontrol` is Slurm's and
+cannot be real here: a stand-in records how the epilog called it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.simulate.fakenvml import FakeNode
+from tests.daemonproc import WatchedNode, running_daemon
+from tests.realprocs import GIB
+from tests.scenarios import (
+    sigkill_launcher,
+    slurm_job_cgroup,
+    torchrun_job,
+    unreaped_child,
+    wait_not_running,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DETECTORS = """
+[detectors]
+leftover_grace = 1
+zombie_grace = 0.5
+min_age = 0
+"""
+
+
+def readme_epilog() -> str:
+    """The shell script under "In a Slurm epilog" in the README, as a user copies it."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### In a Slurm epilog"):]
+    match = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert match is not None, "no sh block under 'In a Slurm epilog'"
+    return match.group(1)
+
+
+@pytest.fixture
+def watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path
+            ) -> Iterator[WatchedNode]:
+    with running_daemon(cli_env, tmp_path, config=DETECTORS,
+                        args=("--interval", "0.2")) as daemon:
+        yield WatchedNode(fake_node, cli_env, daemon)
+
+
+class Epilog:
+    """The README's epilog as a file, with `gpuwatch` and a recording `scontrol` on PATH."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
+        self.script = tmp_path / "epilog.sh"
+        self.script.write_text(readme_epilog())
+        self.script.chmod(0o755)
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        self.calls = tmp_path / "scontrol.calls"
+        scontrol = bin_dir / "scontrol"
+        scontrol.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> "{self.calls}"\n')
+        scontrol.chmod(0o755)
+        installed = Path(sys.executable).with_name("gpuwatch")
+        if not installed.exists():  # the package run from a checkout: the same CLI
+            installed = bin_dir / "gpuwatch"
+            installed.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m gpuwatch "$@"\n')
+            installed.chmod(0o755)
+        self.env = {**env, "PATH": f"{bin_dir}:{installed.parent}:{os.environ['PATH']}"}
+
+    def run(self, job_id: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["sh", str(self.script)], env={**self.env, "SLURM_JOB_ID": job_id},
+                              capture_output=True, text=True, timeout=120)
+
+    def scontrol_calls(self) -> list[str]:
+        return self.calls.read_text().splitlines() if self.calls.exists() else []
+
+
+def test_the_epilog_ends_the_helpers_a_finished_job_left_and_nothing_else(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    epilog = Epilog(tmp_path, watched.env)
+    roles = ("redis", "actor", "preprocessor")
+    with torchrun_job(tmp_path, workers=1, helpers=roles, trainer_exit_after=2.0,
+                      env={"SLURM_JOB_ID": "4242"}) as job, \
+            torchrun_job(tmp_path, workers=1, env={"SLURM_JOB_ID": "4300"}) as other:
+        (trainer,) = job.workers
+        watched.node.hold(trainer, device=0, used=6 * GIB)
+        watched.node.hold(other.workers[0], device=1, used=8 * GIB)
+        watched.holding(trainer, other.workers[0])
+        wait_not_running([trainer])
+        leftovers = watched.findings_of("leftover", job.helpers.values())
+        assert all(f["job"] == {"id": "4242", "source": "slurm"} for f in leftovers.values())
+
+        done = epilog.run("4242")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "exited" in done.stdout and "would free" not in done.stdout
+        wait_not_running(list(job.helpers.values()))
+        assert epilog.scontrol_calls() == []
+        # The other job on the node was never the epilog's to end.
+        assert other.workers[0] in {p["pid"] for p in watched.doc()["processes"]
+                                    if p["holds_gpu"]}
+
+        again = epilog.run("4242")
+        assert again.returncode == 0
+        assert "nothing to do" in again.stdout.lower(), again.stdout
+
+
+def test_the_epilog_frees_the_gpu_memory_of_a_job_orphaned_by_sigkill(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    epilog = Epilog(tmp_path, watched.env)
+    with torchrun_job(tmp_path, workers=2, env={"SLURM_JOB_ID": "5151"}) as job:
+        for rank, pid in enumerate(job.workers):
+            watched.node.hold(pid, device=rank, used=(4 + rank) * GIB)
+        watched.holding(*job.workers)
+        sigkill_launcher(job)
+        watched.findings_of("orphan", job.workers)
+        used_before = _used(watched)
+
+        done = epilog.run("5151")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.count("GPU memory released") == 2, done.stdout
+        wait_not_running(job.workers)
+        assert used_before - _used(watched) == 9 * GIB
+        assert epilog.scontrol_calls() == []
+
+
+def test_the_epilog_finds_the_job_by_its_slurm_cgroup_without_any_job_variable(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    epilog = Epilog(tmp_path, watched.env)
+    with slurm_job_cgroup("6262") as cgroup, \
+            torchrun_job(tmp_path, workers=2, cgroup=cgroup) as job:
+        for rank, pid in enumerate(job.workers):
+            watched.node.hold(pid, device=rank, used=2 * GIB)
+        doc = watched.holding(*job.workers)
+        assert {p["job"]["id"] for p in doc["processes"] if p["pid"] in job.workers} == \
+            {"6262"}
+        sigkill_launcher(job)
+        orphans = watched.findings_of("orphan", job.workers)
+        assert all(f["job"] == {"id": "6262", "source": "slurm"} for f in orphans.values())
+
+        done = epilog.run("6262")
+        assert done.returncode == 0, done.stdout + done.stderr
+        wait_not_running(job.workers)
+        assert epilog.scontrol_calls() == []
+
+
+def test_the_epilog_drains_the_node_when_gpu_memory_cannot_be_freed(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    """A zombie whose parent (a process of the job, holding GPU memory) never reaps it: the
+    reaper cannot end it, exits 4, and the recipe drains the node."""
+    epilog = Epilog(tmp_path, watched.env)
+    with unreaped_child(tmp_path, env={"SLURM_JOB_ID": "7373"}) as (parent, child):
+        watched.node.hold(parent, device=0, used=GIB)
+        zombie = watched.findings_of("zombie", [child])[child]
+        assert zombie["job"] == {"id": "7373", "source": "slurm"}
+
+        done = epilog.run("7373")
+        assert done.returncode == 0, done.stdout + done.stderr
+        (call,) = epilog.scontrol_calls()
+        hostname = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout
+        assert call == (f"update nodename={hostname.strip()} state=drain "
+                        "reason=gpuwatch: GPU memory not freed")
+
+
+def _used(watched: WatchedNode) -> int:
+    return sum(g["memory_used_bytes"] or 0 for g in watched.doc()["gpus"])

@@ -95,12 +95,10 @@ def by_pid(doc: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:
     return {f["pid"]: f for f in doc["findings"] if f["kind"] == kind}
 
 
-@dataclass
-class WatchedNode:
-    """A fake node, the CLI's environment for it, and a daemon watching it: what tests read
-    findings through, as an SRE does (`gpuwatch status` asking the daemon)."""
+class DaemonReader:
+    """How tests read a running daemon's findings, as an SRE does (`gpuwatch status` asking the
+    daemon): for classes with `env` (the CLI's environment) and `daemon`."""
 
-    node: FakeNode
     env: dict[str, str]
     daemon: RunningDaemon
 
@@ -121,12 +119,22 @@ class WatchedNode:
         return self.doc_when(f"{pids} seen holding GPU memory", lambda d: set(pids) <= {
             p["pid"] for p in d["processes"] if p["holds_gpu"]})
 
-    def findings_of(self, kind: str, pids: Iterable[int]) -> dict[int, dict[str, Any]]:
+    def findings_of(self, kind: str, pids: Iterable[int], timeout: float = 20
+                    ) -> dict[int, dict[str, Any]]:
         """Wait until the daemon has a `kind` finding for each of `pids`; {pid: finding}."""
         wanted = set(pids)
         doc = self.doc_when(f"{kind} findings for {sorted(wanted)}",
-                            lambda d: wanted <= set(by_pid(d, kind)))
+                            lambda d: wanted <= set(by_pid(d, kind)), timeout)
         return {pid: by_pid(doc, kind)[pid] for pid in wanted}
+
+
+@dataclass
+class WatchedNode(DaemonReader):
+    """A fake node, the CLI's environment for it, and a daemon watching it."""
+
+    node: FakeNode
+    env: dict[str, str]
+    daemon: RunningDaemon
 
     def orphan(self, job: Any, used: int) -> tuple[int, dict[str, Any]]:
         """Let the daemon see the job's single worker hold `used` bytes, kill its launcher, and

@@ -27,8 +27,8 @@ from typing import IO, Any, Callable, Optional
 
 from gpuwatch.simulate.demo import DemoError, read_json, wait_for
 from gpuwatch.simulate.fakenvml import STATE_ENV
-from tests.daemonproc import RunningDaemon, running_daemon
-from tests.realprocs import gpuwatch, status_json
+from tests.daemonproc import DaemonReader, RunningDaemon, running_daemon
+from tests.realprocs import gpuwatch
 from tests.scenarios import clean_env, parent, wait_not_running
 
 REPO = Path(__file__).resolve().parents[2]
@@ -409,48 +409,15 @@ def ctrl_c(job: GpuJob) -> None:
 
 
 @dataclass
-class Watched:
+class Watched(DaemonReader):
     """A real daemon on the real driver, and the environment the CLI talks to it with."""
 
     env: dict[str, str]
     daemon: RunningDaemon
 
-    def doc(self) -> dict[str, Any]:
-        _, doc = status_json(self.env)
-        assert doc["source"] == "daemon", doc.get("source_detail")
-        return doc
-
     def doc_text(self) -> str:
         result = gpuwatch(["status", "--json"], self.env)
         return f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-
-    def doc_when(self, what: str, predicate: Callable[[dict[str, Any]], bool],
-                 timeout: float = 30) -> dict[str, Any]:
-        def probe() -> Optional[dict[str, Any]]:
-            doc = self.doc()
-            return doc if predicate(doc) else None
-
-        return wait_for(what, probe, timeout, alive=self.daemon.proc)
-
-    def holding(self, pids: Iterable[int]) -> dict[str, Any]:
-        """The daemon's view once it sees every one of `pids` holding GPU memory."""
-        wanted = set(pids)
-        return self.doc_when(f"the daemon to see {sorted(wanted)} holding GPU memory",
-                             lambda d: wanted <= {p["pid"] for p in d["processes"]
-                                                  if p["holds_gpu"]})
-
-    def findings_of(self, kind: str, pids: Iterable[int], timeout: float = 30
-                    ) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
-        """({pid: finding}, the document) once the daemon has a `kind` finding for each PID."""
-        wanted = set(pids)
-        doc = self.doc_when(f"{kind} findings for {sorted(wanted)}",
-                            lambda d: wanted <= set(by_pid(d, kind)), timeout)
-        found = by_pid(doc, kind)
-        return {pid: found[pid] for pid in wanted}, doc
-
-
-def by_pid(doc: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:
-    return {f["pid"]: f for f in doc["findings"] if f["kind"] == kind}
 
 
 def processes_of(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:

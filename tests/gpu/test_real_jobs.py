@@ -13,13 +13,13 @@ from typing import Any, Optional
 import pytest
 
 from gpuwatch.simulate.demo import DemoError, wait_for
+from tests.daemonproc import by_pid
 from tests.gpu.gpujobs import (
     GONE_TIMEOUT,
     MIB,
     GpuJob,
     Started,
     Watched,
-    by_pid,
     ctrl_c,
     nvml_processes,
     processes_of,
@@ -77,7 +77,7 @@ def test_a_sigkilled_launcher_leaves_every_worker_an_orphan_holding_what_nvml_re
         started: Started, tmp_path: Path) -> None:
     with watching(started, tmp_path) as w:
         job = start_job(started, tmp_path, WORKER_MIB)
-        w.holding(job.workers)
+        w.holding(*job.workers)
         sigkill_launcher(job)
         orphans, nvml = orphans_holding_what_nvml_reports(w, job.workers)
 
@@ -105,7 +105,7 @@ def test_ctrl_c_leaves_the_worker_with_a_heartbeat_thread_an_orphan_holding_its_
                         sigint_grace=SIGINT_GRACE)
         stubborn = rank_pid(job, 1)
         others = [pid for pid in job.workers if pid != stubborn]
-        w.holding(job.workers)
+        w.holding(*job.workers)
 
         ctrl_c(job)
         assert job.launcher.wait(SIGINT_GRACE + GONE_TIMEOUT) == EXIT_INTERRUPTED
@@ -134,7 +134,7 @@ def test_reap_ends_the_orphans_and_the_driver_frees_their_memory(
     with watching(started, tmp_path) as w:
         job = start_job(started, tmp_path, WORKER_MIB[:2], stubborn_rank=1)
         stubborn = rank_pid(job, 1)
-        w.holding(job.workers)
+        w.holding(*job.workers)
         sigkill_launcher(job)
         orphans, _ = orphans_holding_what_nvml_reports(w, job.workers)
         assert set(job.workers) <= smi_apps().keys()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Sequence
 from typing import Optional
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -33,3 +34,26 @@ def human_duration(seconds: float) -> str:
     if seconds < 172800:
         return f"{seconds / 3600:.0f} h"
     return f"{seconds / 86400:.0f} d"
+
+
+#: How long a process name (`comm`) can be: the kernel keeps its first 15 bytes.
+_COMM_LENGTH = 15
+
+
+def short_command(name: Optional[str], cmdline: Sequence[str]) -> str:
+    """A command line for a table row or a sentence: the program by its base name, since its
+    directory (`/opt/conda/envs/train/bin/python`) would push the arguments that tell processes
+    apart out of sight; a script run through its #! line by the script's name, as the kernel
+    names the process (`python3 /usr/local/bin/torchrun --nproc-per-node 8` reads `torchrun
+    --nproc-per-node 8`). The full command line stays in the process record."""
+    if not cmdline:
+        return f"[{name or '?'}]"
+    args = list(cmdline)
+    if (len(args) > 1 and name and _base(args[0])[:_COMM_LENGTH] != name
+            and _base(args[1])[:_COMM_LENGTH] == name):
+        args = args[1:]
+    return " ".join((_base(args[0]), *args[1:]))
+
+
+def _base(program: str) -> str:
+    return program.rsplit("/", 1)[-1] or program

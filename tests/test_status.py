@@ -11,6 +11,7 @@ import pytest
 from gpuwatch.cli import EXIT_NVML_UNAVAILABLE, EXIT_OK, EXIT_PARTIAL
 from gpuwatch.simulate import fakenvml
 from gpuwatch.simulate.fakenvml import FakeNode
+from gpuwatch.units import short_command
 from tests.realprocs import GIB, MIB, gpuwatch, processes_by_pid, running_job, status_json
 
 
@@ -190,3 +191,20 @@ def _real_nvml_present() -> bool:
     except OSError:
         return False
     return True
+
+
+def test_a_command_reads_by_program_name_and_a_script_by_its_own_name() -> None:
+    """The table's COMMAND and the reasons: a long interpreter path never pushes the arguments
+    that tell processes apart out of the row, and a script run through its #! line is shown as
+    the kernel names the process."""
+    assert short_command("torchrun", ["/opt/conda/envs/train/bin/python3.11",
+                                      "/opt/conda/envs/train/bin/torchrun", "--nproc-per-node",
+                                      "8", "train.py"]) == "torchrun --nproc-per-node 8 train.py"
+    # The kernel keeps 15 bytes of a name.
+    assert short_command("pretrain_launch", ["/usr/bin/python3", "/srv/pretrain_launcher.py",
+                                             "-c", "x.yaml"]) == "pretrain_launcher.py -c x.yaml"
+    assert short_command("python3", ["/usr/bin/python3", "-u", "train.py"]) == \
+        "python3 -u train.py"
+    assert short_command("python", ["python", "-m", "torch.distributed.run"]) == \
+        "python -m torch.distributed.run"
+    assert short_command("kworker/0:1", []) == "[kworker/0:1]"

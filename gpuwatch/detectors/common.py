@@ -7,7 +7,7 @@ from typing import Optional
 from gpuwatch.config import DetectorConfig
 from gpuwatch.model import Finding, HostProcess
 from gpuwatch.sources.jobs import WORKER_MARKER_KEYS
-from gpuwatch.units import human_bytes
+from gpuwatch.units import human_bytes, short_command
 
 
 def is_protected(p: HostProcess, config: DetectorConfig) -> bool:
@@ -50,12 +50,8 @@ def worker_evidence(p: HostProcess) -> Optional[str]:
 
 
 def command(p: HostProcess, limit: int = 80) -> str:
-    """The command line for a sentence: the program by its base name, since the directory
-    (`/opt/conda/envs/train/bin/python`) would push the arguments that identify the process
-    past the limit. The full command line stays in the process record."""
-    if not p.cmdline:
-        return f"[{p.name or '?'}]"
-    text = " ".join((p.cmdline[0].rsplit("/", 1)[-1] or p.cmdline[0], *p.cmdline[1:]))
+    """The command line for a sentence (units.short_command), cut at `limit` characters."""
+    text = short_command(p.name, p.cmdline)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

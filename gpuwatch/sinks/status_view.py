@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Optional
 
 from gpuwatch.sources.jobs import WORKER_MARKER_KEYS
-from gpuwatch.units import human_bytes, human_duration
+from gpuwatch.units import human_bytes, human_duration, short_command
 
 
 def render_status(doc: dict[str, Any], width: int = 120) -> str:
@@ -187,7 +187,7 @@ def _gpu_cell(p: dict[str, Any]) -> str:
 def _command_cell(p: dict[str, Any], procs: dict[int, dict[str, Any]], shown: set[int]) -> str:
     if not p["in_procfs"]:
         return "(not in /proc: exited, or another PID namespace)"
-    command = " ".join(p["cmdline"]) or f"[{p['name'] or '?'}]"
+    command = short_command(p["name"], p["cmdline"])
     ppid = p["ppid"]
     if ppid and ppid not in shown:
         parent = procs.get(ppid)

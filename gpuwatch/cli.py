@@ -185,10 +185,11 @@ def reap(
     kernel threads, protected names or users, and checks each process's identity right before
     every signal. Every action goes to the audit log (reap.jsonl in the state directory).
     """
+    from gpuwatch.actions.reaper import AUDIT_NAME, REAPABLE_KINDS, Filters, Reaper
+    from gpuwatch.actions.release import holders, nvml_after
     from gpuwatch.detectors import KINDS
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
     from gpuwatch.sinks.reap_view import render_reap
-    from gpuwatch.sinks.reaper import AUDIT_NAME, REAPABLE_KINDS, Filters, Reaper
 
     unknown = sorted(set(kinds or ()) - set(KINDS))
     if unknown:
@@ -218,7 +219,8 @@ def reap(
         if not typer.confirm(f"Reap {len(actions)} process(es)?"):
             raise typer.Exit(EXIT_NOTHING_TO_DO)
     results = reaper.execute(actions, grace=grace)
-    still_held = _read_gpu_holders({r.action.pid for r in results if r.freed})
+    reading = nvml_after({r.action.pid for r in results if r.freed and r.action.pid})
+    still_held = holders(reading) if reading.status.available else None
     rows = [(r.action, r.result, r.detail + _released(r, still_held)) for r in results]
     _print_reap(as_json, doc, rows, False, render_reap)
     raise typer.Exit(EXIT_OK if all(r.freed for r in results) else EXIT_NOT_ALL_REAPED)
@@ -233,31 +235,6 @@ def _print_reap(as_json: bool, doc: dict[str, Any], rows: list[Any], dry_run: bo
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render(doc, rows, dry_run))
-
-
-_RELEASE_WAIT = 3.0
-
-
-def _read_gpu_holders(expected_gone: set[Optional[int]]) -> Optional[set[int]]:
-    """PIDs NVML still lists once the reaped processes had a moment to release their memory
-    (a real driver tears contexts down just after exit); None without NVML."""
-    import time
-
-    from gpuwatch.sources.nvml import NvmlSource
-
-    nvml = NvmlSource()
-    deadline = time.monotonic() + _RELEASE_WAIT
-    try:
-        while True:
-            reading = nvml.read()
-            if not reading.status.available:
-                return None
-            held = {u.pid for g in reading.gpus for u in g.processes}
-            if not (held & expected_gone) or time.monotonic() >= deadline:
-                return held
-            time.sleep(0.1)
-    finally:
-        nvml.close()
 
 
 def _released(r: Any, still_held: Optional[set[int]]) -> str:

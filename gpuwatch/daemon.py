@@ -29,6 +29,16 @@ from prometheus_client import (
 )
 
 from gpuwatch import __version__, systemd_notify
+from gpuwatch.actions.reaper import (
+    AUDIT_NAME,
+    OUTCOMES,
+    REAPABLE_KINDS,
+    TERMINATE,
+    VIA_PARENT,
+    Filters,
+    Reaper,
+    read_audit_counts,
+)
 from gpuwatch.config import EXIT_CONFIG, Config, ConfigError, load_config, split_listen
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
@@ -44,16 +54,6 @@ from gpuwatch.runtime_dir import (
 )
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
 from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
-from gpuwatch.sinks.reaper import (
-    AUDIT_NAME,
-    OUTCOMES,
-    REAPABLE_KINDS,
-    TERMINATE,
-    VIA_PARENT,
-    Filters,
-    Reaper,
-    read_audit_counts,
-)
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME, AgentReceiver
 from gpuwatch.sources.nvml import NvmlSource

@@ -472,7 +472,7 @@ def test_a_worker_that_ignores_sigterm_is_sigkilled_after_the_grace_period(
 
 def test_a_pid_reused_between_plan_and_signal_is_not_signalled(
         watched: WatchedNode, tmp_path: Path) -> None:
-    from gpuwatch.sinks.reaper import Filters, Reaper
+    from gpuwatch.actions.reaper import Filters, Reaper
 
     with torchrun_job(tmp_path, workers=1) as job:
         old, doc = watched.orphan(job, used=GIB)
@@ -502,7 +502,7 @@ def test_a_pid_reused_between_plan_and_signal_is_not_signalled(
 
 def test_pid_1_the_daemon_kernel_threads_and_protected_processes_are_refused_with_reasons(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
-    from gpuwatch.sinks.reaper import Filters, Reaper
+    from gpuwatch.actions.reaper import Filters, Reaper
 
     config_path = tmp_path / "reaper.toml"
     config_path.write_text('[detectors]\nprotected_names = ["reap-guarded"]\n'
@@ -539,7 +539,7 @@ def test_pid_1_the_daemon_kernel_threads_and_protected_processes_are_refused_wit
 
 def test_as_root_another_users_process_is_reaped_only_while_allow_other_users_is_on(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
-    from gpuwatch.sinks.reaper import Filters, Reaper
+    from gpuwatch.actions.reaper import Filters, Reaper
 
     if os.geteuid() != 0:
         pytest.skip("needs root")
@@ -622,7 +622,7 @@ def test_a_non_root_caller_is_refused_another_users_process(
 
 def test_unkillable_and_ghost_findings_are_reported_and_never_signalled(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
-    from gpuwatch.sinks.reaper import Filters, Reaper
+    from gpuwatch.actions.reaper import Filters, Reaper
 
     with signal_recorder(tmp_path, name="stuck-in-d") as (stuck, log):
         fake_node.hold(stuck, device=0, used=GIB)

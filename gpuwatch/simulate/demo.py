@@ -10,10 +10,10 @@ However the demo ends (Ctrl+C, SIGTERM, SIGHUP when its terminal closes, `--dura
 an error of its own), it ends everything it started: the daemon, every launcher, every worker and
 helper, the orphans among them now under PID 1, and anything they forked. It freezes them
 (SIGSTOP) until no new process appears among them, so that none can fork one out of reach, then
-kills them by identity (PID and start time, through a pidfd, so that a reused PID is never
-signalled), waits on its own children and until the others are gone, and removes its temporary
-directory. It takes its stop signals synchronously (blocked, and waited for where it waits), so a
-signal never interrupts it halfway through starting or ending something.
+kills them by identity (PID and start time, through gpuwatch.actions.signals, so that a reused
+PID is never signalled), waits on its own children and until the others are gone, and removes its
+temporary directory. It takes its stop signals synchronously (blocked, and waited for where it
+waits), so a signal never interrupts it halfway through starting or ending something.
 
 A SIGKILL of the demo runs none of that. What the kernel still does: each child was started with
 PR_SET_PDEATHSIG, so the daemon gets SIGKILL (and port 9966 is free again) and each launcher
@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TextIO, TypeVar
 
 import gpuwatch
+from gpuwatch.actions.signals import SAME, ProcessRef, Signaller
 from gpuwatch.config import DEFAULT_PORT, split_listen
 from gpuwatch.simulate.fakenvml import FakeNode, FakeNvmlBuildError, build_fake_nvml
+from gpuwatch.sources.processes import ProcessSource
 
 T = TypeVar("T")
 GIB = 1 << 30
@@ -135,77 +137,17 @@ def free_listen(listen: str) -> str:
 # ---- processes by identity ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ProcStat:
-    state: str
-    ppid: int
-    #: Start time in clock ticks after boot: with the PID, what tells a process from a later one
-    #: that was given the same PID.
-    start_ticks: int
-
-
-def proc_stat(pid: int) -> Optional[ProcStat]:
-    """What /proc/PID/stat says, or None where there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return ProcStat(fields[0].decode(), int(fields[1]), int(fields[19]))
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def running(pid: int, start_ticks: int) -> bool:
-    """Whether the process that started at `start_ticks` with this PID still runs (a zombie has
-    ended: only its exit status is left)."""
-    stat = proc_stat(pid)
-    return stat is not None and stat.start_ticks == start_ticks and stat.state not in ("Z", "X")
-
-
-def _proc_table() -> dict[int, ProcStat]:
-    table = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            stat = proc_stat(int(name))
-            if stat is not None:
-                table[int(name)] = stat
-    return table
-
-
-def signal_process(pid: int, start_ticks: int, signum: int) -> bool:
-    """Send `signum` to `pid` if it is still the process that started at `start_ticks`. Through a
-    pidfd where the kernel has them: the check and the signal then name the same process even if
-    it exits in between and its PID is given to another."""
-    fd: Optional[int] = None
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return False
-    except (AttributeError, OSError):
-        pass  # no pidfds (Linux < 5.3): a check right before kill() is the best there is
-    try:
-        stat = proc_stat(pid)
-        if stat is None or stat.start_ticks != start_ticks:
-            return False
-        if fd is None:
-            os.kill(pid, signum)
-        else:
-            signal.pidfd_send_signal(fd, signum)
-        return True
-    except ProcessLookupError:
-        return False
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
 class StartedProcesses:
-    """Every process a simulated node started, and every process those started, by identity."""
+    """Every process a simulated node started, and every process those started, by identity
+    (PID and start time: gpuwatch.actions.signals), so that a reused PID is never signalled."""
 
     def __init__(self) -> None:
+        self._signals = Signaller()
+        self._procs = ProcessSource()
         #: The node's own children: each is waited on, so none is left a zombie.
         self.children: list[subprocess.Popen[bytes]] = []
-        #: PID -> start ticks of each process known to be ours, the children among them.
-        self.known: dict[int, int] = {}
+        #: PID -> identity of each process known to be ours, the children among them.
+        self.known: dict[int, ProcessRef] = {}
 
     def spawn(self, args: Sequence[str], death_signal: int,
               **popen: Any) -> subprocess.Popen[bytes]:
@@ -214,31 +156,32 @@ class StartedProcesses:
                                  str(int(death_signal)), str(os.getpid()), *args], **popen)
         self.children.append(proc)
         # A child not yet waited on cannot have had its PID given to another process.
-        stat = proc_stat(proc.pid)
-        if stat is not None:
-            self.known[proc.pid] = stat.start_ticks
+        ref = self._signals.ref(proc.pid)
+        if ref is not None:
+            self.known[proc.pid] = ref
         return proc
 
     def adopt_descendants(self) -> int:
         """Add every live descendant of a known live process; returns how many were new."""
-        table = _proc_table()
+        table = {pid: stat for pid in _pids() if (stat := self._procs.stat(pid)) is not None}
         children: dict[int, list[int]] = {}
         for pid, stat in table.items():
             children.setdefault(stat.ppid, []).append(pid)
-        todo = [pid for pid, ticks in self.known.items()
-                if pid in table and table[pid].start_ticks == ticks]
+        todo = [pid for pid, ref in self.known.items()
+                if pid in table and table[pid].start_time == ref.start_time]
         added = 0
         while todo:
             for child in children.get(todo.pop(), ()):
-                ticks = table[child].start_ticks
-                if self.known.get(child) != ticks:
-                    self.known[child] = ticks
+                ref = ProcessRef(child, table[child].start_time)
+                if self.known.get(child) != ref:
+                    self.known[child] = ref
                     todo.append(child)
                     added += 1
         return added
 
     def still_running(self) -> list[int]:
-        return sorted(pid for pid, ticks in self.known.items() if running(pid, ticks))
+        return sorted(pid for pid, ref in self.known.items()
+                      if self._signals.state(ref) == SAME)
 
     def end_all(self, gracefully: Sequence[subprocess.Popen[bytes]] = ()) -> list[int]:
         """End them all: SIGTERM to `gracefully` (waiting for each), then SIGKILL to the rest,
@@ -258,14 +201,15 @@ class StartedProcesses:
         while True:
             added = self.adopt_descendants()
             thawed = [pid for pid in self.still_running()
-                      if (stat := proc_stat(pid)) is not None and stat.state not in ("T", "t")]
+                      if (stat := self._procs.stat(pid)) is not None
+                      and stat.state not in ("stopped", "tracing-stop")]
             for pid in thawed:
-                signal_process(pid, self.known[pid], signal.SIGSTOP)
+                self._signals.send(self.known[pid], signal.SIGSTOP)
             if (not added and not thawed) or time.monotonic() >= freeze_until:
                 break
             time.sleep(0.01)
         for pid in self.still_running():
-            signal_process(pid, self.known[pid], signal.SIGKILL)
+            self._signals.send(self.known[pid], signal.SIGKILL)
         deadline = time.monotonic() + GONE_TIMEOUT
         for proc in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -273,6 +217,10 @@ class StartedProcesses:
         while self.still_running() and time.monotonic() < deadline:
             time.sleep(0.02)
         return self.still_running()
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
 # ---- the simulated node ------------------------------------------------------------------------

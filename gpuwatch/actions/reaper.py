@@ -7,7 +7,7 @@ exactly what the daemon sees. Safety, in order of precedence:
 - never PID 1, the daemon itself, kernel threads, protected names or users; another user's process
   only as root and only where the policy allows it;
 - the identity (PID and start time) is checked right before every signal, so a PID reused by a
-  new process is never signalled;
+  new process is never signalled (gpuwatch.actions.signals, the one signalling path);
 - SIGTERM, a grace period, then SIGKILL; a zombie is reaped through its parent;
 - every planned and executed action goes to an append-only audit log (reap.jsonl).
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from gpuwatch.actions.signals import SAME, SETTLE, ProcessRef, Signaller
 from gpuwatch.config import Config
-from gpuwatch.sources.processes import ProcessSource
 
 AUDIT_NAME = "reap.jsonl"
 #: What a reap may act on by default; unkillable and ghost findings can only be reported.
@@ -39,9 +39,6 @@ VIA_PARENT = "reap-via-parent"
 REPORT = "report"
 REFUSE = "refuse"
 
-#: How long a SIGKILLed process or a parent told to reap may take before the reaper gives up.
-_SETTLE = 5.0
-_TICK = 0.05
 
 
 @dataclass(frozen=True)
@@ -104,7 +101,7 @@ class Reaper:
         self.actor = actor
         self.euid = os.geteuid() if euid is None else euid
         self._clock = clock
-        self._procs = ProcessSource()
+        self._signals = Signaller()
 
     # -- planning ------------------------------------------------------------------------------
     def plan(self, doc: dict[str, Any], filters: Filters = Filters(), dry_run: bool = False,
@@ -202,86 +199,28 @@ class Reaper:
         self._audit(results, phase="executed", dry_run=False)
         return results
 
-    def _is(self, pid: int, start_time: Optional[float]) -> Optional[str]:
-        """'same', 'zombie' (exited, not reaped), 'gone' or 'other' (the PID was reused)."""
-        stat = self._procs.stat(pid)
-        if stat is None:
-            return "gone"
-        if start_time is not None and stat.start_time != start_time:
-            return "other"
-        return "zombie" if stat.state == "zombie" else "same"
-
     def _terminate(self, a: Action, grace: float) -> Result:
         assert a.target is not None
-        now = self._is(a.target, a.target_start_time)
-        if now == "gone":
-            return Result(a, "gone", "already gone")
-        if now == "other":
-            return Result(a, "identity-changed", "the PID now belongs to another process: "
-                                                 "nothing sent")
-        if now == "zombie":
-            return Result(a, "exited", "already exited (its parent has yet to reap it)")
-        sent = self._signal(a, signal.SIGTERM)
-        if sent is not None:
-            return sent
-        if self._wait_exit(a, grace):
-            return Result(a, "exited", "ended on SIGTERM")
-        if self._is(a.target, a.target_start_time) == "other":
-            return Result(a, "identity-changed", "the PID was reused before SIGKILL: not sent")
-        sent = self._signal(a, signal.SIGKILL)
-        if sent is not None:
-            return sent
-        if self._wait_exit(a, _SETTLE):
-            return Result(a, "killed", f"ignored SIGTERM for {grace:g} s; ended on SIGKILL")
-        stat = self._procs.stat(a.target)
-        if stat is not None and stat.state == "disk-sleep":
-            return Result(a, "unkillable", "in uninterruptible sleep after SIGKILL")
-        return Result(a, "still-running", "still there after SIGKILL")
-
-    def _signal(self, a: Action, signum: int) -> Optional[Result]:
-        assert a.target is not None
-        try:
-            os.kill(a.target, signum)
-        except ProcessLookupError:
-            return Result(a, "gone", "exited before the signal")
-        except PermissionError:
-            return Result(a, "failed", f"no permission to send {signal.Signals(signum).name}")
-        return None
-
-    def _wait_exit(self, a: Action, timeout: float) -> bool:
-        assert a.target is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._is(a.target, a.target_start_time) in ("gone", "zombie", "other"):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_TICK)
+        ending = self._signals.terminate(ProcessRef(a.target, a.target_start_time), grace)
+        return Result(a, ending.result, ending.detail)
 
     def _reap_via_parent(self, a: Action) -> Result:
         assert a.pid is not None and a.target is not None
-        if self._zombie_gone(a, 0.5):
+        zombie = ProcessRef(a.pid, a.start_time)
+        if self._signals.wait_collected(zombie, 0.5):
             return Result(a, "reaped", "its parent reaped it")
-        parent = self._is(a.target, a.target_start_time)
-        if parent == "same" and a.target != 1:
+        parent = ProcessRef(a.target, a.target_start_time)
+        told = False
+        if a.target != 1:
             try:
-                os.kill(a.target, signal.SIGCHLD)
+                told = self._signals.send(parent, signal.SIGCHLD) == SAME
             except OSError as exc:
                 return Result(a, "failed", f"cannot signal its parent: {exc.strerror}")
-        if self._zombie_gone(a, _SETTLE):
+        if self._signals.wait_collected(zombie, SETTLE):
             return Result(a, "reaped", "reaped after its parent was told (SIGCHLD)"
-                          if parent == "same" else "reaped by its new parent")
+                          if told else "reaped by its new parent")
         return Result(a, "failed", f"its parent {a.target} does not reap it: end the parent, "
                                    "or wait for it to exit")
-
-    def _zombie_gone(self, a: Action, timeout: float) -> bool:
-        assert a.pid is not None
-        deadline = time.monotonic() + timeout
-        while self._is(a.pid, a.start_time) in ("same", "zombie"):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_TICK)
-        return True
 
     # -- audit ---------------------------------------------------------------------------------
     def _audit(self, results: list[Result], phase: str, dry_run: bool) -> None:

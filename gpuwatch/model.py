@@ -138,7 +138,7 @@ class Job:
     """The job a process belongs to, and where that was learnt."""
 
     id: str
-    #: "slurm" | "torchelastic" | "kubernetes" | "container" | "systemd"
+    #: "slurm" | "run" | "torchelastic" | "kubernetes" | "container" | "systemd"
     source: str
 
     def __str__(self) -> str:
@@ -171,6 +171,10 @@ class HostProcess:
     #: Distributed-launch variables from the environment (LOCAL_RANK, RANK, SLURM_PROCID, ...):
     #: evidence that this is a training worker. Nothing else of the environment is kept.
     launch_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    #: Its PIDs in the nested PID namespaces it lives in (a container's), outermost first; empty
+    #: in the namespace gpuwatch reads /proc from. A PID that a process inside a container wrote
+    #: down (GPUWATCH_RUN_SUPERVISOR) is one of these, not the host's.
+    namespace_pids: tuple[int, ...] = ()
     gpu_usage: tuple[GpuProcessUsage, ...] = ()
     #: What could not be read about this process (permission, vanished mid-read).
     read_errors: tuple[str, ...] = ()
@@ -317,6 +321,11 @@ class NodeSnapshot:
     mem_available_bytes: Optional[int] = None
     #: cgroup path -> (memory.max or None when unlimited, memory.current), where readable.
     cgroup_memory: Mapping[str, tuple[Optional[int], int]] = field(
+        default_factory=lambda: MappingProxyType({}))
+    #: Each PID a process names as its `gpuwatch run` supervisor (GPUWATCH_RUN_SUPERVISOR): the
+    #: start time of the process running on that PID now, None when none runs there (no such
+    #: PID, or a zombie). A PID that could not be read is absent: nobody knows.
+    run_supervisors: Mapping[int, Optional[float]] = field(
         default_factory=lambda: MappingProxyType({}))
 
     @property

@@ -4,7 +4,7 @@ Which host processes are read: the GPU holders NVML lists (without NVML, what lo
 work), the processes that report through the agent, the members of their jobs (every descendant
 of each job root), the processes the caller asks to keep watching (job members from earlier
 polls, so helpers stay visible after they are reparented), and the ancestors of all of these up
-to PID 1.
+to PID 1. Besides, for each `gpuwatch run` supervisor these processes name, whether it still runs.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Callable, Optional, Protocol
 
 from gpuwatch.jobtree import job_root, job_roots
 from gpuwatch.model import AgentReading, GpuProcessUsage, HostProcess, NodeSnapshot
+from gpuwatch.sources.jobs import run_supervisor
 from gpuwatch.sources.memory import CgroupMemory, read_mem_available
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource
@@ -81,7 +82,34 @@ class Poller:
             agents=MappingProxyType(agents),
             mem_available_bytes=read_mem_available(),
             cgroup_memory=MappingProxyType(self.cgroup_memory.read(limited)),
+            run_supervisors=MappingProxyType(self._run_supervisors(processes)),
         )
+
+    def _run_supervisors(self, processes: Mapping[int, HostProcess]
+                         ) -> dict[int, Optional[float]]:
+        """What runs now on each PID named as a `gpuwatch run` supervisor by a process read.
+
+        A live supervisor is an ancestor of its job's processes, so it has been read already;
+        /proc/PID/stat is read only for the PIDs of supervisors that are gone (or live outside
+        the tree), one line each.
+        """
+        named = {ref.pid for p in processes.values()
+                 if (ref := run_supervisor(p.launch_env)) is not None}
+        found: dict[int, Optional[float]] = {}
+        for pid in named:
+            known = processes.get(pid)
+            if known is not None:
+                if not known.in_procfs or known.state == "zombie":
+                    found[pid] = None
+                elif known.start_time is not None:
+                    found[pid] = known.start_time
+                continue
+            try:
+                stat = self.processes.stat(pid)
+            except (OSError, ValueError, IndexError):
+                continue  # unreadable: left out, so no detector concludes it is gone
+            found[pid] = stat.start_time if stat is not None and stat.state != "zombie" else None
+        return found
 
     def _live_agents(self, agents: dict[int, AgentReading],
                      processes: Mapping[int, HostProcess]) -> dict[int, AgentReading]:

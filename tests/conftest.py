@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpuwatch.simulate.fakenvml import FakeNode, build_fake_nvml
+from gpuwatch.sources.jobs import RUN_ID_KEY, RUN_SUPERVISOR_KEY
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _outside_any_gpuwatch_run() -> Iterator[None]:
+    """The suite may itself run under `gpuwatch run`: the jobs it starts must not inherit that
+    job's name and supervisor, or every one of them would be attributed to it."""
+    saved = {key: os.environ.pop(key) for key in (RUN_ID_KEY, RUN_SUPERVISOR_KEY)
+             if key in os.environ}
+    yield
+    os.environ.update(saved)
+
 
 # ---- simulated node (fake NVML driver) -----------------------------------------------------------
 

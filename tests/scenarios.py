@@ -504,6 +504,118 @@ def sigkill_launcher(job: JobPids) -> None:
              GONE_TIMEOUT)
 
 
+# ---- a job under `gpuwatch run` ------------------------------------------------------------------
+
+STAND_IN_SUPERVISOR = """\
+import os, signal, subprocess, sys
+from gpuwatch.simulate.job import become_subreaper
+from gpuwatch.sources.processes import ProcessSource
+
+run_id, ready, *launcher_args = sys.argv[1:]
+become_subreaper()
+start = ProcessSource().stat(os.getpid()).start_time
+env = {**os.environ, "GPUWATCH_RUN_ID": run_id,
+       "GPUWATCH_RUN_SUPERVISOR": f"{os.getpid()}:{start!r}"}
+subprocess.Popen([sys.executable, "-m", "gpuwatch.simulate.job", "--ready", ready,
+                  *launcher_args], env=env, start_new_session=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+while True:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] != 0:
+            pass
+    except ChildProcessError:
+        pass
+    signal.sigwait({signal.SIGCHLD})
+"""
+
+
+@dataclass
+class SupervisedJob(JobPids):
+    """A job under a stand-in for `gpuwatch run`: `supervisor` is its host PID; the job's
+    processes carry GPUWATCH_RUN_ID=`run_id` and GPUWATCH_RUN_SUPERVISOR=`named_pid`:`its start
+    time`, where `named_pid` is the supervisor's PID as it sees it itself (in its PID namespace)."""
+
+    supervisor: int = 0
+    named_pid: int = 0
+
+
+@contextlib.contextmanager
+def supervised_job(tmp_path: Path, run_id: str, workers: int = 1,
+                   helpers: Sequence[str] = ("redis",), in_pid_namespace: bool = False
+                   ) -> Iterator[SupervisedJob]:
+    """A stand-in for `gpuwatch run`: a child subreaper that starts a launcher with `workers`
+    workers and one helper per role (gpuwatch.simulate.job) with the two variables `gpuwatch run`
+    sets, its own PID and start time (as ProcessSource reads it) in the second, and then reaps
+    whatever exits. The launcher leads its own session and group.
+
+    `in_pid_namespace`: the stand-in runs as a container's command does, in a PID namespace of
+    its own with its own /proc, under a shell that is the namespace's init (so that the stand-in
+    is not PID 1 there, whose death would end the namespace); the PIDs it writes down are the
+    namespace's. Needs the right to create PID and mount namespaces; skipped where `unshare
+    --pid` is refused.
+
+    Yields host PIDs once every worker and helper is up; everything is killed on the way out."""
+    if in_pid_namespace and (why := pid_namespaces()) is not None:
+        pytest.skip(f"in_pid_namespace needs a PID namespace: {why}")
+    ready = _unique(tmp_path, "supervised", ".json")
+    args = ["--workers", str(workers), "--run-id", f"{run_id}-elastic"]
+    if helpers:
+        args += ["--helpers", ",".join(helpers)]
+    stand_in_cmd = [sys.executable, "-c", STAND_IN_SUPERVISOR, run_id, str(ready), *args]
+    if in_pid_namespace:
+        # The shell waits at `read` as at its prompt, adopting what the stand-in leaves behind.
+        # With the namespace's own /proc, as a container has: /proc/PID is the PID it sees.
+        top = subprocess.Popen([shutil.which("unshare") or "unshare", "--pid", "--fork",
+                                "--mount-proc", "--kill-child", shutil.which("bash") or "bash",
+                                "-c", f"{shlex.join(stand_in_cmd)} & read -r _"],
+                               env=clean_env(), stdin=subprocess.PIPE, start_new_session=True)
+    else:
+        top = subprocess.Popen(stand_in_cmd, env=clean_env(), start_new_session=True)
+        _reap_in_background(top)
+    job: Optional[SupervisedJob] = None
+    try:
+        info = wait_for("the supervised job to start", lambda: read_json(ready), START_TIMEOUT,
+                        alive=top)
+        pids = {"launcher": int(info["launcher"]), "workers": [int(p) for p in info["workers"]],
+                "helpers": {str(r): int(p) for r, p in info["helpers"].items()}}
+        supervisor = top.pid
+        if in_pid_namespace:
+            shell = wait_for("the shell in its PID namespace",
+                             lambda: (_children(top.pid) or [None])[0], START_TIMEOUT, alive=top)
+            inside = [pids["launcher"], *pids["workers"], *pids["helpers"].values()]
+            host = wait_for("the job's host PIDs", lambda: _host_pids(shell, inside),
+                            START_TIMEOUT)
+            pids = {"launcher": host[pids["launcher"]],
+                    "workers": [host[p] for p in pids["workers"]],
+                    "helpers": {r: host[p] for r, p in pids["helpers"].items()}}
+            supervisor = parent(pids["launcher"]) or 0
+        named = environ(pids["launcher"])["GPUWATCH_RUN_SUPERVISOR"].partition(":")[0]
+        job = SupervisedJob(launcher=pids["launcher"], workers=pids["workers"],
+                            helpers=pids["helpers"], run_id=run_id, group=pids["launcher"],
+                            subreaper=supervisor, supervisor=supervisor, named_pid=int(named))
+        yield job
+    finally:
+        started = _descendants(top.pid)
+        _killpg(job.group if job is not None else None)
+        for pid in [*started, *(job.pids if job is not None else [])]:
+            _kill(pid)
+        _kill(top.pid)
+        if top.stdin is not None:
+            top.stdin.close()
+        top.wait(GONE_TIMEOUT)
+        wait_not_running([top.pid, *started, *(job.pids if job is not None else [])],
+                         what="the supervised job's processes to end")
+
+
+def sigkill_supervisor(job: SupervisedJob) -> None:
+    """SIGKILL the supervisor alone; returns once it is gone and its launcher reparented."""
+    os.kill(job.supervisor, signal.SIGKILL)
+    wait_for(f"the supervisor {job.supervisor} to be gone",
+             lambda: True if not running(job.supervisor) else None, GONE_TIMEOUT)
+    wait_for("the launcher to be reparented",
+             lambda: True if parent(job.launcher) != job.supervisor else None, GONE_TIMEOUT)
+
+
 # ---- scheduler cgroups ---------------------------------------------------------------------------
 @contextlib.contextmanager
 def slurm_job_cgroup(job_id: str) -> Iterator[Path]:

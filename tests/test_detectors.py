@@ -308,3 +308,153 @@ def test_a_process_list_that_failed_leaves_unattributed_memory_unknown() -> None
     no_grace = DetectorConfig(ghost_min_bytes=GIB, ghost_grace=0.0)
     assert kinds(run(History(), snapshot(1.0, gpus=(complete,)), no_grace)) == [("ghost", None)]
     assert kinds(run(History(), snapshot(1.0, gpus=(failed,)), no_grace)) == []
+
+
+# -- `gpuwatch run`: a supervisor named in the environment -------------------------------------
+RUN_JOB = Job("train-3fa91c", "run")
+
+
+def supervised(pid: int, ppid: int, supervisor: int = 40, supervisor_start: float = 50.0,
+               **kw: Any) -> HostProcess:
+    """A process of the job run:train-3fa91c, as `gpuwatch run` (PID `supervisor`) started it."""
+    env = MappingProxyType({"GPUWATCH_RUN_ID": RUN_JOB.id,
+                            "GPUWATCH_RUN_SUPERVISOR": f"{supervisor}:{supervisor_start!r}"})
+    return proc(pid, ppid, job=RUN_JOB, launch_env=env, **kw)
+
+
+def with_supervisors(snap: NodeSnapshot, **by_pid: Optional[float]) -> NodeSnapshot:
+    """The snapshot with what the poll found on each supervisor PID (`pid_40=50.0`)."""
+    found = {int(key.removeprefix("pid_")): start for key, start in by_pid.items()}
+    return replace(snap, run_supervisors=MappingProxyType(found))
+
+
+def test_a_supervised_job_under_its_live_supervisor_raises_nothing() -> None:
+    supervisor = proc(40, 1, start=50.0, name="gpuwatch")
+    launcher = supervised(41, 40, name="torchrun")
+    worker = supervised(42, 41, gpu=GIB)
+    helper = supervised(43, 41, name="redis-server")
+    snap = with_supervisors(snapshot(100.0, supervisor, launcher, worker, helper), pid_40=50.0)
+    assert kinds(run(History(), snap)) == []
+
+
+def test_a_supervisor_found_above_the_process_runs_whatever_its_start_time_reads() -> None:
+    """A clock step between the supervisor's read of the boot time and the daemon's moves one
+    start time against the other; a new process on a freed PID never becomes an ancestor."""
+    supervisor = proc(40, 1, start=53.0, name="gpuwatch")
+    worker = supervised(42, 40, gpu=GIB)
+    snap = with_supervisors(snapshot(100.0, supervisor, worker), pid_40=53.0)
+    assert kinds(run(History(), snap)) == []
+
+
+def test_a_supervisor_inside_a_container_is_found_by_its_pid_there() -> None:
+    """`gpuwatch run` as a container's command wrote its PID in the container's namespace."""
+    shim = proc(30, 1, name="containerd-shim")
+    supervisor = proc(12040, 30, start=50.0, name="gpuwatch", namespace_pids=(1,))
+    worker = supervised(12042, 12040, supervisor=1, gpu=GIB, namespace_pids=(3,))
+    snap = with_supervisors(snapshot(100.0, shim, supervisor, worker), pid_1=0.0)
+    assert kinds(run(History(), snap)) == []
+    inner = proc(12040, 30, start=50.0, name="sh", namespace_pids=(1,))
+    supervisor = proc(12041, 12040, start=50.5, name="gpuwatch", namespace_pids=(7,))
+    worker = supervised(12042, 12041, supervisor=7, supervisor_start=50.5, gpu=GIB,
+                        namespace_pids=(8,))
+    snap = with_supervisors(snapshot(100.0, shim, inner, supervisor, worker), pid_7=0.02)
+    assert kinds(run(History(), snap)) == []
+    # The supervisor killed: its worker goes to the container's init; host PID 7 is a kernel
+    # thread that started at boot.
+    orphaned = replace(worker, ppid=12040)
+    snap = with_supervisors(snapshot(101.0, shim, inner, orphaned), pid_7=0.02)
+    report = run(History(), snap)
+    assert kinds(report) == [("orphan", 12042)]
+    # The host's PID 7 is not the one the container's process meant: no word about it.
+    assert report.findings[0].reason.endswith("of job run:train-3fa91c is gone")
+
+
+def test_when_the_supervisor_is_gone_its_whole_job_is_orphaned_at_the_first_poll() -> None:
+    launcher = supervised(41, 1, name="torchrun")
+    worker = supervised(42, 41, gpu=GIB)
+    helper = supervised(43, 41, name="redis-server", cmdline=("redis-server", "--port", "6380"))
+    snap = with_supervisors(snapshot(100.0, launcher, worker, helper), pid_40=None)
+    report = run(History(), snap)  # no history: a daemon started after the supervisor died
+    found = {f.pid: f for f in report.findings}
+    assert sorted(kinds(report)) == [("orphan", 41), ("orphan", 42), ("orphan", 43)]
+    assert (found[42].severity, found[42].gpu_memory_bytes) == ("critical", GIB)
+    assert found[41].severity == found[43].severity == "warning"
+    assert found[43].gpu_memory_bytes is None
+    for f in found.values():
+        assert f.reason == ("its supervisor `gpuwatch run` (PID 40) of job run:train-3fa91c "
+                            "is gone")
+        assert f.job == RUN_JOB
+    assert report.job_of(helper) == RUN_JOB
+
+
+def test_a_supervisor_pid_reused_by_another_process_is_a_gone_supervisor() -> None:
+    launcher = supervised(41, 1, name="torchrun")
+    worker = supervised(42, 41, gpu=GIB)
+    for other_start in (50.3, 51.37, 90.0):  # no whole number of seconds off: another process
+        snap = with_supervisors(snapshot(100.0, launcher, worker), pid_40=other_start)
+        report = run(History(), snap)
+        assert sorted(kinds(report)) == [("orphan", 41), ("orphan", 42)]
+        assert report.findings[0].reason.endswith(
+            "is gone (PID 40 is another process now)")
+
+
+def test_a_live_supervisor_outside_the_tree_is_read_on_its_pid() -> None:
+    """The variables carried outside the supervisor's tree: its PID, with its start time give or
+    take the whole seconds a clock step makes, says it still runs."""
+    stray = supervised(60, 1, gpu=GIB)
+    for start in (50.0, 51.0, 48.0):
+        snap = with_supervisors(snapshot(100.0, stray), pid_40=start)
+        assert kinds(run(History(), snap)) == []
+
+
+def test_nothing_is_concluded_about_a_supervisor_that_could_not_be_read() -> None:
+    worker = supervised(42, 1, gpu=GIB)
+    assert kinds(run(History(), snapshot(100.0, worker))) == []  # its PID not read
+    # An ancestor missing from the snapshot: whether the supervisor is above is not known.
+    cut = supervised(43, 41, gpu=GIB)
+    assert kinds(run(History(), with_supervisors(snapshot(100.0, cut), pid_40=None))) == []
+
+
+def test_a_malformed_supervisor_variable_is_no_evidence() -> None:
+    for value in ("", "40", "abc:50.0", "40:", "40:nan", "-40:50.0", "0:50.0", "40:50.0:1"):
+        env = MappingProxyType({"GPUWATCH_RUN_ID": "x", "GPUWATCH_RUN_SUPERVISOR": value})
+        worker = proc(42, 1, gpu=GIB, launch_env=env)
+        assert kinds(run(History(), with_supervisors(snapshot(100.0, worker), pid_40=None))) \
+            == [], value
+
+
+def test_under_a_live_supervisor_the_lineage_rules_apply_as_to_any_job() -> None:
+    """Its launcher killed, a supervised job's workers are orphans until the supervisor ends
+    them; its trainer finished, its helpers are leftovers until the supervisor ends them."""
+    supervisor = proc(40, 1, start=50.0, name="gpuwatch")
+    launcher = supervised(41, 40, name="torchrun", pgid=41)
+    worker = supervised(42, 41, gpu=GIB, pgid=41)
+    history = History()
+    run(history, with_supervisors(snapshot(1.0, supervisor, launcher, worker), pid_40=50.0))
+    adopted = replace(worker, ppid=40)
+    report = run(history, with_supervisors(snapshot(2.0, supervisor, adopted), pid_40=50.0))
+    assert kinds(report) == [("orphan", 42)]
+    assert report.findings[0].reason.startswith("parent 41 (torchrun) exited")
+
+    history = History()
+    helper = supervised(43, 41, name="redis-server", pgid=41)
+    run(history, with_supervisors(snapshot(1.0, supervisor, launcher, worker, helper),
+                                  pid_40=50.0))
+    run(history, with_supervisors(snapshot(2.0, supervisor, launcher, helper), pid_40=50.0))
+    report = run(history, with_supervisors(snapshot(30.0, supervisor, launcher, helper),
+                                           pid_40=50.0))
+    assert kinds(report) == [("leftover", 43)]
+
+
+def test_a_helper_whose_supervisor_is_gone_is_an_orphan_and_never_a_leftover_as_well() -> None:
+    history = History()
+    supervisor = proc(40, 1, start=50.0, name="gpuwatch")
+    launcher = supervised(41, 40, name="torchrun", pgid=41)
+    worker = supervised(42, 41, gpu=GIB, pgid=41)
+    helper = supervised(43, 41, name="redis-server", pgid=41)
+    run(history, with_supervisors(snapshot(1.0, supervisor, launcher, worker, helper),
+                                  pid_40=50.0))
+    orphaned = replace(launcher, ppid=1)
+    for t in (2.0, 30.0, 60.0):  # the trainer ended with the supervisor; grace long past
+        report = run(history, with_supervisors(snapshot(t, orphaned, helper), pid_40=None))
+        assert sorted(kinds(report)) == [("orphan", 41), ("orphan", 43)]

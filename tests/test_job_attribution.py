@@ -15,9 +15,11 @@ from gpuwatch.sources.jobs import (
     LAUNCH_ENV_KEYS,
     WORKER_MARKER_KEYS,
     CgroupInfo,
+    SupervisorRef,
     attribute_job,
     parse_cgroup,
     parse_environ,
+    run_supervisor,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cgroup"
@@ -483,7 +485,8 @@ def test_worker_markers_are_launch_variables() -> None:
 
 
 @pytest.mark.parametrize("key", ["SLURM_JOB_ID", "SLURM_JOBID", "SLURM_NODEID", "RAY_JOB_ID",
-                                 "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "MASTER_PORT"])
+                                 "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "MASTER_PORT",
+                                 "GPUWATCH_RUN_ID", "GPUWATCH_RUN_SUPERVISOR"])
 def test_allocation_wide_variables_do_not_mark_a_worker(key: str) -> None:
     assert key not in WORKER_MARKER_KEYS
 
@@ -612,3 +615,62 @@ def test_launch_env_as_read_only_mapping_is_accepted() -> None:
 def test_non_string_env_values_are_ignored() -> None:
     env: dict[str, Any] = {"SLURM_JOB_ID": 12, "TORCHELASTIC_RUN_ID": None}
     assert attribute_job(None, env) is None
+
+
+# -- `gpuwatch run` ----------------------------------------------------------------------------
+
+RUN_ENV = {"GPUWATCH_RUN_ID": "train-3fa91c", "GPUWATCH_RUN_SUPERVISOR": "4242:1767000000.25"}
+
+
+def test_environ_keeps_both_gpuwatch_run_variables() -> None:
+    raw = _environ(b"GPUWATCH_RUN_ID=train-3fa91c", b"GPUWATCH_RUN_SUPERVISOR=4242:1767000000.25",
+                   b"GPUWATCH_RUN_TOKEN=s3cret", b"HOME=/root")
+    assert parse_environ(raw) == RUN_ENV
+
+
+def test_gpuwatch_run_id_names_the_job() -> None:
+    assert attribute_job(None, RUN_ENV) == Job("train-3fa91c", "run")
+    assert str(attribute_job(None, {"GPUWATCH_RUN_ID": " train-3fa91c\n"})) == "run:train-3fa91c"
+    assert attribute_job(None, {"GPUWATCH_RUN_ID": "  "}) is None
+    assert attribute_job(None, {"GPUWATCH_RUN_SUPERVISOR": "4242:1767000000.25"}) is None
+
+
+def test_gpuwatch_run_beats_every_other_environment_variable() -> None:
+    """The user put `gpuwatch run` around the command on purpose: it names the whole job, over
+    the run id torchrun gives its workers and a Slurm job id inherited in the environment."""
+    env = {**RUN_ENV, "SLURM_JOB_ID": "77", "SLURM_JOBID": "77", "TORCHELASTIC_RUN_ID": "run-7",
+           "RAY_JOB_ID": "01000000", "LOCAL_RANK": "0"}
+    assert attribute_job(None, env) == Job("train-3fa91c", "run")
+    session = parse_cgroup(_read("user_session_scope.txt"))
+    assert attribute_job(session, env) == Job("train-3fa91c", "run")
+    unit = CgroupInfo(path="/system.slice/train.service", version=2,
+                      systemd_unit="train.service")
+    assert attribute_job(unit, env) == Job("train-3fa91c", "run")
+
+
+def test_a_schedulers_cgroup_beats_gpuwatch_run() -> None:
+    """`srun gpuwatch run -- ...` is Slurm job 42, and the epilog reaps by that id; inside a pod
+    or a container, the pod or the container is what is cleaned up."""
+    env = {**RUN_ENV, "TORCHELASTIC_RUN_ID": "run-7"}
+    assert attribute_job(SLURM_CGROUP, env) == Job("42", "slurm")
+    assert attribute_job(POD_IN_CONTAINER, env) == Job(BURSTABLE_POD, "kubernetes")
+    docker = parse_cgroup(_read("docker_systemd_v2.txt"))
+    assert attribute_job(docker, env) == Job("a26156866446", "container")
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("4242:1767000000.25", SupervisorRef(4242, 1767000000.25)),
+    (" 4242:1767000000.0\n", SupervisorRef(4242, 1767000000.0)),
+    ("1:1767000000", SupervisorRef(1, 1767000000.0)),
+    ("4242", None), ("4242:", None), (":1767000000.25", None), ("0:1767000000.25", None),
+    ("-1:1767000000.25", None), ("4242:nan", None), ("4242:inf", None), ("4242:-5", None),
+    ("4242:abc", None), ("4242:1:2", None), ("\u0664\u0662:1767000000.25", None), ("", None),
+])
+def test_the_supervisor_variable_is_a_pid_and_a_start_time(
+        value: str, expected: Optional[SupervisorRef]) -> None:
+    assert run_supervisor({"GPUWATCH_RUN_SUPERVISOR": value}) == expected
+
+
+def test_no_supervisor_variable_names_no_supervisor() -> None:
+    assert run_supervisor({}) is None
+    assert run_supervisor(None) is None  # type: ignore[arg-type]

@@ -6,9 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from gpuwatch.model import GpuProcessUsage
+from gpuwatch.simulate.demo import wait_for
 from gpuwatch.sources.processes import ProcessSource
 from tests.realprocs import GIB
+from tests.scenarios import pid_namespaces
 
 
 def _usage(pid: int) -> GpuProcessUsage:
@@ -88,3 +92,21 @@ def _wait_zombie(pid: int) -> None:
             return "Z" if f.read().rsplit(")", 1)[1].split()[0] == "Z" else None
 
     wait_for(f"PID {pid} to become a zombie", state, 10)
+
+
+def test_a_process_in_a_nested_pid_namespace_is_read_with_its_pid_there() -> None:
+    """What a process inside a container writes down as a PID is its PID there (NSpid)."""
+    if (why := pid_namespaces()) is not None:
+        pytest.skip(why)
+    source = ProcessSource()
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c",
+                              "import time; time.sleep(60)"])
+    try:
+        inner = wait_for("the namespace's first process",
+                         lambda: (source.children(outer.pid) or [None])[0], 10)
+        procs = source.read([inner]).processes
+        assert procs[inner].namespace_pids == (1,)
+        assert procs[outer.pid].namespace_pids == ()
+    finally:
+        outer.kill()
+        outer.wait()

@@ -3,7 +3,8 @@
 Each module exposes `detect(snapshot, history, config) -> Iterable[Finding]` and reads nothing
 but its arguments: no /proc, no clock, so every scenario can be replayed from fixtures. A finding
 needs evidence of a training job (a GPU holder, a job with trainers, distributed-launch
-variables), and its reason says which evidence was used.
+variables, the `gpuwatch run` supervisor named in the environment), and its reason says which
+evidence was used.
 """
 
 from __future__ import annotations

@@ -5,9 +5,16 @@ from __future__ import annotations
 from typing import Optional
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.model import Finding, HostProcess
-from gpuwatch.sources.jobs import WORKER_MARKER_KEYS
+from gpuwatch.model import Finding, HostProcess, Job, NodeSnapshot
+from gpuwatch.sources.jobs import RUN_ID_KEY, WORKER_MARKER_KEYS, run_supervisor
 from gpuwatch.units import human_bytes, short_command
+
+# Guards the climb against a corrupt or cyclic parent chain.
+_MAX_DEPTH = 64
+# The supervisor and gpuwatch each add the boot time they read, in whole seconds, to the same
+# clock ticks: a clock step between the two reads shifts one start time against the other by
+# whole seconds, never by a fraction.
+_BOOT_TIME_STEPS = 2
 
 
 def is_protected(p: HostProcess, config: DetectorConfig) -> bool:
@@ -57,3 +64,45 @@ def command(p: HostProcess, limit: int = 80) -> str:
 
 def named(pid: Optional[int], name: Optional[str]) -> str:
     return f"{pid} ({name or '?'})"
+
+
+def supervisor_gone(p: HostProcess, snapshot: NodeSnapshot) -> Optional[str]:
+    """Why `p` is orphaned from its `gpuwatch run` supervisor, or None while that may still run.
+
+    The supervisor is a child subreaper: while it runs it is an ancestor of every process of its
+    job. So one found among the ancestors still runs, whatever its start time reads, and a new
+    process on its freed PID can never become an ancestor. Only when none is, what runs on the
+    PID now is compared by start time. Nothing is concluded where the ancestry is not known up to
+    the top, or the PID could not be read.
+    """
+    ref = run_supervisor(p.launch_env)
+    if ref is None:
+        return None
+    current = p
+    for _ in range(_MAX_DEPTH):
+        if current.pid == ref.pid or ref.pid in current.namespace_pids:
+            return None  # the supervisor itself, or one of its job's processes under it
+        if current.ppid == 0:
+            break
+        up = snapshot.processes.get(current.ppid) if current.ppid else None
+        if up is None or not up.in_procfs:
+            return None  # ancestry not known up to the top
+        current = up
+    else:
+        return None
+    if ref.pid not in snapshot.run_supervisors:
+        return None  # its PID could not be read
+    now = snapshot.run_supervisors[ref.pid]
+    if now is not None and _same_start(now, ref.start_time):
+        return None  # it runs, though not above this process
+    run_id = p.launch_env.get(RUN_ID_KEY, "").strip()
+    of_job = f" of job {Job(run_id, 'run')}" if run_id else ""
+    # Inside a container the PID may be the container's: what runs on the host's says nothing.
+    reused = (f" (PID {ref.pid} is another process now)"
+              if now is not None and not p.namespace_pids else "")
+    return f"its supervisor `gpuwatch run` (PID {ref.pid}){of_job} is gone{reused}"
+
+
+def _same_start(seen: float, given: float) -> bool:
+    offset = seen - given
+    return abs(offset - round(offset)) < 0.005 and abs(round(offset)) <= _BOOT_TIME_STEPS

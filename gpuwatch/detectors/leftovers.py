@@ -3,7 +3,9 @@
 The trainers of a job are its members that held GPU memory; when the last of them has exited, or
 told the agent it finished, the job is over, and what is still alive after the grace period (the
 redis, the actor, the preprocessor) is a leftover, named by its command. The launcher itself is
-not reported: it is typically waiting for those very helpers, and ends with them.
+not reported: it is typically waiting for those very helpers, and ends with them. A member whose
+`gpuwatch run` supervisor is gone is an orphan instead, from the first poll that sees it, and is
+not reported twice.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import command, finding, is_protected, named
+from gpuwatch.detectors.common import command, finding, is_protected, named, supervisor_gone
 from gpuwatch.history import History
 from gpuwatch.model import Finding, NodeSnapshot
 from gpuwatch.units import clock_time
@@ -29,6 +31,8 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                 continue
             if p.state == "zombie" or is_protected(p, config):
                 continue  # a zombie is reported as one, whatever its job
+            if supervisor_gone(p, snapshot) is not None:
+                continue  # an orphan already, since its supervisor went
             label = f" of job {job.label}" if job.label else ""
             if p.pid == trainer_pid:
                 reason = (f"`{command(p)}`{label} told the agent it finished after "

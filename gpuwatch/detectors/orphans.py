@@ -11,6 +11,10 @@ Without history (the daemon started later, or a one-shot status): the process ho
 sits under PID 1 or a subreaper, and its environment marks it a distributed worker. Under a
 subreaper other than PID 1 it must also not lead its own process group: what a supervisor starts
 on purpose leads its group, a worker orphaned from torchrun still belongs to torchrun's.
+
+Under `gpuwatch run`, with or without history: the process names its supervisor (PID and start
+time, GPUWATCH_RUN_SUPERVISOR) and that process no longer runs (common.supervisor_gone). Its
+launcher and helpers count as much as its GPU holders: all of them outlived the job.
 """
 
 from __future__ import annotations
@@ -18,7 +22,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import finding, is_protected, named, worker_evidence
+from gpuwatch.detectors.common import (
+    finding,
+    is_protected,
+    named,
+    supervisor_gone,
+    worker_evidence,
+)
 from gpuwatch.history import History
 from gpuwatch.jobtree import is_supervisor
 from gpuwatch.model import Finding, HostProcess, NodeSnapshot
@@ -29,6 +39,10 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
     for p in snapshot.processes.values():
         if not p.in_procfs or p.pid == 1 or p.state == "zombie" or is_protected(p, config):
+            continue
+        reason = supervisor_gone(p, snapshot)
+        if reason is not None:
+            yield finding("orphan", "critical" if p.holds_gpu else "warning", p, reason)
             continue
         h = history.get(p.identity)
         if h is not None and h.first_ppid not in (None, 0, 1) and p.ppid != h.first_ppid:

@@ -10,10 +10,11 @@ anyone, but it is the only place a torchrun run id or an MPI rank is written dow
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from gpuwatch.model import Job
 
@@ -312,11 +313,22 @@ LAUNCH_ENV_KEYS: tuple[str, ...] = (
     "NVIDIA_VISIBLE_DEVICES",
     # No pod-name variable: Kubernetes sets none by default (POD_NAME and the like are whatever a
     # manifest chose via the downward API), and the cgroup already names the pod by UID.
+    # `gpuwatch run`: the job's name, and which supervisor it runs under (see RUN_SUPERVISOR_KEY).
+    "GPUWATCH_RUN_ID",
+    "GPUWATCH_RUN_SUPERVISOR",
 )
+
+#: Set by `gpuwatch run` for its whole job; names the job as `run:<id>`.
+RUN_ID_KEY = "GPUWATCH_RUN_ID"
+#: Set by `gpuwatch run` for its whole job: "<PID>:<start time>" of the supervisor, the start time
+#: as ProcessSource computes it (seconds since the epoch, two decimals), so that a PID reused by
+#: another process is told apart from the supervisor.
+RUN_SUPERVISOR_KEY = "GPUWATCH_RUN_SUPERVISOR"
 
 #: Variables that only a launcher sets for the processes it starts as ranks of a distributed
 #: program. Allocation-wide ones are absent on purpose: every process in a Slurm allocation has
-#: SLURM_JOB_ID, every Ray worker RAY_JOB_ID, every CUDA container NVIDIA_VISIBLE_DEVICES.
+#: SLURM_JOB_ID, every Ray worker RAY_JOB_ID, every CUDA container NVIDIA_VISIBLE_DEVICES, and
+#: every process under `gpuwatch run` (its redis and its editor too) both GPUWATCH_RUN_ variables.
 WORKER_MARKER_KEYS: frozenset[str] = frozenset({
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT",
@@ -365,6 +377,30 @@ def parse_environ(raw: bytes) -> dict[str, str]:
         if key in _WANTED_KEYS and key not in found:
             found[key] = value.decode("utf-8", "replace")[:_MAX_VALUE_CHARS]
     return found
+
+
+class SupervisorRef(NamedTuple):
+    """The `gpuwatch run` supervisor a process names in GPUWATCH_RUN_SUPERVISOR."""
+
+    pid: int
+    start_time: float
+
+
+def run_supervisor(launch_env: Mapping[str, str]) -> Optional[SupervisorRef]:
+    """The supervisor named by GPUWATCH_RUN_SUPERVISOR ("4242:1767000000.25"), or None when the
+    variable is absent or is not a PID and a start time."""
+    value = _env_value(launch_env, RUN_SUPERVISOR_KEY) if isinstance(launch_env, Mapping) else ""
+    pid_text, sep, start_text = value.partition(":")
+    if not sep or not (pid_text.isascii() and pid_text.isdigit()):
+        return None
+    try:
+        start = float(start_text)
+    except ValueError:
+        return None
+    pid = int(pid_text)
+    if not 0 < pid < 1 << 32 or not math.isfinite(start) or start <= 0:
+        return None
+    return SupervisorRef(pid, start)
 
 
 # -- attribution -----------------------------------------------------------------------------
@@ -423,12 +459,17 @@ def attribute_job(cgroup: Optional[CgroupInfo], launch_env: Mapping[str, str]) -
        unit started inside an allocation is part of that job. The environment counts too since a
        process that left the job's cgroup (setsid, a daemon started from the job) still belongs
        to, and should die with, the job.
-    2. TorchElastic run id (TORCHELASTIC_RUN_ID, unless torchrun's default "none"): it names one
+    2. `gpuwatch run` (GPUWATCH_RUN_ID), unless a scheduler's cgroup names the job. It comes
+       before every other variable, SLURM_JOB_ID from the environment included: the user put it
+       around the command on purpose, and it names the whole job, launcher and helpers too. A
+       pod's or a container's cgroup still wins over it, as Slurm's does: that is the id the
+       scheduler cleans up by.
+    3. TorchElastic run id (TORCHELASTIC_RUN_ID, unless torchrun's default "none"): it names one
        distributed run across nodes and containers, which is finer than the pod that hosts a
        rank of it and the same on every node.
-    3. Kubernetes pod UID: the unit the kubelet creates and deletes; its containers are parts.
-    4. Container, by the 12-hex short id every runtime CLI shows.
-    5. A systemd unit someone started as a job: `systemd-run --unit=train ...` (train.service),
+    4. Kubernetes pod UID: the unit the kubelet creates and deletes; its containers are parts.
+    5. Container, by the 12-hex short id every runtime CLI shows.
+    6. A systemd unit someone started as a job: `systemd-run --unit=train ...` (train.service),
        a transient run-u87.service, or a named unit, system or per-user. Login sessions, desktop
        app scopes, the user manager, and the daemons in _NOT_JOB_UNITS are not jobs: their
        processes share the unit by inheritance, not by being one piece of work.
@@ -436,6 +477,13 @@ def attribute_job(cgroup: Optional[CgroupInfo], launch_env: Mapping[str, str]) -
     env: Mapping[str, str] = launch_env if isinstance(launch_env, Mapping) else {}
     if cgroup is not None and cgroup.slurm_job_id:
         return Job(cgroup.slurm_job_id, "slurm")
+    supervised = _env_value(env, RUN_ID_KEY)
+    if supervised:
+        if cgroup is not None and cgroup.pod_uid:
+            return Job(cgroup.pod_uid, "kubernetes")
+        if cgroup is not None and cgroup.container_id:
+            return Job(cgroup.container_id[:12], "container")
+        return Job(supervised, "run")
     for key in ("SLURM_JOB_ID", "SLURM_JOBID"):
         value = _env_value(env, key)
         if _SLURM_JOB_ID_VALUE.fullmatch(value):

@@ -2,8 +2,8 @@
 
 It reads only what it is asked for (GPU holders) and their ancestors up to PID 1, so a poll costs
 in proportion to GPU processes, not to every process on the host. What never changes for a given
-process (command line, user, cgroup, launch environment) is read once per identity (PID + start
-time) and cached; what does (state, RSS, threads, parent) is read on every poll.
+process (command line, user, cgroup, launch environment, PID namespace) is read once per identity
+(PID + start time) and cached; what does (state, RSS, threads, parent) is read on every poll.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pwd
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, NamedTuple, Optional, TypeVar
+from typing import Callable, NamedTuple, Optional, TypeVar, Union
 
 import psutil
 
@@ -52,6 +52,7 @@ class _Static:
     cgroup: Optional[str]
     job: Optional[Job]
     launch_env: Mapping[str, str]
+    namespace_pids: tuple[int, ...]
     read_errors: tuple[str, ...]
 
 
@@ -127,6 +128,7 @@ class ProcessSource:
             cgroup=static.cgroup,
             job=static.job,
             launch_env=static.launch_env,
+            namespace_pids=static.namespace_pids,
             gpu_usage=usage,
             read_errors=static.read_errors,
             wchan=wchan,
@@ -147,8 +149,9 @@ class ProcessSource:
         wchan = (wchan or "").strip()
         return (wchan if wchan not in ("", "0") else None), tuple(frames)
 
-    def stat(self, pid: int) -> Optional[ProcStat]:
-        """What changes between polls, from the one /proc/PID/stat line.
+    def stat(self, pid: Union[int, str]) -> Optional[ProcStat]:
+        """What changes between polls, from the one /proc/PID/stat line (`pid` "self": this
+        process, whatever PID namespace /proc was mounted for).
 
         Everything that changes between polls is in this line, so a poll costs one read per
         process; psutil would open several files and re-read the boot time each time.
@@ -209,8 +212,20 @@ class ProcessSource:
             cgroup=cgroup.path if cgroup is not None else None,
             job=attribute_job(cgroup, launch_env),
             launch_env=launch_env,
+            namespace_pids=self._namespace_pids(p.pid),
             read_errors=tuple(errors),
         )
+
+    def _namespace_pids(self, pid: int) -> tuple[int, ...]:
+        """The process's PIDs inside the nested PID namespaces it lives in (a container's), from
+        the NSpid line of /proc/PID/status; empty in this /proc's own namespace."""
+        for line in (self._read_proc_text(pid, "status") or "").splitlines():
+            if line.startswith("NSpid:"):
+                try:
+                    return tuple(int(field) for field in line.split()[2:])
+                except ValueError:
+                    return ()
+        return ()
 
     def _user(self, uid: Optional[int]) -> Optional[str]:
         if uid is None:

@@ -1,3 +1,3 @@
-from gpuwatch.cli import main
+from gpuwatch.entry import main
 
 main()

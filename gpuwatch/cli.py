@@ -285,6 +285,19 @@ def demo(
     raise typer.Exit(run_demo(listen, workers, duration, pace))
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                "help_option_names": []})
+def run(ctx: typer.Context) -> None:
+    """Run a job so that Ctrl+C, a crash or a finished trainer leaves nothing behind.
+
+    `gpuwatch run [--grace S] [--job-name N] [--keep-helpers] [--json FILE] -- COMMAND...`;
+    `gpuwatch run --help` lists its options and exit codes.
+    """
+    from gpuwatch.actions.supervisor import main as run_main
+
+    raise typer.Exit(run_main(ctx.args))
+
+
 def status_exit_code(doc: dict[str, Any]) -> int:
     if not doc["nvml"]["available"]:
         return EXIT_NVML_UNAVAILABLE

@@ -32,7 +32,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "oneshot", "daemon_rss", "agent_step",
-           "agent_ingest"]
+           "agent_ingest", "run_overhead"]
 PACKAGES = ["gpuwatch", "nvidia-ml-py", "psutil", "prometheus-client", "nvitop",
             "nvitop-exporter", "gpustat"]
 
@@ -152,9 +152,39 @@ def ingest_rows(f: Figures) -> list[Row]:
     return rows
 
 
+def run_overhead_rows(f: Figures) -> list[Row]:
+    over = f["startup"]["overhead_ms"]
+    wall = f["startup"]["wall_ms"]
+    main = over["run, fake NVML, cgroup"]
+    cli = wall["python -c 'import gpuwatch.cli'"]["median"] - wall["python -c pass"]["median"]
+    rows = [
+        Row("`gpuwatch run -- true` - `true`, wall: start-up overhead (8 fake GPUs, own cgroup)",
+            f"{main['median']:.0f} ms (p90 {main['p90']:.0f} ms)", "< 300 ms",
+            main["median"] < 300),
+        Row("same, NVML absent / --no-cgroup / both",
+            " / ".join(f"{over[k]['median']:.0f}" for k in (
+                "run, no NVML, cgroup", "run, fake NVML, --no-cgroup",
+                "run, no NVML, --no-cgroup")) + " ms"),
+        Row("`gpuwatch run -- true` - `python -c pass` (the interpreter's floor); "
+            "`import gpuwatch.cli`, which `run` skips", f"{main['over_python']:.0f} ms; "
+                                                        f"{cli:.0f} ms"),
+    ]
+    sample = f"{f['gpu_sample_s']:g} s"
+    for name, v in f["steady"].items():
+        with_nvml = name.startswith("fake NVML")
+        rows.append(Row(
+            f"`gpuwatch run` supervisor CPU while its job runs (sh + {f['job_sleeps']} sleeps, "
+            f"{name}, a wake-up every {sample})",
+            f"{v['cpu_s_per_min'] * 1e3:.0f} ms/min = {v['core_pct']:.2f}% of a core "
+            f"({v['ms_per_wakeup']:.1f} ms a wake-up); RSS {v['rss_mib']:.1f} MiB",
+            "< 0.5% of a core" if with_nvml else "", v["core_pct"] < 0.5 if with_nvml else None))
+    return rows
+
+
 ROWS: dict[str, Callable[[Figures], list[Row]]] = {
     "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "oneshot": oneshot_rows,
     "daemon_rss": rss_rows, "agent_step": agent_step_rows, "agent_ingest": ingest_rows,
+    "run_overhead": run_overhead_rows,
 }
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 import pytest
 
 from gpuwatch.simulate.demo import wait_for
+from gpuwatch.sources.processes import ProcessSource
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,7 @@ def test_demo_ends_everything_it_started_however_it_ends(
     started: dict[int, int] = {}
     try:
         def story_reached_the_orphans() -> Optional[str]:
-            started.update(_identities(_descendants(demo.pid)))
+            started.update(_identities(sorted(ProcessSource().descendants(demo.pid))))
             text = out.read_text()
             return text if "killed job A's launcher" in text else None
 
@@ -196,7 +197,7 @@ def test_a_sigkilled_demo_takes_its_daemon_and_its_jobs_with_it(
         text = wait_for("the demo's story to start",
                         lambda: (t if "Ctrl+C stops the demo" in (t := out.read_text())
                                  else None), 60, alive=demo)
-        started.update(_identities(_descendants(demo.pid)))
+        started.update(_identities(sorted(ProcessSource().descendants(demo.pid))))
         assert len(started) >= 12
         port = int(re.search(r"metrics\s+http://127\.0\.0\.1:(\d+)/", text).group(1))
         work_dir = Path(re.search(r"GPUWATCH_RUNTIME_DIR=(\S+)/run ", text).group(1))
@@ -210,26 +211,6 @@ def test_a_sigkilled_demo_takes_its_daemon_and_its_jobs_with_it(
         assert work_dir.exists()  # as its docstring says: left for whoever killed it
     finally:
         _kill_all(demo, started, out)
-
-
-def _descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
 
 
 def _stat(pid: int) -> Optional[list[str]]:

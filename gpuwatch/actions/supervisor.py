@@ -347,7 +347,7 @@ class Supervisor:
     def _observe(self) -> list[int]:
         """Every live process of the job now (descendants, and the cgroup's members), each
         recorded as a member the first time it is seen; those that vanished are marked ended."""
-        found = _descendants(os.getpid())
+        found = self._procs.descendants(os.getpid())
         if self._cgroup is not None:
             found |= self._cgroup.pids()
         table = {pid: stat for pid in found if (stat := self._procs.stat(pid)) is not None}
@@ -585,30 +585,6 @@ def _runs(stat: ProcStat) -> bool:
     """Not exited: a zombie counts as running while other threads of it live on (its main
     thread exited, its NCCL heartbeat did not): it still holds what the process held."""
     return stat.state != "dead" and (stat.state != "zombie" or stat.threads > 1)
-
-
-def _descendants(root: int) -> set[int]:
-    """Every descendant of `root`, from the children lists of each of their threads (a process
-    may fork from any thread): proportional to the job, not to the host."""
-    found: set[int] = set()
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    children = f.read().split()
-            except OSError:
-                continue
-            for child in map(int, children):
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-    return found
 
 
 def _wait(wakeup: int, timeout: Optional[float]) -> bool:

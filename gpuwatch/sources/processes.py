@@ -186,6 +186,30 @@ class ProcessSource:
         except OSError:
             return []
 
+    def descendants(self, root: int) -> set[int]:
+        """Every descendant of `root`, from the children lists of each of their threads (a
+        process may fork from any thread, where `children` reads only the main thread's):
+        proportional to the tree, not to the host."""
+        found: set[int] = set()
+        todo = [root]
+        while todo:
+            pid = todo.pop()
+            try:
+                tasks = os.listdir(f"{self._procfs}/{pid}/task")
+            except OSError:
+                continue
+            for tid in tasks:
+                try:
+                    with open(f"{self._procfs}/{pid}/task/{tid}/children", "rb") as f:
+                        children = f.read().split()
+                except OSError:
+                    continue
+                for child in map(int, children):
+                    if child not in found:
+                        found.add(child)
+                        todo.append(child)
+        return found
+
     def _read_static(self, p: psutil.Process, state: str) -> _Static:
         errors: list[str] = []
         name = _or_none(p.name)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,10 +19,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import pytest
+
 from gpuwatch.simulate.demo import wait_for
 from tests.realprocs import terminate
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
+
+#: Prometheus is Debian's package, which `make test` installs (and CI always has): elsewhere the
+#: tests that need it skip.
+needs_prometheus = pytest.mark.skipif(
+    shutil.which("prometheus") is None and not os.environ.get("CI"),
+    reason="prometheus is not installed (make test installs Debian's package)")
 RATE_INTERVAL = "10s"  # what Grafana's $__rate_interval is at a 1 s scrape, and then some
 
 

@@ -464,16 +464,25 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
         assert process_group(job.launcher) == job.launcher, "the launcher leads its group"
         yield job
     finally:
-        started = _descendants(top.pid)
-        _killpg(job.group if job is not None else (top.pid if via is None else None))
-        for pid in started:
-            _kill(pid)
-        _kill(top.pid)
-        if top.stdin is not None:
-            top.stdin.close()
-        top.wait(GONE_TIMEOUT)
-        wait_not_running([top.pid, *started, *(job.pids if job is not None else [])],
-                         what="the job's processes to end")
+        _end_job(top, job.group if job is not None else (top.pid if via is None else None),
+                 job.pids if job is not None else [], "the job's processes")
+
+
+def _end_job(top: subprocess.Popen[Any], group: Optional[int], pids: Iterable[int],
+             what: str) -> None:
+    """Kill everything a scenario started under `top`: the job's process group, every
+    descendant of `top`, the job's own PIDs (reparented ones too) and `top`; wait until none
+    runs."""
+    pids = list(pids)
+    started = _descendants(top.pid)
+    _killpg(group)
+    for pid in [*started, *pids]:
+        _kill(pid)
+    _kill(top.pid)
+    if top.stdin is not None:
+        top.stdin.close()
+    top.wait(GONE_TIMEOUT)
+    wait_not_running([top.pid, *started, *pids], what=f"{what} to end")
 
 
 def ctrl_c(job: JobPids) -> None:
@@ -595,16 +604,8 @@ def supervised_job(tmp_path: Path, run_id: str, workers: int = 1,
                             subreaper=supervisor, supervisor=supervisor, named_pid=int(named))
         yield job
     finally:
-        started = _descendants(top.pid)
-        _killpg(job.group if job is not None else None)
-        for pid in [*started, *(job.pids if job is not None else [])]:
-            _kill(pid)
-        _kill(top.pid)
-        if top.stdin is not None:
-            top.stdin.close()
-        top.wait(GONE_TIMEOUT)
-        wait_not_running([top.pid, *started, *(job.pids if job is not None else [])],
-                         what="the supervised job's processes to end")
+        _end_job(top, job.group if job is not None else None,
+                 job.pids if job is not None else [], "the supervised job's processes")
 
 
 def sigkill_supervisor(job: SupervisedJob) -> None:

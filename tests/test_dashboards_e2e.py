@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +26,7 @@ from gpuwatch.simulate.demo import DemoError, SimulatedNode, simulated_node, wai
 from tests.promserver import (
     api,
     built_rules,
+    needs_prometheus,
     panel_queries,
     prometheus_scraping,
     query,
@@ -34,9 +34,7 @@ from tests.promserver import (
     variable_queries,
 )
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("prometheus") is None and not os.environ.get("CI"),
-    reason="prometheus is not installed (make test installs Debian's package)")
+pytestmark = needs_prometheus
 
 #: The daemon's host-memory limit: the leaking trainer (2 MiB a step, 5 steps a second) reaches
 #: it in about a minute and a half, inside the alert's one-hour horizon.

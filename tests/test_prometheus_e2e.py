@@ -6,22 +6,16 @@ Skipped only where Prometheus is absent and we are not in CI; CI installs Debian
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Optional
-
-import pytest
 
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import running_daemon
-from tests.promserver import prometheus_scraping, query
+from tests.promserver import needs_prometheus, prometheus_scraping, query
 from tests.realprocs import GIB, MIB, running_job
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("prometheus") is None and not os.environ.get("CI"),
-    reason="prometheus is not installed (make test installs Debian's package)")
+pytestmark = needs_prometheus
 
 
 def test_prometheus_stores_what_the_fake_driver_says_each_process_holds(

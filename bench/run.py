@@ -132,6 +132,7 @@ def agent_step_rows(f: Figures) -> list[Row]:
     bare = ns["bare sendto"]
     amortised = next(v for k, v in ns.items() if k.endswith("amortised"))
     sends = ns["step() that sends"]
+    sized = ns["step() that sends and sizes"]
     return [
         Row("`agent.step()` / bare `sendto`, amortised (10 kHz loop, default coalescing)",
             f"{amortised / 1e3:.2f} / {bare / 1e3:.2f} us = {amortised / bare:.2f}x", "<= 3x",
@@ -139,7 +140,34 @@ def agent_step_rows(f: Figures) -> list[Row]:
         Row("`agent.step()` that sends a report / bare `sendto`",
             f"{sends / 1e3:.1f} / {bare / 1e3:.1f} us = {sends / bare:.2f}x", "<= 3x",
             sends <= 3 * bare),
+        Row("`agent.step()` that sends and sizes 3 buffers / bare `sendto` (one report in 0.1 s)",
+            f"{sized / 1e3:.1f} / {bare / 1e3:.1f} us = {sized / bare:.2f}x", "", None),
+        *discovery_rows(f.get("discovery")), *tracing_rows(f.get("tracing")),
     ]
+
+
+def discovery_rows(d: Optional[Figures]) -> list[Row]:
+    if not d:
+        return []
+    return [
+        Row(f"discovery slice, {d['generated']:,.0f} modules + {d['objects']:,.0f} objects "
+            "(median / max)", f"{d['slice_ms_median']:.2f} / {d['slice_ms_max']:.2f} ms",
+            "budget 2 ms", d["slice_ms_median"] <= 2.5),
+        Row("discovery, a full pass over them: work / slices",
+            f"{d['pass_ms']:.0f} ms / {d['slices_per_pass']:.0f}", "", None),
+        Row("discovery's share of the training thread at the default cadence",
+            f"{100 * d['duty']:.2f}%", "<= 1%", d["duty"] <= 0.0105),
+    ]
+
+
+def tracing_rows(t: Optional[Figures]) -> list[Row]:
+    if not t:
+        return []
+    return [Row("allocation-heavy Python step, traced / untraced",
+                f"{t['step_on_ms']:.1f} / {t['step_off_ms']:.2f} ms = {t['ratio']:.1f}x", "",
+                None),
+            Row("ending a trace (snapshot + comparison)", f"{t['end_ms']:.0f} ms, once", "",
+                None)]
 
 
 def ingest_rows(f: Figures) -> list[Row]:

@@ -217,7 +217,7 @@ def _dashboard(uid: str, title: str, description: str, variables: list[dict[str,
 def node_dashboard(settings: Settings) -> dict[str, Any]:
     selector, process = NODE, NODE_PROCESS
     reason_columns = ["kind", "severity", "pid", "name", "user", "job_id", "gpu"]
-    process_columns = ["pid", "name", "user", "job_id", "series", "culprit"]
+    process_columns = ["pid", "name", "user", "job_id", "series", "culprit", "found_by"]
     panels: list[Panel] = [
         row("Node"),
         stat("NVML", "Whether the daemon read NVML on its last poll. Down on a GPU node means "
@@ -293,19 +293,28 @@ def node_dashboard(settings: Settings) -> dict[str, Any]:
                    "bytes", stacked=True),
         row("Leaks and training progress"),
         timeseries("Leak growth per step", "How much the leaking series (RSS, GPU memory, or "
-                   "a watched buffer) grows each training step; `culprit` is the buffer whose "
-                   "growth explains it.",
+                   "a watched buffer) grows each training step; `culprit` is what explains it "
+                   "and `found_by` how gpuwatch learnt it: a `watched` buffer, a container "
+                   "the agent `discovered`, or an allocation site it `traced`.",
                    [target(f"gpuwatch_leak_growth_bytes_per_step{{{process}}}",
-                           "{{pid}} {{name}} {{series}} {{culprit}}")],
+                           "{{pid}} {{name}} {{series}} {{culprit}} {{found_by}}")],
                    "bytes"),
         table("Projected out-of-memory", "When each leaking process runs out against its "
-              "tightest limit (cgroup memory.max, MemAvailable, the GPU's total).",
+              "tightest limit (cgroup memory.max, MemAvailable, the GPU's total), with its "
+              "culprit and how that was found (`found_by`).",
               [(f"gpuwatch_leak_projected_oom_step{{{process}}}", "OOM at step", "none"),
                (f"gpuwatch_leak_projected_oom_step{{{process}}} - on (instance, job, pid) "
                 f"group_left gpuwatch_agent_step{{{selector}}}", "steps left", "none"),
                (f"gpuwatch_leak_projected_oom_timestamp_seconds{{{process}}} - time()",
                 "time left", "s")],
               order=process_columns, width=12, sort_by="time left"),
+        table("Leak culprits", "What explains each leak, and how gpuwatch found it "
+              "(`found_by`): a buffer given to `agent.watch()` (`watched`), a growing "
+              "container the agent found by itself (`discovered`), or the allocation site a "
+              "trace of the process's allocations names (`traced`, as `file:line`). With the "
+              "culprit's own growth per step, where its bytes are known.",
+              [(f"gpuwatch_leak_culprit_bytes_per_step{{{process}}}", "bytes/step", "bytes")],
+              order=["pid", "name", "series", "culprit", "found_by"], sort_by="bytes/step"),
         timeseries("Training steps per second", "Step rate reported by the in-process agent; "
                    "a line that drops to 0 while the process holds GPU memory is a stall.",
                    [target(f"rate(gpuwatch_agent_step{{{process}}}[$__rate_interval])",

@@ -34,6 +34,18 @@ NODE_KEYS = "instance, job"
 GHOST = 'kind="ghost"'
 
 
+#: A leak's culprit in words, as the finding's reason puts it, from the labels of a leak series
+#: (`.`): how it was found decides the wording. A series without `found_by` (an older daemon)
+#: reads as a watched buffer, the only culprit such a daemon names.
+_CULPRIT = (
+    "{{ if eq .Labels.found_by \"traced\" }}, allocations at `{{ .Labels.culprit }}` explain it "
+    "(traced)"
+    "{{ else if eq .Labels.found_by \"discovered\" }}, `{{ .Labels.culprit }}` explains it "
+    "(discovered)"
+    "{{ else if .Labels.culprit }}, buffer `{{ .Labels.culprit }}` explains it"
+    "{{ with .Labels.found_by }} ({{ . }}){{ end }}{{ end }}")
+
+
 @dataclass(frozen=True)
 class Settings:
     #: Selects gpuwatch's series and its scrape targets' `up` (monitoring-mixin style).
@@ -216,7 +228,7 @@ class Rules:
                 "{{ range printf `" + query + "` $labels.job $labels.instance $labels.job_id"
                 " | query | sortByLabel \"pid\" }} PID {{ .Labels.pid }} ({{ .Labels.name }}): "
                 "{{ .Labels.series }} grows {{ .Value | humanize1024 }}B a step"
-                "{{ with .Labels.culprit }}, buffer `{{ . }}` explains it{{ end }}.{{ end }}")
+                + _CULPRIT + ".{{ end }}")
 
     def reaper_alerts(self) -> list[Alert]:
         failed = self.m("gpuwatch_reaped_total", 'result=~"still-running|unkillable|failed"')

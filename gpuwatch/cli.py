@@ -80,6 +80,9 @@ def status(
     as_json: bool = typer.Option(False, "--json",
                                  help="Print the status document (docs/json.md)."),
     poll: bool = typer.Option(False, "--poll", help="Poll once here even if a daemon is running."),
+    verbose: bool = typer.Option(False, "--verbose", "-v",
+                                 help="Also the allocation sites a leak's trace found and the "
+                                      "traceback of the largest."),
     runtime_dir: Optional[Path] = _RUNTIME_OPTION,
     config: Optional[Path] = _CONFIG_OPTION,
 ) -> None:
@@ -96,7 +99,8 @@ def status(
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render_status(doc, width=shutil.get_terminal_size((160, 40)).columns))
+        sys.stdout.write(render_status(doc, width=shutil.get_terminal_size((160, 40)).columns,
+                                       verbose=verbose))
     raise typer.Exit(status_exit_code(doc))
 
 

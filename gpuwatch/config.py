@@ -103,9 +103,24 @@ def _names(v: Any) -> tuple[str, ...]:
 def _bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
-    if isinstance(v, str) and v.lower() in ("true", "yes", "1", "false", "no", "0"):
-        return v.lower() in ("true", "yes", "1")
+    # on/off too: GPUWATCH_AGENT_TRACING is also read by the agent in training processes, which
+    # takes "off", and a gpuwatch command run from such a shell reads the same environment.
+    word = v.strip().lower() if isinstance(v, str) else None
+    if word in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+        return word in ("true", "yes", "on", "1")
     raise ValueError("true or false")
+
+
+def _int_between(low: int, high: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        try:
+            i = int(v) if not isinstance(v, (bool, float)) else low - 1
+        except (TypeError, ValueError):
+            i = low - 1
+        if not low <= i <= high:
+            raise ValueError(f"an integer from {low} to {high}")
+        return i
+    return check
 
 
 def _one_of(*choices: str) -> Callable[[Any], str]:
@@ -238,12 +253,32 @@ class ReaperConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    tracing: bool = _setting(
+        True, _bool, "ask instrumented processes whose leak has no culprit to trace their "
+        "allocations (tracemalloc, for agent.trace_steps steps)", env="GPUWATCH_AGENT_TRACING")
+    trace_after: float = _setting(
+        60.0, _non_negative_float,
+        "seconds a leak must stay without a watched or discovered culprit before its process is "
+        "asked to trace")
+    trace_steps: int = _setting(20, _int_between(1, 100),
+                                "training steps a process is asked to trace, 1 to 100")
+    trace_cooldown: float = _setting(
+        900.0, _non_negative_float,
+        "seconds before the same process is asked to trace again; also how long a request "
+        "may go unanswered")
+    trace_max_pending: int = _setting(
+        4, _positive_int, "most trace requests awaiting an answer on the node at once")
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
     reaper: ReaperConfig = field(default_factory=ReaperConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 def _sections() -> dict[str, type]:

@@ -39,6 +39,8 @@ from gpuwatch.actions.reaper import (
     Reaper,
     read_audit_counts,
 )
+from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
+from gpuwatch.actions.trace_requests import TraceRequests
 from gpuwatch.config import EXIT_CONFIG, Config, ConfigError, load_config, split_listen
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
@@ -55,7 +57,7 @@ from gpuwatch.runtime_dir import (
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
 from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
-from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME, AgentReceiver
+from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME, TRACE_STATUSES, AgentReceiver
 from gpuwatch.sources.nvml import NvmlSource
 
 log = logging.getLogger("gpuwatch.daemon")
@@ -77,6 +79,7 @@ class Daemon:
                                        hostname=d.node_name or None)
         if self.poller.agents is None:
             self.poller.agents = self.agents
+        self.trace_requests = TraceRequests(self.agents, config.agent)
         self._exit_reported: set[int] = set()
         self.history = History(config.history.samples, config.history.max_processes)
         self._latest: Optional[NodeReport] = None
@@ -113,6 +116,15 @@ class Daemon:
             "gpuwatch_reaped", "Reap actions carried out, by finding kind and result (from the "
             "audit log: `gpuwatch reap` and the daemon's own).", ["kind", "result"],
             registry=self.registry)
+        self.agent_trace_requests = Counter(
+            "gpuwatch_agent_trace_requests", "Requests to instrumented processes to trace their "
+            "allocations, by result (sent, failed, rate_limited, disabled).", ["result"],
+            registry=self.registry)
+        self.agent_trace_reports = Counter(
+            "gpuwatch_agent_trace_reports", "Trace reports received from instrumented processes, "
+            "by status (done, refused, failed).", ["status"], registry=self.registry)
+        # What the two counters above have been given so far of the running totals they mirror.
+        self._trace_counted: dict[tuple[str, str], int] = {}
         self._audit_offset: Optional[int] = None
         self._auto_reaps: deque[float] = deque()
         self._reaping: Optional[threading.Thread] = None
@@ -120,6 +132,10 @@ class Daemon:
             self.poll_errors.labels(source)
         for result in ("applied", "refused"):
             self.reloads.labels(result)
+        for result in TRACE_REQUEST_RESULTS:
+            self.agent_trace_requests.labels(result)
+        for status in TRACE_STATUSES:
+            self.agent_trace_reports.labels(status)
         # Present from the start at 0, so that `increase()` sees the first reap of each outcome.
         for kind in sorted(REAPABLE_KINDS):
             for outcome in OUTCOMES:
@@ -233,6 +249,7 @@ class Daemon:
     def poll_once(self) -> None:
         try:
             snapshot = self.poller.poll(watch=self.history.watch_pids())
+            snapshot = self.trace_requests.before_assess(snapshot)
             report = assess(snapshot, self.history, self.config.detectors)
         except Exception:
             # A bug or an unexpected state must not end monitoring: log, count, poll again.
@@ -247,9 +264,25 @@ class Daemon:
         self.series_dropped.inc(dropped_by_cap(report, self.collector.max_process_series))
         self._log_nvml_transition(snapshot)
         self._log_exit_reports(snapshot)
+        try:
+            self.trace_requests.after_assess(report)
+        except Exception:
+            log.exception("trace requests failed; the next poll tries again")
+            self.poll_errors.labels("poll").inc()
+        self._count_traces()
         self._count_reaps()
         if self.config.reaper.auto:
             self._auto_reap(report)
+
+    def _count_traces(self) -> None:
+        for counter, key, counts in (
+                (self.agent_trace_requests, "result", self.trace_requests.counts),
+                (self.agent_trace_reports, "status", self.agents.trace_reports)):
+            for label, total in counts.items():
+                before = self._trace_counted.get((key, label), 0)
+                if total > before:
+                    counter.labels(label).inc(total - before)
+                    self._trace_counted[(key, label)] = total
 
     def _count_reaps(self) -> None:
         """Reaps in the audit log since the daemon started, whoever carried them out."""
@@ -343,6 +376,7 @@ class Daemon:
                 log.warning("daemon.%s changed; it takes effect at the next restart", key)
         self.config = new
         self.collector.max_process_series = new.exporter.max_process_series
+        self.trace_requests.config = new.agent
         self.history.resize(new.history.samples, new.history.max_processes)
         nvml = self.poller.nvml
         nvml.retry_max = new.daemon.nvml_retry_max

@@ -21,7 +21,15 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
 
-from gpuwatch.model import Finding, HostProcess, Job, NodeSnapshot, StepPoint
+from gpuwatch.model import (
+    NO_DISCOVERY,
+    BufferSize,
+    Finding,
+    HostProcess,
+    Job,
+    NodeSnapshot,
+    StepPoint,
+)
 
 Identity = tuple[int, Optional[float]]
 _NAN = math.nan
@@ -68,28 +76,46 @@ class Series:
 
 #: Buffer names followed per process; matches the agent protocol's per-process bound.
 MAX_BUFFERS = 64
+#: Discovered containers followed per process. The agent names its current top growers (8 at a
+#: time), and those change over a run; the least recently reported are dropped beyond this.
+MAX_DISCOVERED = 32
 
 
 class StepSeries:
-    """What an instrumented process reported, by training step (docs/agent-protocol.md)."""
+    """What an instrumented process reported, by training step (docs/agent-protocol.md).
 
-    __slots__ = ("buffer_bytes", "buffer_items", "capacity", "cuda", "gpu", "rss", "times")
+    Discovered containers' series hold a point only at the steps of reports that followed a
+    discovery pass: they are sparse, each point a fresh measurement.
+    """
+
+    __slots__ = ("buffer_bytes", "buffer_items", "capacity", "cuda", "cuda_reserved",
+                 "discovered_bytes", "discovered_items", "discovered_latest", "gpu", "rss",
+                 "times")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.times = Series(capacity)  # step -> receive time, for seconds per step
         self.rss = Series(capacity)
+        #: torch's allocated bytes: what tensors hold, which a GPU leak is decided on.
         self.cuda = Series(capacity)
+        #: torch's reserved bytes: the caching allocator's pool, allocated or not.
+        self.cuda_reserved = Series(capacity)
         #: NVML's figure at each poll, against the step the process had reached by then.
         self.gpu = Series(capacity)
         self.buffer_items: dict[str, Series] = {}
         self.buffer_bytes: dict[str, Series] = {}
+        # Least recently reported first, in both.
+        self.discovered_items: OrderedDict[str, Series] = OrderedDict()
+        self.discovered_bytes: OrderedDict[str, Series] = OrderedDict()
+        #: The names in the newest report that carried a discovery pass: what grows now.
+        self.discovered_latest: frozenset[str] = frozenset()
 
     def add(self, point: StepPoint) -> None:
         step = float(point.step)
         self.times.add(step, point.at)
         self.rss.add(step, point.rss_bytes)
         self.cuda.add(step, point.cuda_allocated_bytes)
+        self.cuda_reserved.add(step, point.cuda_reserved_bytes)
         for name, size in point.buffers.items():
             for store, value in ((self.buffer_items, size.items), (self.buffer_bytes, size.bytes)):
                 series = store.get(name)
@@ -98,6 +124,24 @@ class StepSeries:
                         continue
                     series = store[name] = Series(self.capacity)
                 series.add(step, value)
+        if point.discovered is not NO_DISCOVERY:
+            self._add_discovered(step, point.discovered)
+
+    def _add_discovered(self, step: float, discovered: Mapping[str, BufferSize]) -> None:
+        self.discovered_latest = frozenset(discovered)
+        items, sizes = self.discovered_items, self.discovered_bytes
+        for name, size in discovered.items():
+            if name in items:
+                items.move_to_end(name)
+                sizes.move_to_end(name)
+            else:
+                items[name] = Series(self.capacity)
+                sizes[name] = Series(self.capacity)
+            items[name].add(step, size.items)
+            sizes[name].add(step, size.bytes)
+        while len(items) > MAX_DISCOVERED:
+            items.popitem(last=False)
+            sizes.popitem(last=False)
 
     def add_gpu(self, step: int, gpu_memory: Optional[int]) -> None:
         if len(self.gpu) and self.gpu.xs[-1] >= step:
@@ -197,7 +241,8 @@ class History:
         self._by_identity: OrderedDict[Identity, ProcessHistory] = OrderedDict()
         self._departed: OrderedDict[Identity, Departed] = OrderedDict()
         self._jobs: dict[str, JobRecord] = {}
-        self._open_findings: dict[tuple[object, ...], tuple[float, str]] = {}
+        # Identity -> (first seen, reason, whether the reason may still take a culprit).
+        self._open_findings: dict[tuple[object, ...], tuple[float, str, bool]] = {}
         self._unattributed: dict[int, deque[tuple[float, Optional[int]]]] = {}
         self._unlisted_since: dict[int, float] = {}
 
@@ -359,6 +404,12 @@ class History:
         self._trim()
 
     # -- findings ------------------------------------------------------------------------------
+    def open_since(self, identity: tuple[object, ...]) -> Optional[float]:
+        """When the finding with this identity (Finding.identity) opened, if it was open at the
+        last poll."""
+        kept = self._open_findings.get(identity)
+        return kept[0] if kept is not None else None
+
     def stamp(self, findings: Iterable[Finding], processes: Mapping[int, HostProcess],
               now: float) -> list[Finding]:
         """Give each finding the time it was first seen, the reason it was first given and its
@@ -366,14 +417,28 @@ class History:
 
         A reason is the evidence when the finding opened ("exited before 10:00:00Z (not reaped
         yet)"); the same process may be described otherwise a poll later (its launcher reaped,
-        a leak's culprit named), but what people and alerts saw must not change under them.
-        Figures that move belong in `details`.
+        a leak's culprit named by another means), but what people and alerts saw must not
+        change under them. Figures that move belong in `details`.
+
+        One exception: a leak that opened without a culprit takes the reason of the first poll
+        that names one (details["culprit"]), and keeps that one. Naming the culprit is what the
+        daemon works towards after the leak opened (a discovery pass, a trace it asked for), so
+        "RSS grows every step" would otherwise stay the reason for the whole life of a leak
+        whose cause became known minutes later. The reason changes at most once, from saying
+        less to saying more; a culprit named differently later only shows in `details`.
         """
         stamped = []
-        open_now: dict[tuple[object, ...], tuple[float, str]] = {}
+        open_now: dict[tuple[object, ...], tuple[float, str, bool]] = {}
         for f in findings:
-            since, reason = self._open_findings.get(f.identity, (now, f.reason))
-            open_now[f.identity] = (since, reason)
+            kept = self._open_findings.get(f.identity)
+            if kept is None:
+                since, reason = now, f.reason
+                refinable = f.kind == "leak" and f.details.get("culprit") is None
+            else:
+                since, reason, refinable = kept
+                if refinable and f.details.get("culprit") is not None:
+                    reason, refinable = f.reason, False
+            open_now[f.identity] = (since, reason, refinable)
             job = f.job
             p = processes.get(f.pid) if f.pid is not None else None
             if job is None and p is not None and p.identity == (f.pid, f.start_time):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 #: Kinds of NVML process lists a PID was found in.
 COMPUTE = "compute"
@@ -219,12 +219,19 @@ class BufferSize:
     bytes: Optional[int]
 
 
-@dataclass(frozen=True)
-class StepPoint:
-    """One agent step report, as the daemon received it."""
+#: `StepPoint.discovered` of a report that carried no discovery pass. A pass that found nothing
+#: growing gives a different, empty mapping: it says that what earlier passes named stopped.
+NO_DISCOVERY: Mapping[str, BufferSize] = MappingProxyType({})
 
-    __slots__ = ("at", "buffers", "cuda_allocated_bytes", "cuda_reserved_bytes", "rss_bytes",
-                 "step")
+
+class StepPoint(NamedTuple):
+    """One agent step report, as the daemon received it.
+
+    A named tuple, not a frozen dataclass like its neighbours: the receiver builds one per report
+    at tens of thousands a second, and a tuple is built in half the time a frozen dataclass's
+    __init__ takes (one object.__setattr__ call per field), with the same immutability.
+    """
+
     step: int
     #: Receive time on the daemon's clock, not the agent's.
     at: float
@@ -232,6 +239,43 @@ class StepPoint:
     cuda_allocated_bytes: Optional[int]
     cuda_reserved_bytes: Optional[int]
     buffers: Mapping[str, BufferSize]
+    #: torch's "active_bytes.all.current" and "allocation.all.current".
+    cuda_active_bytes: Optional[int] = None
+    cuda_allocations: Optional[int] = None
+    #: Growing containers the agent found by itself, by qualified name; NO_DISCOVERY when the
+    #: report followed no discovery pass.
+    discovered: Mapping[str, BufferSize] = NO_DISCOVERY
+
+
+@dataclass(frozen=True)
+class TraceSite:
+    """One allocation site of a trace: net growth over the traced steps."""
+
+    #: Relative to the longest sys.path entry containing it, else absolute.
+    file: str
+    line: int
+    bytes: int
+    #: Net blocks allocated there.
+    count: int
+
+
+@dataclass(frozen=True)
+class TraceReport:
+    """An agent's answer to a trace request (docs/agent-protocol.md)."""
+
+    status: str  # "done" | "refused" | "failed"
+    #: Why it was refused or failed ("GPUWATCH_AGENT_TRACING=0", "busy"); empty when done.
+    why: str
+    #: Steps actually traced (done only).
+    steps: Optional[int]
+    #: Largest growth first.
+    sites: tuple[TraceSite, ...]
+    #: (file, line) frames of the top site's allocation, oldest call first.
+    traceback: tuple[tuple[str, int], ...]
+    #: Receive time on the daemon's clock.
+    received_at: float
+    #: The training step the agent had reached when it answered.
+    step: Optional[int]
 
 
 @dataclass(frozen=True)
@@ -253,6 +297,10 @@ class AgentReading:
     #: Step reports since the previous poll, oldest first.
     points: tuple[StepPoint, ...]
     latest: Optional[StepPoint]
+    #: The newest answer to a trace request.
+    trace: Optional[TraceReport] = None
+    #: Whether the daemon can send this process requests: it reports from an abstract address.
+    can_reply: bool = False
 
 
 @dataclass(frozen=True)
@@ -327,6 +375,9 @@ class NodeSnapshot:
     #: PID, or a zombie). A PID that could not be read is absent: nobody knows.
     run_supervisors: Mapping[int, Optional[float]] = field(
         default_factory=lambda: MappingProxyType({}))
+    #: Processes asked to trace their allocations that have not answered yet: PID -> the steps
+    #: asked for (gpuwatch.actions.trace_requests).
+    traces_pending: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def gpu_holders(self) -> list[HostProcess]:

@@ -19,6 +19,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -120,6 +121,18 @@ def run(program: str, runtime_dir: Path, timeout: float = 60) -> subprocess.Comp
 
 def of_kind(reports: list[Report], kind: str, pid: Optional[int] = None) -> list[Report]:
     return [r for r in reports if r[2]["kind"] == kind and (pid is None or r[0] == pid)]
+
+
+def first_step_report(program: str, runtime_dir: Path, receiver: Receiver,
+                      timeout: float = 15) -> dict[str, Any]:
+    """The first step report of `program`, which steps and then waits for its stdin to close."""
+    proc = start(program, runtime_dir, stdin=subprocess.PIPE)
+    try:
+        (_, _, report), = receiver.wait_for("a step report", lambda rs: of_kind(rs, "step"),
+                                            timeout=timeout, proc=proc)
+    finally:
+        proc.communicate("")
+    return report
 
 
 def wait_exit(proc: subprocess.Popen[str], timeout: float = 20) -> tuple[str, str]:
@@ -312,7 +325,10 @@ def test_steps_from_several_threads_keep_one_consistent_report_sequence(
     assert all(0 <= r[2]["step"] % 1000000 < 200000 for r in steps)
     # The newest step recorded, whichever thread took it last: one thread's final step.
     assert steps[-1][2]["step"] in {k * 1000000 + 199999 for k in range(4)}
-    assert all(r[2]["buffers"]["shared"] == {"items": 100, "bytes": 6400} for r in steps)
+    # Buffers are sized for at most one report in SIZE_INTERVAL; those that carry them agree.
+    sized = [r for r in steps if "buffers" in r[2]]
+    assert sized[0] is steps[0]
+    assert all(r[2]["buffers"]["shared"] == {"items": 100, "bytes": 6400} for r in sized)
 
 
 # ---- no daemon ---------------------------------------------------------------------------------
@@ -626,7 +642,7 @@ def test_graceful_shutdown_takes_sigint_even_where_it_was_ignored(runtime_dir: P
 def test_torch_tensors_are_sized_by_their_own_bytes(runtime_dir: Path, receiver: Receiver
                                                     ) -> None:
     pytest.importorskip("torch")
-    proc = start("""
+    report = first_step_report("""
         import collections, sys, torch
         from gpuwatch import agent
         storage = torch.zeros(1000, 256)
@@ -636,12 +652,7 @@ def test_torch_tensors_are_sized_by_their_own_bytes(runtime_dir: Path, receiver:
         agent.watch("views", [storage[:10]] * 5)  # a view holds its own size, not the storage's
         agent.step(1)
         sys.stdin.read()
-        """, runtime_dir, stdin=subprocess.PIPE)
-    try:
-        (_, _, report), = receiver.wait_for("a step report", lambda rs: of_kind(rs, "step"),
-                                            proc=proc)
-    finally:
-        proc.communicate("")
+        """, runtime_dir, receiver)
     assert report["buffers"]["fetch_buffer"] == {"items": 10,
                                                  "bytes": 10 * (64 * 3 * 32 * 32 * 4 + 64 * 8)}
     assert report["buffers"]["views"] == {"items": 5, "bytes": 5 * 10 * 256 * 4}
@@ -662,3 +673,166 @@ def test_a_real_torch_process_group_left_initialised_is_reported_at_exit(
     (_, _, report), = of_kind(receiver.reports, "exit")
     assert report["exit"]["process_group"] is True
     assert "torch.distributed process group was never destroyed" in err
+
+
+# ---- the caching allocator's figures, and never importing torch --------------------------------
+
+# A stand-in for torch where torch cannot be installed: only what the agent reads, with the
+# allocator's statistics keys as torch.cuda.memory_stats() names them.
+_FAKE_TORCH = """
+import sys, types
+torch = types.ModuleType("torch")
+torch.cuda = types.SimpleNamespace(
+    is_initialized=lambda: True,
+    memory_stats=lambda: {"allocated_bytes.all.current": 3 << 30,
+                          "reserved_bytes.all.current": 5 << 30,
+                          "active_bytes.all.current": (3 << 30) + 4096,
+                          "allocation.all.current": 812,
+                          "num_alloc_retries": 0})
+sys.modules["torch"] = torch
+"""
+
+
+def test_the_caching_allocators_figures_go_out_with_the_sized_reports(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    report = first_step_report(_FAKE_TORCH + """
+from gpuwatch import agent
+agent.step(1)
+sys.stdin.read()
+""", runtime_dir, receiver)
+    assert report["cuda"] == {"allocated": 3 << 30, "reserved": 5 << 30,
+                              "active": (3 << 30) + 4096, "allocations": 812}
+
+
+def test_a_program_that_never_imported_torch_does_not_import_it(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    # Discovery passes, sized reports, finished and the exit check: none may import torch (a
+    # lazy module's __getattr__ that imports it on access is the trap discovery must not spring).
+    result = run("""
+        import json, sys, time, types
+        from gpuwatch import agent
+        lazy = types.ModuleType("lazy_frameworks")
+        def __getattr__(name):
+            import torch  # noqa
+        lazy.__getattr__ = __getattr__
+        sys.modules["lazy_frameworks"] = lazy
+        cache = []
+        deadline = time.monotonic() + 1.5
+        step = 0
+        while time.monotonic() < deadline:
+            cache.append(bytes(1024))
+            agent.step(step)
+            step += 1
+            time.sleep(0.01)
+        agent.finished()
+        print(json.dumps({"torch": "torch" in sys.modules,
+                          "scanned": agent._st.scanner is not None
+                          and agent._st.scanner.stats["passes"]}))
+        """, runtime_dir)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out == {"torch": False, "scanned": out["scanned"]} and out["scanned"] >= 2
+
+
+def test_a_real_cuda_process_reports_the_caching_allocator(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    report = first_step_report("""
+        import sys, torch
+        from gpuwatch import agent
+        held = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        freed = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        del freed  # cached by the allocator: reserved, not allocated
+        agent.step(1)
+        sys.stdin.read()
+        """, runtime_dir, receiver, timeout=60)
+    cuda = report["cuda"]
+    print(f"real allocator figures: {cuda}")
+    assert cuda["allocated"] >= 256 << 20 and cuda["reserved"] >= cuda["allocated"] + (512 << 20)
+    assert cuda["active"] >= cuda["allocated"] and cuda["allocations"] >= 1
+
+
+def test_buffers_are_sized_for_at_most_one_report_in_size_interval(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    result = run("""
+        import json, time
+        from gpuwatch import agent
+        agent.configure(min_interval=0.02, discovery=False)
+        agent.watch("fetch_buffer", [bytes(4096)] * 16)
+        started = time.monotonic()
+        step = 0
+        while time.monotonic() - started < 1.0:
+            agent.step(step)
+            step += 1
+            time.sleep(0.001)
+        print(json.dumps({"elapsed": time.monotonic() - started, "interval": agent.SIZE_INTERVAL}))
+        """, runtime_dir)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    steps = receiver.wait_for("the reports", lambda rs: len(rs) >= 10 and of_kind(rs, "step"))
+    sized = [r for r in steps if "buffers" in r[2]]
+    assert sized[0] is steps[0]
+    assert len(steps) >= 3 * len(sized)  # a fast loop: most reports are not sized
+    assert len(sized) <= figures["elapsed"] / figures["interval"] + 2
+    assert all(r[2]["buffers"]["fetch_buffer"] == {"items": 16, "bytes": 16 * 4096}
+               for r in sized)
+
+
+# ---- the daemon's requests ---------------------------------------------------------------------
+
+
+@contextmanager
+def stepping(runtime_dir: Path, receiver: Receiver, env_extra: Optional[dict[str, str]] = None
+             ) -> Iterator[tuple[subprocess.Popen[str], Any]]:
+    """A program stepping every 20 ms, and its reply address: what the daemon sees as the sender
+    of its reports."""
+    proc = start("""
+        import time
+        from gpuwatch import agent
+        step = 0
+        while True:
+            agent.step(step)
+            step += 1
+            time.sleep(0.02)
+        """, runtime_dir, env_extra=env_extra)
+    try:
+        receiver.wait_for("a step report", lambda rs: of_kind(rs, "step")[:1], proc=proc)
+        receiver.sock.settimeout(5)
+        _, _, _, address = receiver.sock.recvmsg(65536, 64)
+        yield proc, address
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def trace_request(steps: int) -> bytes:
+    return json.dumps({"v": 1, "kind": "trace", "steps": steps}).encode()
+
+
+def test_a_request_is_obeyed_only_from_the_daemons_socket(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    with stepping(runtime_dir, receiver) as (proc, address):
+        assert isinstance(address, bytes) and address.startswith(b"\0")
+        # From anyone else (an abstract socket of the same user): ignored. Had it been obeyed,
+        # the first trace would be 2 steps long and the daemon's request refused as busy.
+        forger = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        forger.bind("")
+        forger.sendto(trace_request(2), address)
+        forger.close()
+        time.sleep(1.2)  # past two request checks: a forged request would have started by now
+        # From the socket the reports go to: obeyed.
+        receiver.sock.sendto(trace_request(3), address)
+        (_, _, answer), = receiver.wait_for("a trace report",
+                                            lambda rs: of_kind(rs, "trace")[:1], proc=proc)
+    assert answer["trace"]["status"] == "done" and answer["trace"]["steps"] == 3
+
+
+def test_tracing_can_be_refused_from_the_environment(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    with stepping(runtime_dir, receiver, {"GPUWATCH_AGENT_TRACING": "0"}) as (proc, address):
+        receiver.sock.sendto(trace_request(2), address)
+        (_, _, answer), = receiver.wait_for("a trace report",
+                                            lambda rs: of_kind(rs, "trace")[:1], proc=proc)
+    assert answer["trace"] == {"status": "refused", "why": "GPUWATCH_AGENT_TRACING=0"}

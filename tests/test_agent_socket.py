@@ -22,10 +22,13 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from gpuwatch.model import NO_DISCOVERY, TraceReport, TraceSite
 from gpuwatch.simulate.demo import wait_for as poll_until
 from gpuwatch.sources.agent_socket import (
     MAX_DATAGRAM,
+    MAX_DISCOVERED_NAMES_PER_PROCESS,
     REASONS,
+    TRACE_STATUSES,
     AgentReceiver,
     BufferSize,
 )
@@ -282,6 +285,93 @@ def test_unknown_keys_are_ignored(receiver: AgentReceiver, sock_path: Path) -> N
     assert receiver.accepted == 1
 
 
+# -- discovered containers, CUDA figures and trace reports ---------------------------------------
+
+
+def test_cuda_allocator_figures_and_discovered_containers_are_stored_on_the_point(
+        receiver: AgentReceiver, sock_path: Path) -> None:
+    pid = send(sock_path, report(
+        step=9, cuda={"allocated": 3 << 30, "reserved": 5 << 30, "active": (3 << 30) + 4096,
+                      "allocations": 812},
+        discovered={"areal.infra.rpc.rtensor._fetch_buffer": {"items": 36, "bytes": 72 << 20},
+                    "mymod.Registry.entries": {"items": 5},
+                    "mymod.<locals>.cache:v2/x-y": {}}))
+    wait_handled(receiver, 1)
+    (point,) = receiver.drain()[pid].points
+    assert (point.cuda_allocated_bytes, point.cuda_reserved_bytes, point.cuda_active_bytes,
+            point.cuda_allocations) == (3 << 30, 5 << 30, (3 << 30) + 4096, 812)
+    assert dict(point.discovered) == {
+        "areal.infra.rpc.rtensor._fetch_buffer": BufferSize(36, 72 << 20),
+        "mymod.Registry.entries": BufferSize(5, None),
+        "mymod.<locals>.cache:v2/x-y": BufferSize(None, None)}
+    assert point.buffers == {}
+    with pytest.raises(TypeError):
+        point.discovered["new"] = BufferSize(1, 1)  # type: ignore[index]
+
+
+def test_a_report_without_a_discovery_pass_differs_from_a_pass_that_found_nothing(
+        receiver: AgentReceiver, sock_path: Path) -> None:
+    pid = send(sock_path, report(step=1), report(step=2, discovered={}),
+               report(step=3, cuda={"allocated": 1}))
+    wait_handled(receiver, 3)
+    first, second, third = receiver.drain()[pid].points
+    assert first.discovered is NO_DISCOVERY and third.discovered is NO_DISCOVERY
+    assert second.discovered == {} and second.discovered is not NO_DISCOVERY
+    assert (third.cuda_active_bytes, third.cuda_allocations) == (None, None)
+
+
+def test_discovered_names_are_kept_for_the_least_recently_reported_to_go_not_capped() -> None:
+    """Unlike buffer names, discovered names churn over a run: a process may report any number
+    of them over its life, while the daemon keeps at most 256 interned."""
+    receiver = AgentReceiver(Path("/nonexistent/agent.sock"))
+    for i in range(100):  # 800 distinct names, and one name reported every time
+        names = {f"mod.grower{i * 7 + j}": {"items": i} for j in range(7)}
+        receiver.handle(report(step=i, discovered={"mod.steady": {"items": i}, **names}), 1,
+                        1000)
+    assert receiver.accepted == 100 and sum(receiver.rejected.values()) == 0
+    kept = receiver._agents[1].discovered_names
+    assert len(kept) == MAX_DISCOVERED_NAMES_PER_PROCESS
+    assert "mod.steady" in kept and "mod.grower699" in kept and "mod.grower0" not in kept
+    # An evicted name is valid again when it comes back.
+    receiver.handle(report(step=100, discovered={"mod.grower0": {"items": 1}}), 1, 1000)
+    assert receiver.accepted == 101
+    assert list(receiver.drain()[1].points[-1].discovered) == ["mod.grower0"]
+    # Points share one string per name with the store, as buffers do.
+    receiver.handle(report(step=101, discovered={"mod.steady": {}}), 1, 1000)
+    (name,) = receiver.drain()[1].points[-1].discovered
+    assert name is next(k for k in receiver._agents[1].discovered_names if k == "mod.steady")
+
+
+def test_the_newest_trace_report_is_kept_and_reports_are_counted_by_status() -> None:
+    receiver = AgentReceiver(Path("/nonexistent/agent.sock"), clock=TickClock())
+    assert dict(receiver.trace_reports) == dict.fromkeys(TRACE_STATUSES, 0)
+    receiver.handle(report(step=40), 1, 1000)  # at 1000
+    receiver.handle(report("trace", step=41, trace={
+        "status": "refused", "why": "GPUWATCH_AGENT_TRACING=0"}), 1, 1000)  # 1001
+    assert receiver.drain()[1].trace == TraceReport("refused", "GPUWATCH_AGENT_TRACING=0", None,
+                                                    (), (), 1001.0, 41)
+    receiver.handle(report("trace", step=62, trace={
+        "status": "done", "steps": 20, "future": 1,
+        "sites": [site(bytes=60 << 20, count=20),
+                  site(file="/opt/venv/lib/data/loader.py", line=88, bytes=4096, count=10)],
+        "traceback": [{"file": "train.py", "line": 120}, {"file": "leaky.py", "line": 42}]}),
+        1, 1000)  # 1002
+    receiver.handle(report("trace", trace={"status": "failed", "why": "busy"}), 2, 1000)
+    readings = receiver.drain()
+    assert readings[1].trace == TraceReport(
+        "done", "", 20, (TraceSite("leaky.py", 42, 60 << 20, 20),
+                         TraceSite("/opt/venv/lib/data/loader.py", 88, 4096, 10)),
+        (("train.py", 120), ("leaky.py", 42)), 1002.0, 62)
+    assert readings[1].step == 62 and readings[1].points == ()
+    assert readings[2].trace is not None and readings[2].trace.step is None
+    assert dict(receiver.trace_reports) == {"done": 1, "refused": 1, "failed": 1}
+    assert receiver.accepted == 4
+    # A rejected trace report leaves the stored one and the counts as they were.
+    receiver.handle(trace_report(sites=[site()] * 9), 1, 1000)
+    assert receiver.drain()[1].trace is not None
+    assert dict(receiver.trace_reports) == {"done": 1, "refused": 1, "failed": 1}
+
+
 def test_a_report_of_exactly_the_size_limit_is_accepted(
         receiver: AgentReceiver, sock_path: Path) -> None:
     base = report(step=1, pad="")
@@ -293,9 +383,155 @@ def test_a_report_of_exactly_the_size_limit_is_accepted(
     assert receiver.rejected["oversized"] == 1
 
 
+# -- the reply channel ---------------------------------------------------------------------------
+
+# An agent's socket as gpuwatch.agent sets it up, written out with socket alone: autobound to an
+# abstract address, SO_PASSCRED on. It sends one step report, says so, then either waits for
+# the daemon's request and prints what arrived (credentials and source address included), or,
+# with "hold", keeps its socket open without ever reading it until stdin closes.
+_AGENT = r"""
+import json, socket, struct, sys
+path, mode = sys.argv[1], sys.argv[2]
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+s.bind("")
+s.sendto(b'{"v": 1, "kind": "step", "step": 1}', path)
+print(json.dumps({"address": s.getsockname().hex()}), flush=True)
+if mode == "hold":
+    sys.stdin.read()
+    sys.exit(0)
+s.settimeout(60)
+data, ancillary, flags, source = s.recvmsg(1024, socket.CMSG_SPACE(struct.calcsize("3i")))
+pid = uid = None
+for level, kind, cdata in ancillary:
+    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+        pid, uid, _ = struct.unpack("iII", cdata[:12])
+print(json.dumps({"request": json.loads(data), "pid": pid, "uid": uid, "source": source,
+                  "truncated": bool(flags & socket.MSG_TRUNC)}), flush=True)
+"""
+
+
+class Agent:
+    """A live agent-like process, its PID and its abstract address."""
+
+    def __init__(self, path: Path, mode: str = "answer") -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _AGENT, str(path), mode],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        assert self.proc.stdout is not None
+        self.address = bytes.fromhex(json.loads(self.proc.stdout.readline())["address"])
+
+    def received(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # the child gives up after 60 s
+        assert line, "the agent received no request"
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.communicate(timeout=60)
+        assert self.proc.returncode == 0
+
+
+def test_a_trace_request_reaches_the_agent_from_agent_sock_with_the_daemons_credentials(
+        receiver: AgentReceiver, sock_path: Path) -> None:
+    agent = Agent(sock_path)
+    try:
+        wait_handled(receiver, 1)
+        reading = receiver.drain()[agent.pid]
+        assert reading.can_reply
+        assert agent.address.startswith(b"\0")
+        assert receiver.request_trace(agent.pid, 20)
+        got = agent.received()
+    finally:
+        agent.close()
+    assert got["request"] == {"v": 1, "kind": "trace", "steps": 20}
+    assert not got["truncated"]
+    # What the agent checks before it accepts a request: credentials the kernel attached, of
+    # root or the socket file's owner, from the very path it reports to.
+    assert got["uid"] == os.getuid() == os.stat(sock_path).st_uid
+    assert got["pid"] == os.getpid()
+    assert got["source"] == str(sock_path)
+
+
+def test_a_report_from_an_unbound_or_path_bound_socket_leaves_nowhere_to_answer(
+        receiver: AgentReceiver, sock_path: Path, tmp_path: Path) -> None:
+    unbound = send(sock_path, report(step=1))  # the Sender's socket is never bound
+    bound_to_a_path = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind(sys.argv[2])
+s.sendto(b'{"v": 1, "kind": "step", "step": 1}', sys.argv[1])
+"""
+    subprocess.run([sys.executable, "-c", bound_to_a_path, str(sock_path),
+                    str(tmp_path / "victim.sock")], check=True, timeout=30)
+    wait_handled(receiver, 2)
+    readings = receiver.drain()
+    assert len(readings) == 2
+    assert [r.can_reply for r in readings.values()] == [False, False]
+    for pid in readings:
+        assert not receiver.request_trace(pid, 20)
+    assert not receiver.request_trace(999_999_999, 20)  # no such process
+    assert unbound in readings
+
+
+def test_the_newest_report_decides_where_to_answer(receiver: AgentReceiver) -> None:
+    receiver.handle(report(step=1), 5, 1000, address=b"\0abcde")
+    assert receiver.drain()[5].can_reply
+    receiver.handle(report(step=2), 5, 1000, address=None)  # a new, unbound socket
+    assert not receiver.drain()[5].can_reply
+    receiver.handle(report(step=3), 5, 1000, address="/tmp/some.sock")
+    assert not receiver.drain()[5].can_reply
+    receiver.handle(report(step=4, rss=-1), 5, 1000, address=b"\0abcde")  # rejected: not kept
+    assert not receiver.drain()[5].can_reply
+
+
+def test_request_trace_refuses_steps_outside_1_to_100_and_works_only_while_running(
+        receivers: Callable[..., AgentReceiver], sock_path: Path) -> None:
+    receiver = receivers()
+    agent = Agent(sock_path, mode="hold")
+    try:
+        wait_handled(receiver, 1)
+        for steps in (0, 101, -1, True):
+            assert not receiver.request_trace(agent.pid, steps)
+        assert receiver.request_trace(agent.pid, 100)
+        receiver.stop()
+        assert not receiver.request_trace(agent.pid, 1)
+    finally:
+        agent.close()
+
+
+def test_request_trace_never_blocks_on_a_full_queue_nor_raises_once_the_agent_is_gone(
+        receiver: AgentReceiver, sock_path: Path) -> None:
+    agent = Agent(sock_path, mode="hold")  # never reads its socket
+    try:
+        wait_handled(receiver, 1)
+        results = []
+        started = time.monotonic()
+        # The queue of a Unix datagram socket holds a few datagrams (net.unix.max_dgram_qlen)
+        # or a few hundred KiB: it is full long before this.
+        while len(results) < 10_000 and (not results or results[-1]):
+            results.append(receiver.request_trace(agent.pid, 20))
+        elapsed = time.monotonic() - started
+        assert results[0] and not results[-1], len(results)
+        assert elapsed < 2.0
+    finally:
+        agent.close()
+    # Its socket is closed: nobody listens at the address any more.
+    assert not receiver.request_trace(agent.pid, 20)
+
+
 # -- rejected reports ----------------------------------------------------------------------------
 
 _65_BUFFERS = {f"b{i}": {"items": i} for i in range(65)}
+_9_DISCOVERED = {f"mod.grower{i}": {"items": i} for i in range(9)}
+
+
+def trace_report(**trace: Any) -> bytes:
+    return report("trace", step=7, trace={"status": "done", "steps": 5, **trace})
+
+
+def site(**fields: Any) -> dict[str, Any]:
+    return {"file": "leaky.py", "line": 42, "bytes": 1024, "count": 1, **fields}
 
 REJECTIONS: dict[str, list[bytes]] = {
     "malformed": [
@@ -308,6 +544,8 @@ REJECTIONS: dict[str, list[bytes]] = {
         b"",
         report(kind=None),  # type: ignore[arg-type]
         report(),  # a step report without its step
+        report("trace", step=1),  # a trace report without its trace
+        report("trace", trace={"why": "no status"}),
     ],
     "version": [
         json.dumps({"v": 2, "kind": "step", "step": 1}).encode(),
@@ -316,9 +554,12 @@ REJECTIONS: dict[str, list[bytes]] = {
         json.dumps({"v": True, "kind": "step", "step": 1}).encode(),
     ],
     "oversized": [report(step=1, pad="x" * 20 * 1024)],
-    "too_many_buffers": [report(step=1, buffers=_65_BUFFERS)],
+    "too_many_buffers": [report(step=1, buffers=_65_BUFFERS),
+                         report(step=1, discovered=_9_DISCOVERED)],
     "bad_name": [report(step=1, buffers={name: {}}) for name in (
-        "", "x" * 65, "two words", "ümlaut", "semi;colon", "new\nline", "tab\t")],
+        "", "x" * 65, "two words", "ümlaut", "semi;colon", "new\nline", "tab\t")] + [
+        report(step=1, discovered={name: {}}) for name in (
+            "", "x" * 129, "two words", "ümlaut", "semi;colon", "a[0]", "f()", "new\nline")],
     "bad_value": [
         report(step=-1),
         report(step=1 << 63),
@@ -331,6 +572,23 @@ REJECTIONS: dict[str, list[bytes]] = {
         report("exit", exit={"threads": ["t" * 65]}),
         report("exit", exit={"executors": -1}),
         report("paused", step=1),
+        report(step=1, cuda={"active": -1}),
+        report(step=1, cuda={"allocations": 1 << 63}),
+        report(step=1, discovered={"m.d": {"items": -1}}),
+        report(step=1, discovered={"m.d": {"bytes": 1 << 63}}),
+        trace_report(status="maybe"),
+        trace_report(why="x" * 201),
+        trace_report(why="line\nbreak"),
+        trace_report(steps=-1),
+        trace_report(sites=[site()] * 9),
+        trace_report(sites=[site(file="x" * 257)]),
+        trace_report(sites=[site(file="")]),
+        trace_report(sites=[site(file="evil\x1b[2J.py")]),
+        trace_report(sites=[site(bytes=-1)]),
+        trace_report(sites=[site(count=-1)]),
+        trace_report(sites=[site(line=1 << 63)]),
+        trace_report(traceback=[{"file": "a.py", "line": 1}] * 17),
+        trace_report(traceback=[{"file": "x" * 257, "line": 1}]),
     ],
     "bad_type": [
         report(step="5"),
@@ -349,6 +607,24 @@ REJECTIONS: dict[str, list[bytes]] = {
         report("exit", exit={"threads": [1]}),
         report("exit", exit={"executors": True}),
         report("exit", exit={"process_group": 1}),
+        report(step=1, cuda={"active": "1"}),
+        report(step=1, cuda={"allocations": 1.0}),
+        report(step=1, discovered=["m.d"]),
+        report(step=1, discovered={"m.d": 3}),
+        report(step=1, discovered={"m.d": {"bytes": 1.5}}),
+        report("trace", trace="done"),
+        report("trace", trace={"status": 1}),
+        trace_report(why=5),
+        trace_report(steps="5"),
+        trace_report(sites={"leaky.py": 1}),
+        trace_report(sites=["leaky.py:42"]),
+        trace_report(sites=[{"line": 1, "bytes": 1, "count": 1}]),  # no file
+        trace_report(sites=[site(line=None)]),
+        trace_report(sites=[site(bytes="1")]),
+        trace_report(sites=[site(file=42)]),
+        trace_report(traceback="leaky.py:42"),
+        trace_report(traceback=[["leaky.py", 42]]),
+        trace_report(traceback=[{"file": "leaky.py"}]),
     ],
 }
 
@@ -441,11 +717,12 @@ def test_the_receiving_thread_survives_an_exception_while_handling(
     handle = receiver.handle
     calls = []
 
-    def failing_once(payload: bytes, pid: int, uid: int, truncated: bool = False) -> None:
+    def failing_once(payload: bytes, pid: int, uid: int, truncated: bool = False,
+                     address: Any = None) -> None:
         calls.append(payload)
         if len(calls) == 1:
             raise RuntimeError("a bug")
-        handle(payload, pid, uid, truncated)
+        handle(payload, pid, uid, truncated, address)
 
     # The thread bound handle() when it started; swap what it calls through the instance.
     monkeypatch.setattr(receiver, "handle", failing_once)
@@ -507,7 +784,9 @@ def test_a_flood_leaves_the_receiver_alive_bounded_and_consistent(
 
 def test_memory_is_bounded_whatever_is_sent() -> None:
     """Every bound at once: all process slots taken, each with 64 maximal names, full pending
-    points of 64 buffers with large figures, a maximal exit report, and names churning."""
+    points of 64 buffers and 8 discovered containers with large figures, a maximal exit report,
+    a maximal trace report, the longest reply address, and names churning (buffer names
+    rejected, discovered names replacing the least recently reported)."""
     processes, max_pending = 8, 2048
     receiver = AgentReceiver(Path("/nonexistent/agent.sock"), max_processes=processes,
                              max_points=256, max_pending=max_pending)
@@ -515,6 +794,7 @@ def test_memory_is_bounded_whatever_is_sent() -> None:
     exit_report = report("exit", exit={"threads": [f"{i:02d}".ljust(64, "t") for i in range(64)],
                                        "executors": (1 << 63) - 1, "process_group": True})
     big = (1 << 63) - 1
+    address = b"\0" + b"a" * 107  # sun_path's 108 bytes
 
     def round_(first_step: int) -> list[tuple[bytes, int]]:
         sends = []
@@ -522,11 +802,19 @@ def test_memory_is_bounded_whatever_is_sent() -> None:
             for step in range(first_step, first_step + 40):
                 sends.append((report(step=step, rss=big - step, buffers={
                     name: {"items": big - step - i, "bytes": big - i}
-                    for i, name in enumerate(names)}), pid))
+                    for i, name in enumerate(names)}, discovered={
+                    f"{step}.{i}".ljust(128, "d"): {"items": big - i, "bytes": big - step}
+                    for i in range(8)}), pid))
             for churn in range(5):
                 sends.append((report(step=first_step, buffers={
                     f"churn{first_step}.{churn}.{i}": {} for i in range(64)}), pid))
             sends.append((exit_report, pid))
+            sends.append((report("trace", step=big, trace={
+                "status": "failed", "why": f"{first_step}".ljust(200, "w"), "steps": big,
+                "sites": [{"file": f"{first_step}.{i}".ljust(256, "f"), "line": big,
+                           "bytes": big, "count": big} for i in range(8)],
+                "traceback": [{"file": f"{first_step}.{i}".ljust(256, "t"), "line": big}
+                              for i in range(16)]}), pid))
         return sends
 
     rounds = [round_(r * 1000) for r in range(4)]  # built first: only the receiver is measured
@@ -534,20 +822,28 @@ def test_memory_is_bounded_whatever_is_sent() -> None:
     try:
         base = tracemalloc.get_traced_memory()[0]
         for payload, pid in rounds[0]:
-            receiver.handle(payload, pid, 1000)
+            receiver.handle(payload, pid, 1000, address=address)
         after_one = tracemalloc.get_traced_memory()[0] - base
         for sends in rounds[1:]:
             for payload, pid in sends:
-                receiver.handle(payload, pid, 1000)
+                receiver.handle(payload, pid, 1000, address=address + b"")
         after_four = tracemalloc.get_traced_memory()[0] - base
+        readings = receiver.drain()
+        del readings
+        fixed = tracemalloc.get_traced_memory()[0] - base  # no pending points left
     finally:
         tracemalloc.stop()
 
-    assert receiver._pending_total <= max_pending + processes * 65
+    assert receiver.accepted > 0 and receiver.rejected["too_many_buffers"] > 0
+    assert receiver._pending_total <= max_pending + processes * 73
     assert after_four - after_one < 64 << 10  # flat: later rounds add nothing
     # What the docstring promises: a fixed part per process plus a part per pending entry.
-    per_process, per_entry = 48 << 10, 256
+    per_process, per_entry = 104 << 10, 256
+    assert fixed < processes * per_process
     assert after_four < processes * per_process + max_pending * per_entry
+    for sends in rounds[:1]:
+        for payload, pid in sends:
+            receiver.handle(payload, pid, 1000, address=address)
     readings = receiver.drain()
     assert len(readings) == processes
     assert sum(len(r.points) for r in readings.values()) <= max_pending

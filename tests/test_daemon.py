@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuwatch.cli import EXIT_CONFIG
 from gpuwatch.config import load_config
@@ -24,8 +25,10 @@ from gpuwatch.poll import Poller
 from gpuwatch.simulate import fakenvml
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
+from gpuwatch.sinks.exporter import CULPRIT_LABEL_MAX, ReportCollector
+from tests import leakreports
 from tests.daemonproc import pids_with_series, running_daemon, value
-from tests.realprocs import GIB, gpuwatch, running_job
+from tests.realprocs import GIB, MIB, gpuwatch, running_job
 
 
 def test_daemon_serves_per_process_series_for_a_real_job_and_stops_on_sigterm(
@@ -271,5 +274,63 @@ def test_promtool_finds_nothing_to_report_in_the_real_metrics(
         text = d.scrape_text()
     result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
                             text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == ""
+
+
+def _leak_registry() -> CollectorRegistry:
+    report = leakreports.leak_report()
+    registry = CollectorRegistry()
+    registry.register(ReportCollector(lambda: report))
+    return registry
+
+
+def test_leak_series_name_the_culprit_and_how_it_was_found_one_series_per_leaking_process(
+        ) -> None:
+    families = {m.name: m for m in _leak_registry().collect()}
+    per_step = families["gpuwatch_leak_growth_bytes_per_step"].samples
+    labels = {s.labels["pid"]: s.labels for s in per_step}
+    assert len(per_step) == len(labels) == len(leakreports.BY_STEP)
+    assert {pid: (lb["culprit"], lb["found_by"]) for pid, lb in labels.items()
+            if pid != "704"} == {
+        "700": ("fetch_buffer", "watched"),
+        "701": ("areal.infra.rpc.rtensor._fetch_buffer", "discovered"),
+        "702": ("leaky.py:42", "traced"),
+        "703": ("", ""), "705": ("", "")}
+    # A culprit too long for a label keeps its end, where the line number is.
+    long = labels["704"]["culprit"]
+    assert len(long) == CULPRIT_LABEL_MAX and long.startswith("...")
+    assert leakreports.LONG_SITE.endswith(long[3:]) and long.endswith("/rtensor.py:1234")
+    # The other leak series carry the same labels, so they join on them.
+    (oom,) = families["gpuwatch_leak_projected_oom_step"].samples
+    assert oom.labels == labels["700"] and oom.value == 586
+    oom_at = {s.labels["pid"]: s for s in
+              families["gpuwatch_leak_projected_oom_timestamp_seconds"].samples}
+    assert oom_at["700"].labels == labels["700"]
+    assert oom_at["700"].value == leakreports.TAKEN_AT + 5400
+    # Without the agent: per second, no culprit.
+    (per_second,) = families["gpuwatch_leak_growth_bytes_per_second"].samples
+    assert per_second.labels["pid"] == "706" and per_second.value == MIB
+    assert per_second.labels["culprit"] == per_second.labels["found_by"] == ""
+    assert set(oom_at) == {"700", "706"}
+
+
+def test_a_culprits_own_growth_is_served_only_where_there_is_a_culprit_and_a_figure() -> None:
+    families = {m.name: m for m in _leak_registry().collect()}
+    culprit_bytes = {s.labels["pid"]: (s.labels["found_by"], s.value)
+                     for s in families["gpuwatch_leak_culprit_bytes_per_step"].samples}
+    assert culprit_bytes == {"700": ("watched", 2 * MIB), "701": ("discovered", 2 * GIB),
+                             "702": ("traced", 3 * MIB), "704": ("traced", MIB)}
+    culprit_items = {s.labels["pid"]: s.value
+                     for s in families["gpuwatch_leak_culprit_items_per_step"].samples}
+    assert culprit_items == {"700": 1.0, "701": 16.0}
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None and not os.environ.get("CI"),
+                    reason="promtool is not installed (make test installs it)")
+def test_promtool_finds_nothing_to_report_in_the_leak_metrics() -> None:
+    result = subprocess.run(["promtool", "check", "metrics"],
+                            input=generate_latest(_leak_registry()).decode(),
+                            capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "" and result.stderr.strip() == ""

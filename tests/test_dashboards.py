@@ -176,7 +176,7 @@ def test_the_node_dashboard_answers_what_the_on_call_asks() -> None:
     titles = {p["title"] for p in panels(node)}
     assert {"GPU memory by process", "GPU memory by job", "Unattributed GPU memory",
             "Open findings", "Leak growth per step", "Projected out-of-memory",
-            "Watched buffers: bytes", "Reaps since the daemon started", "NVML",
+            "Leak culprits", "Watched buffers: bytes", "Reaps since the daemon started", "NVML",
             "Poll duration", "Poll errors and rejected agent reports"} <= titles
     findings = next(p for p in panels(node) if p["type"] == "table"
                     and p["title"] == "Open findings")
@@ -208,3 +208,33 @@ def test_every_alert_carries_a_severity_a_duration_and_words_for_the_on_call() -
         assert re.search(r"^          severity: (info|warning|critical)$", block, re.M), \
             name.group(1)
         assert "summary:" in block and "description:" in block, name.group(1)
+
+
+def test_the_node_dashboard_shows_each_leaks_culprit_and_how_it_was_found() -> None:
+    node = {p["title"]: p for p in panels(load("gpuwatch-node.json"))}
+    culprits = node["Leak culprits"]
+    assert culprits["type"] == "table"
+    (query,) = culprits["targets"]
+    assert query["expr"].startswith("gpuwatch_leak_culprit_bytes_per_step{")
+    organize = culprits["transformations"][-1]["options"]
+    order = sorted(organize["indexByName"], key=organize["indexByName"].get)
+    assert order[:6] == ["pid", "name", "series", "culprit", "found_by", "Value"]
+    assert organize["renameByName"] == {"Value": "bytes/step"}
+    assert {"watched", "discovered", "traced"} <= set(re.findall(r"`(\w+)`",
+                                                                 culprits["description"]))
+    growth = node["Leak growth per step"]
+    assert "{{culprit}} {{found_by}}" in growth["targets"][0]["legendFormat"]
+    assert "found_by" in growth["description"]
+    oom = node["Projected out-of-memory"]["transformations"][-1]["options"]["indexByName"]
+    assert {"culprit", "found_by"} <= set(oom)
+
+
+def test_the_leak_alerts_say_what_explains_each_leak_and_how_it_was_found() -> None:
+    blocks = re.split(r"\n(?=      - alert: )", RULES.read_text())
+    leaks = [b for b in blocks if "- alert: GpuwatchMemoryLeak" in b]
+    assert len(leaks) == 2
+    for block in leaks:
+        description = block.split("description: >-", 1)[1]
+        for found_by in ("traced", "discovered"):
+            assert f'eq .Labels.found_by "{found_by}"' in description
+        assert "{{ with .Labels.found_by }}" in description  # watched, or whatever comes next

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from types import MappingProxyType
+from typing import Any, Optional
 
-from gpuwatch.history import History
-from gpuwatch.model import HostProcess, NodeSnapshot, NvmlStatus
+from gpuwatch.history import MAX_DISCOVERED, STEP_POINTS, History, StepSeries
+from gpuwatch.model import (
+    NO_DISCOVERY,
+    BufferSize,
+    Finding,
+    HostProcess,
+    NodeSnapshot,
+    NvmlStatus,
+    StepPoint,
+)
 
 
 def _snapshot(t: float, *procs: HostProcess) -> NodeSnapshot:
@@ -61,3 +72,100 @@ def test_resize_keeps_what_fits() -> None:
         history.record(_snapshot(float(t), _proc(10, 1.0, rss=t)))
     history.resize(samples=4, max_processes=10)
     assert [s.rss_bytes for s in history.get((10, 1.0)).samples()] == [6, 7, 8, 9]  # type: ignore[union-attr]
+
+
+def _leak(reason: str, culprit: Optional[str], kind: str = "leak") -> Finding:
+    details: dict[str, Any] = {"series": "RSS"} if kind == "leak" else {}
+    if kind == "leak":
+        details["culprit"] = culprit
+    return Finding(kind, "warning", reason, pid=10, start_time=1.0,
+                   details=MappingProxyType(details))
+
+
+def test_a_leak_opened_without_a_culprit_takes_the_reason_that_first_names_one_then_keeps_it(
+        ) -> None:
+    history = History()
+    procs = {10: _proc(10, 1.0)}
+    polls = [
+        (_leak("RSS grows every step", None), "RSS grows every step"),
+        # Figures that move stay out of the reason; a culprit not yet named changes nothing.
+        (_leak("RSS grows every step; runs out against the node limit", None),
+         "RSS grows every step"),
+        (_leak("RSS grows every step; allocations at `leaky.py:42` explain it (traced)",
+               "leaky.py:42"),
+         "RSS grows every step; allocations at `leaky.py:42` explain it (traced)"),
+        # Named once: whatever comes later is in the details only.
+        (_leak("RSS grows every step; buffer `fetch_buffer` explains it (watched)",
+               "fetch_buffer"),
+         "RSS grows every step; allocations at `leaky.py:42` explain it (traced)"),
+        (_leak("RSS grows every step", None),
+         "RSS grows every step; allocations at `leaky.py:42` explain it (traced)"),
+    ]
+    for t, (f, expected) in enumerate(polls):
+        (stamped,) = history.stamp([f], procs, 100.0 + t)
+        assert (stamped.reason, stamped.since) == (expected, 100.0), t
+        assert stamped.details == f.details
+    assert history.open_since(f.identity) == 100.0
+
+
+def test_a_leak_opened_with_its_culprit_and_other_findings_keep_their_first_reason() -> None:
+    history = History()
+    procs = {10: _proc(10, 1.0)}
+    first = _leak("RSS grows every step; buffer `a` explains it (watched)", "a")
+    history.stamp([first], procs, 100.0)
+    (stamped,) = history.stamp([_leak("RSS grows every step; `m.b` explains it (discovered)",
+                                      "m.b")], procs, 101.0)
+    assert stamped.reason == first.reason
+
+    orphan = _leak("parent 4121 (torchrun) exited after 10:00:00Z", None, kind="orphan")
+    history.stamp([orphan], procs, 102.0)
+    (stamped,) = history.stamp([replace(orphan, reason="something else entirely",
+                                        details=MappingProxyType({"culprit": "x"}))],
+                               procs, 103.0)
+    assert (stamped.reason, stamped.since) == (orphan.reason, 102.0)
+
+
+def test_a_leak_that_closes_opens_afresh_and_may_take_a_culprit_again() -> None:
+    history = History()
+    procs = {10: _proc(10, 1.0)}
+    history.stamp([_leak("RSS grows every step; `m.a` explains it (discovered)", "m.a")],
+                  procs, 100.0)
+    history.stamp([], procs, 101.0)
+    assert history.open_since(_leak("", None).identity) is None
+    history.stamp([_leak("RSS grows every step", None)], procs, 102.0)
+    (stamped,) = history.stamp([_leak("RSS grows every step; `m.b` explains it (discovered)",
+                                      "m.b")], procs, 103.0)
+    assert (stamped.reason, stamped.since) == (
+        "RSS grows every step; `m.b` explains it (discovered)", 102.0)
+
+
+def _point(step: int, discovered: Optional[dict[str, BufferSize]] = None,
+           reserved: Optional[int] = None) -> StepPoint:
+    return StepPoint(step, 1000.0 + step, 1 << 30, None, reserved, MappingProxyType({}),
+                     discovered=NO_DISCOVERY if discovered is None
+                     else MappingProxyType(discovered))
+
+
+def test_discovered_series_follow_the_newest_pass_and_are_capped_least_recent_first() -> None:
+    steps = StepSeries(STEP_POINTS)
+    steps.add(_point(0, {"m.steady": BufferSize(0, 0)}))
+    for step in range(1, 51):  # 8 names a pass, 7 of them new each time: 351 names in all
+        steps.add(_point(step, {"m.steady": BufferSize(step, step * 64),
+                                **{f"m.new{step}.{i}": BufferSize(i, None) for i in range(7)}}))
+        steps.add(_point(step, reserved=step << 20) if step % 2 else _point(step))
+    assert len(steps.discovered_items) == len(steps.discovered_bytes) == MAX_DISCOVERED
+    assert "m.steady" in steps.discovered_items and "m.new1.0" not in steps.discovered_items
+    assert list(steps.discovered_items)[-7:] == [f"m.new50.{i}" for i in range(7)]
+    # Points only at the passes' steps, each a measurement of its own.
+    steady = steps.discovered_bytes["m.steady"]
+    assert list(steady.xs) == [float(s) for s in range(51)]
+    assert list(steady.ys) == [s * 64.0 for s in range(51)]
+    assert math.isnan(steps.discovered_bytes["m.new50.3"].ys[-1])
+    assert steps.discovered_latest == {"m.steady", *(f"m.new50.{i}" for i in range(7))}
+    assert [y for y in steps.cuda_reserved.ys if not math.isnan(y)][-1] == float(49 << 20)
+
+    steps.add(_point(51))  # no pass: what grows is as the last pass said
+    assert "m.steady" in steps.discovered_latest
+    steps.add(_point(52, {}))  # a pass that found nothing growing
+    assert steps.discovered_latest == frozenset()
+    assert len(steps.discovered_items) == MAX_DISCOVERED  # the series stay, nothing is named

@@ -14,6 +14,7 @@ from gpuwatch.detectors import assess
 from gpuwatch.history import History
 from gpuwatch.jobtree import job_roots
 from gpuwatch.model import (
+    NO_DISCOVERY,
     AgentReading,
     BufferSize,
     GpuDevice,
@@ -23,6 +24,8 @@ from gpuwatch.model import (
     NodeSnapshot,
     NvmlStatus,
     StepPoint,
+    TraceReport,
+    TraceSite,
 )
 
 MIB = 1 << 20
@@ -46,15 +49,20 @@ class Run:
 
     def step(self, step: int, rss: int, gpu: Optional[int] = None,
              buffers: Optional[dict[str, BufferSize]] = None, at: Optional[float] = None,
-             advance: bool = True) -> NodeReport:
+             advance: bool = True, discovered: Optional[dict[str, BufferSize]] = None,
+             cuda: tuple[Optional[int], Optional[int]] = (None, None),
+             trace: Optional[TraceReport] = None,
+             traces_pending: Optional[dict[int, int]] = None) -> NodeReport:
         t = at if at is not None else 1000.0 + step
         if advance:
             self.step_changed_at = t
-        point = StepPoint(step, t, rss, None, None, MappingProxyType(buffers or {}))
+        point = StepPoint(step, t, rss, cuda[0], cuda[1], MappingProxyType(buffers or {}),
+                          discovered=NO_DISCOVERY if discovered is None
+                          else MappingProxyType(discovered))
         agent = AgentReading(pid=10, uid=1000, first_seen=self.first_seen, last_seen=t,
                              step=step, step_changed_at=self.step_changed_at, finished_at=None,
                              exit_report=None, points=(point,) if advance else (),
-                             latest=point)
+                             latest=point, trace=trace, can_reply=True)
         usage = (GpuProcessUsage(0, "GPU-0", 10, gpu),) if gpu is not None else ()
         worker = HostProcess(pid=10, ppid=1, start_time=900.0, name="python", user="alice",
                              state="running", rss_bytes=rss, gpu_usage=usage)
@@ -66,7 +74,8 @@ class Run:
                             gpus=(device,), processes=MappingProxyType(procs),
                             job_roots=MappingProxyType(job_roots(procs)),
                             agents=MappingProxyType({10: agent}),
-                            mem_available_bytes=self.mem_available)
+                            mem_available_bytes=self.mem_available,
+                            traces_pending=MappingProxyType(traces_pending or {}))
         report = assess(snap, self.history, self.config)
         self.reports.append(report)
         return report
@@ -93,8 +102,10 @@ def test_a_buffer_leaking_4_mib_a_step_is_named_within_10_steps_after_warm_up() 
             flagged_at = step
     assert flagged_at is not None and flagged_at <= CONFIG.leak_warmup_steps + 10
     (f,) = leaks(run.reports[-1])
-    assert f.reason.startswith("RSS grows every step; buffer `fetch_buffer` explains it")
-    assert f.details["culprit"] == "fetch_buffer"
+    assert f.reason == ("RSS grows every step; buffer `fetch_buffer` explains it (watched); runs "
+                        "out against the node limit")
+    assert (f.details["culprit"], f.details["found_by"]) == ("fetch_buffer", "watched")
+    assert "trace" not in f.details
     assert abs(f.details["growth_bytes_per_step"] - 4 * MIB) < 0.1 * 4 * MIB
     # The true step of exhaustion: where 4 MiB a step has eaten the 1.2 GiB that were free.
     true_oom_step = limit // (4 * MIB)
@@ -148,6 +159,7 @@ def test_a_buffer_growing_in_items_alone_is_named() -> None:
     (f,) = leaks(report)
     assert f.reason == "buffer `pending` grows every step"
     assert f.details["culprit_items_per_step"] == 10.0
+    assert (f.details["culprit"], f.details["found_by"]) == ("pending", "watched")
 
 
 def test_without_an_agent_steady_growth_over_time_is_a_leak_per_second() -> None:
@@ -182,3 +194,173 @@ def test_a_stalled_step_is_flagged_after_the_threshold_and_cleared_when_steps_re
     assert (f.kind, f.pid) == ("stalled", 10)
     assert f.reason == "step 4 has not advanced since 00:16:44Z while holding GPU memory"
     assert run.step(5, 3 * GIB, gpu=GIB, at=t + 62.0).findings == ()
+
+
+FETCH = "areal.infra.rpc.rtensor._fetch_buffer"
+
+
+def test_a_discovered_container_is_named_by_its_qualified_name_while_the_agent_names_it() -> None:
+    rng = random.Random(3)
+    run = Run()
+    for step in range(40):
+        rss = 2 * GIB + step * 4 * MIB + int(rng.gauss(0, MIB))
+        # A discovery pass every other step; a bounded cache that fills up is among the growers
+        # the agent names too.
+        discovered = {FETCH: BufferSize(4 * step, step * 4 * MIB),
+                      "mymod.Registry.lru": BufferSize(min(step, 16), min(step, 16) * 256 << 10)
+                      } if step % 2 == 0 else None
+        report = run.step(step, rss, discovered=discovered)
+    (f,) = leaks(report)
+    assert f.reason == (f"RSS grows every step; `{FETCH}` explains it (discovered); runs out "
+                        "against the node limit")
+    assert (f.details["culprit"], f.details["found_by"]) == (FETCH, "discovered")
+    assert abs(f.details["culprit_bytes_per_step"] - 4 * MIB) < 0.05 * 4 * MIB
+    assert f.details["culprit_items_per_step"] == 4.0
+    assert "trace" not in f.details
+    culprits = {f.details["culprit"] for r in run.reports for f in leaks(r)}
+    assert culprits == {FETCH}  # named as soon as the leak was, never the cache
+
+    # The next pass no longer names it (it stopped growing, or others grow faster): it is not
+    # the culprit any more, though the reason, once given, stays.
+    report = run.step(40, 2 * GIB + 40 * 4 * MIB,
+                      discovered={"mymod.Registry.lru": BufferSize(16, 4 * MIB)})
+    (f,) = leaks(report)
+    assert (f.details["culprit"], f.details["found_by"]) == (None, None)
+    assert f.reason.startswith(f"RSS grows every step; `{FETCH}` explains it (discovered)")
+
+
+def test_a_bounded_cache_that_grew_as_fast_as_the_leak_and_plateaued_is_never_named() -> None:
+    run = Run()
+    for step in range(60):
+        # The cache fills within the warm-up as fast as RSS grows, then evicts as it takes in;
+        # RSS goes on growing through something no pass finds.
+        cache = min(step, 10)
+        report = run.step(step, 2 * GIB + step * 4 * MIB,
+                          discovered={"mymod.cache": BufferSize(100 * cache, cache * 4 * MIB)})
+    assert all(f.details["culprit"] is None and f.details["found_by"] is None
+               for r in run.reports for f in leaks(r))
+    (f,) = leaks(report)
+    assert f.reason == "RSS grows every step; runs out against the node limit"
+
+
+def test_a_discovered_container_needs_four_passes_and_half_the_growth() -> None:
+    run = Run()
+    for step in range(30):
+        passes = step >= 24 and step % 2 == 0  # three passes by step 28, four at step 30
+        discovered = {FETCH: BufferSize(step, step * 4 * MIB),
+                      "mymod.small": BufferSize(step, step * MIB)} if passes else None
+        report = run.step(step, 2 * GIB + step * 4 * MIB, discovered=discovered)
+        if leaks(report):
+            assert leaks(report)[0].details["culprit"] is None, step
+    assert leaks(run.reports[-1])  # open, with no culprit yet
+    report = run.step(30, 2 * GIB + 30 * 4 * MIB,
+                      discovered={FETCH: BufferSize(30, 30 * 4 * MIB),
+                                  "mymod.small": BufferSize(30, 30 * MIB)})
+    (f,) = leaks(report)
+    assert f.details["culprit"] == FETCH  # "mymod.small" grows by a quarter of the leak only
+    # Named four steps after the leak opened: the reason takes it.
+    assert f.reason.startswith(f"RSS grows every step; `{FETCH}` explains it (discovered)")
+
+
+def test_unsized_discovered_containers_are_judged_by_their_item_counts() -> None:
+    run = Run()
+    for step in range(30):
+        discovered = {"mymod.pending": BufferSize(10 * step, None),
+                      "mymod.queue": BufferSize(3 + step % 2, None)}
+        report = run.step(step, 2 * GIB + step * 4 * MIB, discovered=discovered)
+    (f,) = leaks(report)
+    assert (f.details["culprit"], f.details["found_by"]) == ("mymod.pending", "discovered")
+    assert f.details["culprit_items_per_step"] == 10.0
+    assert "culprit_bytes_per_step" not in f.details
+
+
+def _trace(received_at: float, step: int, top_bytes: int, steps: int = 5) -> TraceReport:
+    return TraceReport(
+        "done", "", steps,
+        (TraceSite("data/loader.py", 88, 4096, 10), TraceSite("leaky.py", 42, top_bytes, steps)),
+        (("train.py", 120), ("model/step.py", 57), ("leaky.py", 42)), received_at, step)
+
+
+def test_an_allocation_site_a_trace_found_is_named_once_the_answer_comes() -> None:
+    run = Run()
+    # A trace from before the leak: it says nothing about it, however large its top site.
+    early = _trace(1002.5, 2, 500 * MIB)
+    opened = None
+    for step in range(20):
+        report = run.step(step, 2 * GIB + step * 3 * MIB, trace=early)
+        if leaks(report) and opened is None:
+            opened = step
+    assert opened is not None
+    (f,) = leaks(report)
+    assert f.reason == "RSS grows every step; runs out against the node limit"
+    assert (f.details["culprit"], f.details["found_by"]) == (None, None)
+    assert "trace" not in f.details
+
+    # The daemon asked for 5 steps; until the answer comes the finding says so.
+    for step in range(20, 26):
+        report = run.step(step, 2 * GIB + step * 3 * MIB, trace=early,
+                          traces_pending={10: 5})
+        (f,) = leaks(report)
+        assert f.details["trace"] == {"status": "requested", "why": "", "steps": 5,
+                                      "sites": (), "traceback": ()}
+        assert f.details["found_by"] is None
+
+    answer = _trace(1025.5, 25, 15 * MIB)
+    report = run.step(26, 2 * GIB + 26 * 3 * MIB, trace=answer)
+    (f,) = leaks(report)
+    assert f.reason == ("RSS grows every step; allocations at `leaky.py:42` explain it (traced); "
+                        "runs out against the node limit")
+    assert (f.details["culprit"], f.details["found_by"]) == ("leaky.py:42", "traced")
+    assert f.details["culprit_bytes_per_step"] == 3 * MIB
+    assert f.details["trace"] == {
+        "status": "done", "why": "", "steps": 5,
+        "sites": ({"site": "leaky.py:42", "bytes_per_step": 3 * MIB, "count_per_step": 1.0},
+                  {"site": "data/loader.py:88", "bytes_per_step": 819, "count_per_step": 2.0}),
+        "traceback": ("train.py:120", "model/step.py:57", "leaky.py:42")}
+    assert f.since == 1000.0 + opened  # the same finding, its reason now complete
+
+    # The answer stays the leak's culprit while it is open.
+    for step in range(27, 200):
+        report = run.step(step, 2 * GIB + step * 3 * MIB, trace=answer)
+    (f,) = leaks(report)
+    assert f.details["found_by"] == "traced"
+
+
+def test_a_trace_that_explains_too_little_or_was_refused_is_shown_but_names_nothing() -> None:
+    for trace, shown in (
+            (_trace(1019.5, 19, MIB), {"status": "done", "steps": 5}),
+            (TraceReport("refused", "GPUWATCH_AGENT_TRACING=0", None, (), (), 1019.5, 19),
+             {"status": "refused", "why": "GPUWATCH_AGENT_TRACING=0", "sites": ()})):
+        run = Run()
+        for step in range(24):
+            report = run.step(step, 2 * GIB + step * 3 * MIB, trace=trace if step >= 20 else None)
+        (f,) = leaks(report)
+        assert (f.details["culprit"], f.details["found_by"]) == (None, None)
+        assert f.reason == "RSS grows every step; runs out against the node limit"
+        assert {k: f.details["trace"][k] for k in shown} == shown
+
+
+def test_gpu_memory_the_caching_allocator_keeps_reserved_is_no_leak() -> None:
+    """NVML and torch's reserved figure grow by 64 MiB a step while what tensors hold stays
+    flat: the caching allocator, not a leak."""
+    rng = random.Random(5)
+    run = Run(gpu_total=80 * GIB)
+    for step in range(80):
+        pool = GIB + step * 64 * MIB
+        allocated = GIB - 256 * MIB + int(rng.gauss(0, 8 * MIB))
+        report = run.step(step, 3 * GIB, gpu=pool + 512 * MIB, cuda=(allocated, pool))
+        assert leaks(report) == [], step
+
+
+def test_gpu_memory_allocated_by_tensors_growing_every_step_is_a_leak() -> None:
+    run = Run(gpu_total=80 * GIB)
+    for step in range(30):
+        allocated = GIB + step * 64 * MIB
+        # The pool grows in large chunks, NVML with it: its own figure would be a staircase.
+        pool = GIB + (step // 8 + 1) * 8 * 64 * MIB
+        report = run.step(step, 3 * GIB, gpu=pool + 512 * MIB, cuda=(allocated, pool))
+    (f,) = leaks(report)
+    assert f.reason == "GPU memory grows every step; runs out against the GPU limit"
+    assert f.details["series"] == "GPU memory"
+    assert f.details["growth_bytes_per_step"] == 64 * MIB
+    assert (f.details["culprit"], f.details["found_by"]) == (None, None)

@@ -1,7 +1,9 @@
-"""`gpuwatch status` on real process trees under the fake NVML driver."""
+"""`gpuwatch status` on real process trees under the fake NVML driver, and how the document and
+the table view show what a leak finding carries."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,10 @@ import pytest
 from gpuwatch.cli import EXIT_NVML_UNAVAILABLE, EXIT_OK, EXIT_PARTIAL
 from gpuwatch.simulate import fakenvml
 from gpuwatch.simulate.fakenvml import FakeNode
+from gpuwatch.sinks.document import status_document
+from gpuwatch.sinks.status_view import render_status
 from gpuwatch.units import short_command
+from tests import leakreports
 from tests.realprocs import GIB, MIB, gpuwatch, processes_by_pid, running_job, status_json
 
 
@@ -208,3 +213,118 @@ def test_a_command_reads_by_program_name_and_a_script_by_its_own_name() -> None:
     assert short_command("python", ["python", "-m", "torch.distributed.run"]) == \
         "python -m torch.distributed.run"
     assert short_command("kworker/0:1", []) == "[kworker/0:1]"
+
+
+def _leak_lines(text: str, pid: int) -> list[str]:
+    """The leak's row and the notes under it."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("leak ")
+                 and line.split()[2] == str(pid))
+    end = start + 1
+    while end < len(lines) and lines[end].startswith(" "):
+        end += 1
+    return lines[start:end]
+
+
+def test_a_leak_shows_its_culprit_how_it_was_found_and_the_culprits_own_growth() -> None:
+    doc = status_document(leakreports.leak_report())
+    text = render_status(doc, width=0)
+    row, note = _leak_lines(text, 701)
+    assert "(discovered)" in row and row.endswith("[+2.0 GiB/step]")
+    # The note sits under the reason.
+    assert note.index("culprit") == row.index("RSS grows")
+    assert note.strip() == ("culprit `areal.infra.rpc.rtensor._fetch_buffer` (discovered): "
+                            "+16 items/step, ~2.0 GiB/step")
+    # A narrow terminal cuts the row, never the culprit.
+    narrow = _leak_lines(render_status(doc, width=80), 701)
+    assert len(narrow[0]) == 80 and narrow[1] == note
+    row, note = _leak_lines(text, 700)
+    assert note.strip() == "culprit `fetch_buffer` (watched): +1 items/step, ~2.0 MiB/step"
+    assert "items/step" not in row  # the culprit's figures are on its own line, once
+    row, note, traced = _leak_lines(text, 702)
+    assert note.strip() == "culprit `leaky.py:42` (traced): ~3.0 MiB/step"
+    assert traced.strip() == "traced 20 steps; `gpuwatch status -v` shows where it allocates"
+    assert "train.py:120" not in text  # the traceback is for the verbose view
+    # A culprit is never cut: a long file path ends in the line number that matters.
+    (_, note) = _leak_lines(text, 704)
+    assert note.strip().startswith(f"culprit `{leakreports.LONG_SITE}` (traced)")
+    # Nothing explains it: the leak alone, no culprit line.
+    assert len(_leak_lines(text, 705)) == 1
+
+
+def test_a_trace_asked_for_refused_or_failed_is_said_in_a_few_words() -> None:
+    def notes(trace: dict[str, object]) -> list[str]:
+        finding = leakreports.leak(800, "RSS grows every step", growth_bytes_per_step=MIB,
+                                   culprit=None, found_by=None, trace=trace)
+        text = render_status(status_document(leakreports.leak_report((finding,))))
+        return [line.strip() for line in _leak_lines(text, 800)[1:]]
+
+    assert notes({"status": "requested", "why": "", "steps": 20}) == ["tracing requested"]
+    assert notes({"status": "refused", "why": "GPUWATCH_AGENT_TRACING=0"}) == [
+        "tracing refused by the process: GPUWATCH_AGENT_TRACING=0"]
+    assert notes({"status": "failed", "why": "tracemalloc could not start"}) == [
+        "tracing failed: tracemalloc could not start"]
+    # Traced, but no site explains the growth: the largest is named all the same.
+    assert notes({"status": "done", "why": "", "steps": 20,
+                  "sites": [{"site": "cache.py:7", "bytes_per_step": 2048,
+                             "count_per_step": 1.0}], "traceback": []}) == [
+        "traced 20 steps: no allocation site explains it (largest: `cache.py:7`, "
+        "~2.0 KiB/step)"]
+
+
+def test_the_verbose_view_lists_the_traced_sites_and_the_largest_ones_traceback() -> None:
+    doc = status_document(leakreports.leak_report())
+    lines = [line.strip() for line in _leak_lines(render_status(doc, verbose=True), 702)]
+    assert lines[1:] == [
+        "culprit `leaky.py:42` (traced): ~3.0 MiB/step",
+        "traced 20 steps",
+        "allocation sites, largest first:",
+        "`leaky.py:42`  ~3.0 MiB/step, +1 blocks/step",
+        "`data/loader.py:88`  ~4.0 KiB/step, +0.5 blocks/step",
+        "traceback of `leaky.py:42`, oldest call first:",
+        "train.py:120",
+        "model/step.py:57",
+        "leaky.py:42",
+    ]
+
+
+def test_a_leak_from_before_culprits_were_found_other_ways_reads_as_it_did() -> None:
+    """Details without `found_by` (a daemon before it): the culprit is named all the same,
+    and a buffer that grows alone keeps its figures in the row, not on a line of its own."""
+    older = leakreports.leak(900, "RSS grows every step; buffer `replay` explains it",
+                             growth_bytes_per_step=MIB, culprit="replay",
+                             culprit_bytes_per_step=MIB)
+    alone = leakreports.leak(901, "buffer `queue` grows every step", series="buffer `queue`",
+                             culprit="queue", culprit_items_per_step=4.0)
+    text = render_status(status_document(leakreports.leak_report((older, alone))))
+    assert [line.strip() for line in _leak_lines(text, 900)[1:]] == [
+        "culprit `replay`: ~1.0 MiB/step"]
+    (row,) = _leak_lines(text, 901)
+    assert row.endswith("[+4 items/step]")
+
+
+def test_the_document_carries_a_leaks_details_and_the_allocator_figures_as_json() -> None:
+    doc = json.loads(json.dumps(status_document(leakreports.leak_report())))
+    leaks = {f["pid"]: f["details"] for f in doc["findings"]}
+    assert leaks[701]["culprit"] == "areal.infra.rpc.rtensor._fetch_buffer"
+    assert leaks[701]["found_by"] == "discovered"
+    assert leaks[701]["culprit_items_per_step"] == 16.0
+    assert leaks[702]["trace"] == {
+        "status": "done", "why": "", "steps": 20,
+        "sites": [{"site": "leaky.py:42", "bytes_per_step": 3 * MIB, "count_per_step": 1.0},
+                  {"site": "data/loader.py:88", "bytes_per_step": 4096,
+                   "count_per_step": 0.5}],
+        "traceback": ["train.py:120", "model/step.py:57", "leaky.py:42"]}
+    assert leaks[703]["found_by"] is None and leaks[703]["trace"]["status"] == "refused"
+    agents = {p["pid"]: p["agent"] for p in doc["processes"]}
+    assert {k: v for k, v in agents[700].items() if k.startswith("cuda_")} == {
+        "cuda_allocated_bytes": 3 * GIB, "cuda_reserved_bytes": 5 * GIB,
+        "cuda_active_bytes": 3 * GIB + MIB, "cuda_allocations": 812}
+    # A process whose agent sends no allocator figures: unknown, not 0.
+    assert agents[701]["cuda_active_bytes"] is None and agents[701]["cuda_allocations"] is None
+
+
+def test_status_takes_verbose(fake_node: FakeNode, cli_env: dict[str, str]) -> None:
+    result = gpuwatch(["status", "--verbose"], cli_env)
+    assert result.returncode == EXIT_OK, result.stderr
+    assert "GPU  NAME" in result.stdout

@@ -2,27 +2,38 @@
 
 For an instrumented process the series are step-aligned: RSS, CUDA allocations and every watched
 buffer from its reports, and NVML's GPU memory at each poll against the step reached by then. The
-first `leak_warmup_steps` are ignored. A finding names the figure that grows, the buffer whose
-growth explains it when one does (at least half of it), and projects the step and time of
-running out against the tightest limit: the process's cgroup memory.max, a configured limit, or
-the node's MemAvailable for host memory; the free memory of its GPUs for GPU memory.
+first `leak_warmup_steps` are ignored. Where the process reports torch's allocated bytes, a GPU
+leak is decided on those alone: the caching allocator grows NVML's figure (and torch's reserved
+one) without anything leaking. A finding names the figure that grows and projects the step and
+time of running out against the tightest limit: the process's cgroup memory.max, a configured
+limit, or the node's MemAvailable for host memory; the free memory of its GPUs for GPU memory.
+
+It also names the culprit when it can, the first of:
+1. `watched`: a buffer given to agent.watch() whose growth explains at least half of the leak
+   (or, when no watched buffer is sized, the one whose item count grows fastest);
+2. `discovered`: a container the agent's newest discovery pass names, with the same rule over
+   its sparse measurements;
+3. `traced`: for host memory, the top allocation site of a trace the process sent after the leak
+   opened, when its growth per step explains at least half of the leak.
+The reason says which ("buffer `x` explains it (watched)"); `details` carry the culprit, how it
+was found and, while a trace is asked for or once one came, the trace.
 
 Without an agent the same test runs on the poll samples, per second.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from statistics import median
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import finding, is_protected
-from gpuwatch.detectors.trend import Growth, growth, is_growing, may_grow
+from gpuwatch.detectors.trend import Growth, growth, is_growing, may_grow, median
 from gpuwatch.history import History, ProcessHistory, Series, StepSeries
-from gpuwatch.model import Finding, HostProcess, MemoryLimit, NodeSnapshot
+from gpuwatch.model import Finding, HostProcess, MemoryLimit, NodeSnapshot, TraceReport
 
 #: An item count must grow by at least this much per step, and by this share of itself, to call
 #: a buffer leaking by items: a bounded queue or cache jitters around its capacity.
@@ -30,6 +41,10 @@ _MIN_ITEMS_PER_STEP = 1.0
 _MIN_ITEMS_RELATIVE = 0.01
 #: A leak expected to run out within this many seconds is critical.
 _CRITICAL_WITHIN = 3600.0
+#: Discovery passes that must show a container growing before it is named.
+_DISCOVERED_POINTS = 4
+#: Allocation sites of a trace shown in a finding's details.
+_TRACE_SITES_SHOWN = 5
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
@@ -41,7 +56,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         if h is None:
             continue
         if h.steps is not None:
-            found = _by_step(p, h.steps, snapshot, config)
+            found = _by_step(p, h.steps, snapshot, history, config)
         elif p.holds_gpu:
             found = _by_time(p, h, snapshot, config)
         else:
@@ -50,7 +65,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             yield found
 
 
-def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot,
+def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history: History,
              config: DetectorConfig) -> Optional[Finding]:
     if not len(steps.times):
         return None
@@ -77,34 +92,56 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot,
                 if (g := test(s, _MIN_ITEMS_PER_STEP, _MIN_ITEMS_RELATIVE,
                               max(config.leak_min_points, 16)))}
     host = test(steps.rss, byte_min, relative)
-    gpu = test(steps.gpu, byte_min, relative) or test(steps.cuda, byte_min, relative)
+    # PyTorch's caching allocator keeps freed blocks reserved for reuse, so NVML's figure and
+    # torch's reserved one grow in steps while what tensors hold stays flat: where the process
+    # reports what is allocated, that alone decides.
+    if _reports(steps.cuda, config.leak_window):
+        gpu = test(steps.cuda, byte_min, relative)
+    else:
+        gpu = test(steps.gpu, byte_min, relative)
 
     # What grows, most consequential first: host memory, GPU memory, then a buffer alone.
-    if host is not None:
-        what, g, limit = "RSS", host, host_limit(p, snapshot, config)
-        culprit = _culprit(g, by_bytes, by_items)
-    elif gpu is not None:
-        what, g, limit = "GPU memory", gpu, gpu_limit(p, snapshot)
-        culprit = _culprit(g, by_bytes, by_items)
+    culprit: Optional[_Culprit]
+    trace = None
+    if host is not None or gpu is not None:
+        if host is not None:
+            what, g, limit = "RSS", host, host_limit(p, snapshot, config)
+        else:
+            assert gpu is not None
+            what, g, limit = "GPU memory", gpu, gpu_limit(p, snapshot)
+        trace = _trace_of(p, g, steps, snapshot, history)
+        culprit = (_watched(g, by_bytes, by_items)
+                   or _discovered(g, steps, config)
+                   # Python's allocations are host memory: they cannot explain a GPU's.
+                   or (_traced(g, trace) if what == "RSS" else None))
     elif by_bytes or by_items:
-        culprit, g = max((by_bytes or by_items).items(), key=lambda kv: kv[1].slope)
-        what = f"buffer `{culprit}`"
+        name, g = max((by_bytes or by_items).items(), key=lambda kv: kv[1].slope)
+        what = f"buffer `{name}`"
         limit = host_limit(p, snapshot, config) if by_bytes else None
+        culprit = _Culprit(name, "watched", _slope(by_bytes.get(name)),
+                           _slope(by_items.get(name)))
     else:
         return None
 
     details: dict[str, Any] = {
         "series": what, "unit": "step", "window_steps": [int(g.first_x), int(g.last_x)],
-        "culprit": culprit,
+        "culprit": culprit.name if culprit is not None else None,
+        "found_by": culprit.found_by if culprit is not None else None,
     }
-    if culprit not in by_bytes and what.startswith("buffer"):
+    if what.startswith("buffer") and not by_bytes:
         details["culprit_items_per_step"] = round(g.slope, 3)
     else:
         details["growth_bytes_per_step"] = round(g.slope)
-    if culprit in by_bytes:
-        details["culprit_bytes_per_step"] = round(by_bytes[culprit].slope)
-    if culprit in by_items:
-        details["culprit_items_per_step"] = round(by_items[culprit].slope, 3)
+    if culprit is not None:
+        if culprit.bytes_per_step is not None:
+            details["culprit_bytes_per_step"] = round(culprit.bytes_per_step)
+        if culprit.items_per_step is not None:
+            details["culprit_items_per_step"] = round(culprit.items_per_step, 3)
+    requested = snapshot.traces_pending.get(p.pid)
+    if requested is not None:
+        details["trace"] = _requested(requested)
+    elif trace is not None:
+        details["trace"] = _trace_details(trace)
 
     severity = "warning"
     if limit is not None and "growth_bytes_per_step" in details:
@@ -121,23 +158,141 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot,
         limit = None
     reason = f"{what} grows every step"
     if culprit is not None and not what.startswith("buffer"):
-        reason += f"; buffer `{culprit}` explains it"
+        reason += "; " + culprit.explains()
     if limit is not None:
         reason += f"; runs out against the {limit.source} limit"
     return _with_details(finding("leak", severity, p, reason), details)
 
 
-def _culprit(total: Growth, by_bytes: dict[str, Growth], by_items: dict[str, Growth]
-             ) -> Optional[str]:
+class _Culprit(NamedTuple):
+    name: str
+    found_by: str  # "watched" | "discovered" | "traced"
+    bytes_per_step: Optional[float]
+    items_per_step: Optional[float]
+
+    def explains(self) -> str:
+        if self.found_by == "traced":
+            return f"allocations at `{self.name}` explain it (traced)"
+        if self.found_by == "discovered":
+            return f"`{self.name}` explains it (discovered)"
+        return f"buffer `{self.name}` explains it (watched)"
+
+
+def _slope(g: Optional[Growth]) -> Optional[float]:
+    return g.slope if g is not None else None
+
+
+def _watched(total: Growth, by_bytes: dict[str, Growth], by_items: dict[str, Growth]
+             ) -> Optional[_Culprit]:
     """The buffer whose byte growth explains at least half of the total; else, when no buffer
     reports bytes, the one whose item count grows fastest."""
     explaining = {n: g for n, g in by_bytes.items() if g.slope >= 0.5 * total.slope}
     if explaining:
-        return max(explaining.items(), key=lambda kv: kv[1].slope)[0]
-    unsized = {n: g for n, g in by_items.items() if n not in by_bytes}
-    if unsized:
-        return max(unsized.items(), key=lambda kv: kv[1].slope)[0]
-    return None
+        name = max(explaining.items(), key=lambda kv: kv[1].slope)[0]
+    else:
+        unsized = {n: g for n, g in by_items.items() if n not in by_bytes}
+        if not unsized:
+            return None
+        name = max(unsized.items(), key=lambda kv: kv[1].slope)[0]
+    return _Culprit(name, "watched", _slope(by_bytes.get(name)), _slope(by_items.get(name)))
+
+
+def _discovered(total: Growth, steps: StepSeries, config: DetectorConfig
+                ) -> Optional[_Culprit]:
+    """Among the containers the agent's newest discovery pass named, the one whose byte growth
+    explains at least half of the total; else, when none of them is sized, the one whose item
+    count grows fastest.
+
+    The agent names its top growers without knowing what a leak is: a cache filling up to its
+    capacity is one for a while. Its own measurements decide, over the last few passes (four
+    points suffice: they are exact and sparse, not one per step)."""
+    names = [n for n in steps.discovered_latest if n in steps.discovered_items]
+    if not names:
+        return None
+
+    def rising(series: Series, min_slope: float, min_relative: float) -> Optional[Growth]:
+        g = growth(series.xs, series.ys, -math.inf, config.leak_window, _DISCOVERED_POINTS,
+                   exact=True)
+        return g if is_growing(g, min_slope, min_relative) else None
+
+    sized = [n for n in names if not math.isnan(steps.discovered_bytes[n].ys[-1])]
+    if sized:
+        by_bytes = {n: g for n in sized
+                    if (g := rising(steps.discovered_bytes[n], 0.5 * total.slope,
+                                    config.leak_min_relative))}
+        if not by_bytes:
+            return None
+        name, g = max(by_bytes.items(), key=lambda kv: kv[1].slope)
+        items = rising(steps.discovered_items[name], 0.0, 0.0)
+        return _Culprit(name, "discovered", g.slope, _slope(items))
+    by_items = {n: g for n in names
+                if (g := rising(steps.discovered_items[n], _MIN_ITEMS_PER_STEP,
+                                _MIN_ITEMS_RELATIVE))}
+    if not by_items:
+        return None
+    name, g = max(by_items.items(), key=lambda kv: kv[1].slope)
+    return _Culprit(name, "discovered", None, g.slope)
+
+
+def _trace_of(p: HostProcess, g: Growth, steps: StepSeries, snapshot: NodeSnapshot,
+              history: History) -> Optional[TraceReport]:
+    """The process's newest trace report, if it speaks about this leak: it came after the leak
+    opened, or while the growth the test found went on (a leak that closed for a poll and
+    opened again keeps the trace it asked for)."""
+    agent = snapshot.agents.get(p.pid)
+    trace = agent.trace if agent is not None else None
+    if trace is None:
+        return None
+    start = _time_at(steps, g.first_x)
+    opened = history.open_since(("leak", p.pid, p.start_time, ()))
+    if opened is not None:
+        start = min(start, opened)
+    return trace if trace.received_at >= start else None
+
+
+def _time_at(steps: StepSeries, step: float) -> float:
+    """When the process reported `step` (or the first step after it)."""
+    xs, ys = steps.times.xs, steps.times.ys
+    i = len(xs)
+    while i > 0 and xs[i - 1] >= step:
+        i -= 1
+    return ys[i] if i < len(ys) else math.inf
+
+
+def _traced(total: Growth, trace: Optional[TraceReport]) -> Optional[_Culprit]:
+    """The top allocation site of a finished trace, when its growth per step explains at least
+    half of the total."""
+    if trace is None or trace.status != "done" or not trace.steps or not trace.sites:
+        return None
+    top = max(trace.sites, key=lambda s: s.bytes)
+    per_step = top.bytes / trace.steps
+    if per_step < 0.5 * total.slope:
+        return None
+    return _Culprit(f"{top.file}:{top.line}", "traced", per_step, None)
+
+
+def _requested(steps: int) -> Mapping[str, Any]:
+    return MappingProxyType({"status": "requested", "why": "", "steps": steps, "sites": (),
+                             "traceback": ()})
+
+
+def _trace_details(trace: TraceReport) -> Mapping[str, Any]:
+    steps = trace.steps or 0
+    sites = sorted(trace.sites, key=lambda s: s.bytes, reverse=True)[:_TRACE_SITES_SHOWN]
+    return MappingProxyType({
+        "status": trace.status, "why": trace.why, "steps": trace.steps,
+        "sites": tuple(MappingProxyType({
+            "site": f"{s.file}:{s.line}",
+            "bytes_per_step": round(s.bytes / steps) if steps else None,
+            "count_per_step": round(s.count / steps, 3) if steps else None,
+        }) for s in sites),
+        "traceback": tuple(f"{file}:{line}" for file, line in trace.traceback),
+    })
+
+
+def _reports(series: Series, window: int) -> bool:
+    """Whether any of the newest `window` points of `series` is known."""
+    return any(not math.isnan(y) for y in series.ys[-window:])
 
 
 def _seconds_per_step(steps: StepSeries, g: Growth) -> Optional[float]:

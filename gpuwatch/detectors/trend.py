@@ -13,10 +13,20 @@ small rises outnumber its few large drops; block medians are not, and cost O(n l
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from statistics import median
 from typing import Optional
+
+
+def median(values: Iterable[float]) -> float:
+    """statistics.median, without importing statistics: it brings in decimal and fractions, half
+    a MiB of the daemon's resident memory for one function."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if not n:
+        raise ValueError("median of no values")
+    middle = n // 2
+    return ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 @dataclass(frozen=True)
@@ -50,16 +60,21 @@ def may_grow(xs: Sequence[float], ys: Sequence[float], window: int, min_slope: f
 
 
 def growth(xs: Sequence[float], ys: Sequence[float], after_x: float, window: int,
-           min_points: int) -> Optional[Growth]:
-    """The growth of y over the newest `window` points with x >= after_x (NaNs skipped)."""
+           min_points: int, *, exact: bool = False) -> Optional[Growth]:
+    """The growth of y over the newest `window` points with x >= after_x (NaNs skipped).
+
+    `exact` is for sparse measurements without allocator noise (the agent's discovery passes,
+    some steps apart): four points may do, each its own block while there are fewer than six,
+    so every one must rise above the one before.
+    """
     tail = max(0, len(xs) - 2 * window)  # only the newest points can be in the window
     pts = [(x, y) for x, y in zip(xs[tail:], ys[tail:])
            if x >= after_x and not math.isnan(y)][-window:]
-    if len(pts) < max(min_points, 6):
+    if len(pts) < max(min_points, 4 if exact else 6):
         return None
     # Three blocks of at least 2 points while the window is short, so a verdict comes early;
     # four once there is enough to keep each block's median robust.
-    blocks = 4 if len(pts) >= 16 else 3
+    blocks = 4 if len(pts) >= 16 else 3 if len(pts) >= 6 else len(pts)
     size = len(pts) // blocks
     pts = pts[len(pts) - size * blocks:]
     chunks = [pts[i:i + size] for i in range(0, len(pts), size)]

@@ -7,6 +7,7 @@ every field; bump SCHEMA_VERSION on any incompatible change.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from gpuwatch import __version__
@@ -101,8 +102,18 @@ def _finding(f: Finding) -> dict[str, Any]:
         "gpu_memory_bytes": f.gpu_memory_bytes,
         "reason": f.reason,
         "since": round(f.since, 3),
-        "details": dict(f.details),
+        "details": _plain(f.details),
     }
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON types: a finding's details may nest read-only mappings and tuples (a
+    leak's trace, its sites and traceback), which json cannot write as they are."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _agent(a: Optional[AgentReading]) -> Optional[dict[str, Any]]:
@@ -118,6 +129,9 @@ def _agent(a: Optional[AgentReading]) -> Optional[dict[str, Any]]:
         "rss_bytes": latest.rss_bytes if latest else None,
         "cuda_allocated_bytes": latest.cuda_allocated_bytes if latest else None,
         "cuda_reserved_bytes": latest.cuda_reserved_bytes if latest else None,
+        # Read with defaults: a step point from before these figures existed has none.
+        "cuda_active_bytes": getattr(latest, "cuda_active_bytes", None),
+        "cuda_allocations": getattr(latest, "cuda_allocations", None),
         "buffers": {name: {"items": b.items, "bytes": b.bytes}
                     for name, b in (latest.buffers.items() if latest else ())},
         "exit": dict(a.exit_report) if a.exit_report is not None else None,

@@ -39,6 +39,19 @@ def process_labels(pid: Optional[int], name: Optional[str], user: Optional[str],
     ]
 
 
+#: The longest culprit label value. A culprit is a qualified name or a traced `file:line`;
+#: cutting from the front keeps the line number and the innermost names, which tell it apart.
+CULPRIT_LABEL_MAX = 128
+
+
+def culprit_label(culprit: object) -> str:
+    """The `culprit` label value: empty when none, else at most CULPRIT_LABEL_MAX characters."""
+    text = str(culprit) if culprit else ""
+    if len(text) <= CULPRIT_LABEL_MAX:
+        return text
+    return "..." + text[-(CULPRIT_LABEL_MAX - 3):]
+
+
 def dropped_by_cap(report: NodeReport, cap: int) -> int:
     return max(0, len(processes_that_matter(report)) - cap)
 
@@ -201,14 +214,19 @@ class ReportCollector(Collector):
         yield bad
 
     def _leaks(self, report: NodeReport) -> Iterator[Metric]:
-        labels = [*PROCESS_LABELS, "series", "culprit"]
+        """One series per leaking process and metric: a leak finding is one per process, and
+        its culprit and how it was found are labels of that one series, not series of their
+        own."""
+        labels = [*PROCESS_LABELS, "series", "culprit", "found_by"]
         per_step, oom_step, per_second, oom_at = [], [], [], []
+        culprit_bytes, culprit_items = [], []
         for f in report.findings:
             if f.kind != "leak":
                 continue
             d = f.details
+            culprit = culprit_label(d.get("culprit"))
             key = [*process_labels(f.pid, f.name, f.user, f.job), str(d.get("series", "")),
-                   str(d.get("culprit") or "")]
+                   culprit, str(d.get("found_by") or "")]
             if "growth_bytes_per_step" in d:
                 per_step.append((key, float(d["growth_bytes_per_step"])))
             if "projected_oom_step" in d:
@@ -217,6 +235,10 @@ class ReportCollector(Collector):
                 per_second.append((key, float(d["growth_bytes_per_second"])))
             if "projected_oom_in_seconds" in d:
                 oom_at.append((key, report.snapshot.taken_at + d["projected_oom_in_seconds"]))
+            if culprit and d.get("culprit_bytes_per_step") is not None:
+                culprit_bytes.append((key, float(d["culprit_bytes_per_step"])))
+            if culprit and d.get("culprit_items_per_step") is not None:
+                culprit_items.append((key, float(d["culprit_items_per_step"])))
         yield _gauge("gpuwatch_leak_growth_bytes_per_step",
                      "Growth per training step of a leaking figure (RSS, GPU memory, a buffer).",
                      labels, per_step)
@@ -229,6 +251,13 @@ class ReportCollector(Collector):
         yield _gauge("gpuwatch_leak_projected_oom_timestamp_seconds",
                      "When a leak is projected to run out of memory (seconds since the epoch).",
                      labels, oom_at)
+        yield _gauge("gpuwatch_leak_culprit_bytes_per_step",
+                     "Growth per training step of what explains a leak (a watched buffer, a "
+                     "discovered container, a traced allocation site), where its bytes are "
+                     "known.", labels, culprit_bytes)
+        yield _gauge("gpuwatch_leak_culprit_items_per_step",
+                     "Items added per training step to the container that explains a leak, "
+                     "where it is counted.", labels, culprit_items)
 
     def _findings(self, findings: tuple[Finding, ...]) -> Iterator[Metric]:
         """The findings, with no free text among the labels of the series alerts are built on.

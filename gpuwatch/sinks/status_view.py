@@ -15,31 +15,115 @@ from gpuwatch.sources.jobs import WORKER_MARKER_KEYS
 from gpuwatch.units import human_bytes, human_duration, short_command
 
 
-def render_status(doc: dict[str, Any], width: int = 120) -> str:
+def render_status(doc: dict[str, Any], width: int = 120, verbose: bool = False) -> str:
+    """The table view; `verbose` adds what a leak's allocation trace found: its sites and the
+    traceback of the largest."""
     lines = [_header(doc), ""]
     lines += _gpu_table(doc)
     lines.append("")
     lines += _process_table(doc, width)
     if doc["findings"]:
-        lines += ["", *_findings_table(doc, width)]
+        lines += ["", *_findings_table(doc, width, verbose)]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _findings_table(doc: dict[str, Any], width: int) -> list[str]:
+def _findings_table(doc: dict[str, Any], width: int, verbose: bool = False) -> list[str]:
     rows: list[Sequence[str]] = [("FINDING", "SEVERITY", "PID", "NAME", "GPU MEMORY", "FOR",
                                   "REASON")]
+    notes: dict[int, list[str]] = {}
     for f in doc["findings"]:
         gpus = ",".join(map(str, f["gpus"]))
         memory = human_bytes(f["gpu_memory_bytes"]) if f["gpu_memory_bytes"] is not None else "-"
+        details = f.get("details") or {}
         rows.append((
             f["kind"], f["severity"],
             str(f["pid"]) if f["pid"] is not None else f"GPU {gpus}",
             f["name"] or "-",
             f"{gpus}:{memory}" if f["gpu_memory_bytes"] is not None and f["pid"] else memory,
             human_duration(doc["taken_at"] - f["since"]),
-            f["reason"] + _figures(f.get("details") or {}),
+            f["reason"] + _figures(details),
         ))
-    return [line[:width] if width > 0 else line for line in columns(rows)]
+        if f["kind"] == "leak":
+            notes[len(rows) - 1] = _leak_notes(details, verbose)
+    table = columns(rows)
+    # Notes sit under the reason they go with, so the columns to the left stay readable. They
+    # are never cut at the width as rows are: a culprit's name or a traceback's file cut short
+    # is of no use, wrapped it still is.
+    indent = " " * table[0].rindex("REASON")
+    out = []
+    for i, line in enumerate(table):
+        out.append(line[:width] if width > 0 else line)
+        out += [indent + note for note in notes.get(i, ())]
+    return out
+
+
+def _leak_notes(d: dict[str, Any], verbose: bool = False) -> list[str]:
+    """Lines under a leak's reason: its culprit and how it was found, with the culprit's own
+    growth (the reason is frozen as first given, these figures are not); what became of an
+    allocation trace; with `verbose`, the traced sites and the largest one's traceback."""
+    notes = []
+    if _culprit_shown(d):
+        found_by = f" ({d['found_by']})" if d.get("found_by") else ""
+        figures = []
+        if d.get("culprit_items_per_step") is not None:
+            figures.append(f"+{d['culprit_items_per_step']:g} items/step")
+        if d.get("culprit_bytes_per_step") is not None:
+            figures.append(f"~{human_bytes(d['culprit_bytes_per_step'])}/step")
+        notes.append(f"culprit `{d['culprit']}`{found_by}"
+                     + (f": {', '.join(figures)}" if figures else ""))
+    trace = d.get("trace")
+    if isinstance(trace, dict):
+        notes.append(_trace_phrase(trace, d.get("found_by"), verbose))
+        if verbose:
+            notes += _trace_detail(trace)
+    return notes
+
+
+def _culprit_shown(d: dict[str, Any]) -> bool:
+    """A culprit gets a line of its own, except when the leak is that buffer growing alone:
+    the reason names it already and its figures are the leak's."""
+    culprit = d.get("culprit")
+    return bool(culprit) and d.get("series") != f"buffer `{culprit}`"
+
+
+def _trace_phrase(trace: dict[str, Any], found_by: Optional[str], verbose: bool) -> str:
+    status, why = trace.get("status"), trace.get("why") or ""
+    if status == "requested":
+        return "tracing requested"
+    if status == "refused":
+        return "tracing refused by the process" + (f": {why}" if why else "")
+    if status == "failed":
+        return "tracing failed" + (f": {why}" if why else "")
+    if status != "done":
+        return f"tracing {status}"
+    phrase = f"traced {trace.get('steps') or '?'} steps"
+    sites = trace.get("sites") or []
+    if found_by is None:
+        phrase += ": no allocation site explains it"
+    if sites and found_by != "traced":
+        top = sites[0]
+        phrase += (f" (largest: `{top.get('site')}`, "
+                   f"~{human_bytes(top.get('bytes_per_step'))}/step)")
+    if trace.get("traceback") and not verbose:
+        phrase += "; `gpuwatch status -v` shows where it allocates"
+    return phrase
+
+
+def _trace_detail(trace: dict[str, Any]) -> list[str]:
+    sites = trace.get("sites") or []
+    lines = []
+    if sites:
+        lines.append("allocation sites, largest first:")
+        for site in sites:
+            count = site.get("count_per_step")
+            blocks = f", +{count:g} blocks/step" if isinstance(count, (int, float)) else ""
+            lines.append(f"  `{site.get('site')}`  ~{human_bytes(site.get('bytes_per_step'))}"
+                         f"/step{blocks}")
+    if trace.get("traceback"):
+        where = f" of `{sites[0].get('site')}`" if sites else ""
+        lines.append(f"traceback{where}, oldest call first:")
+        lines += [f"  {frame}" for frame in trace["traceback"]]
+    return lines
 
 
 def _header(doc: dict[str, Any]) -> str:
@@ -82,13 +166,14 @@ def _gpu_table(doc: dict[str, Any]) -> list[str]:
 
 
 def _figures(d: dict[str, Any]) -> str:
-    """A leak's figures, appended to its reason: growth, culprit's share, projected OOM."""
+    """A leak's figures, appended to its reason: growth and projected OOM (the culprit's share is
+    on a line of its own, see _leak_notes)."""
     parts = []
     if "growth_bytes_per_step" in d:
         parts.append(f"+{human_bytes(d['growth_bytes_per_step'])}/step")
     if "growth_bytes_per_second" in d:
         parts.append(f"+{human_bytes(d['growth_bytes_per_second'])}/s")
-    if "culprit_items_per_step" in d:
+    if "culprit_items_per_step" in d and not _culprit_shown(d):
         parts.append(f"+{d['culprit_items_per_step']:g} items/step")
     if "projected_oom_step" in d:
         oom = f"out of memory at step ~{d['projected_oom_step']}"

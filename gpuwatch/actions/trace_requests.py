@@ -1,0 +1,175 @@
+"""Asking an instrumented process to trace its allocations when its leak has no culprit.
+
+When neither a watched buffer nor a discovered container explains a host-memory leak, the agent
+in the leaking process can find where the memory goes: tracemalloc over a few steps, answered
+with the allocation sites that grew (docs/agent-protocol.md). Tracing slows the training loop
+while it runs, so the daemon asks sparingly:
+
+- only for a leak of RSS whose culprit is unknown (Python's allocations cannot explain GPU
+  memory), only a process whose agent can be answered (`AgentReading.can_reply`);
+- only once the leak has stayed unexplained for `agent.trace_after` seconds: discovery needs a
+  few passes to name a container, and a trace would otherwise slow the loop for a culprit about
+  to be named anyway;
+- at most once per process per `agent.trace_cooldown` seconds, whatever the outcome: sent,
+  failed (its queue full, its socket gone) or not made because `agent.tracing` is off;
+- at most `agent.trace_max_pending` requests awaiting an answer on the node. A request is
+  answered by the process's next trace report; one unanswered for `agent.trace_cooldown` seconds
+  stops counting as pending.
+
+Counted by result: `sent`, `failed`, `rate_limited` (held back by the pending limit: counted once
+until it goes out) and `disabled` (`agent.tracing` off: counted once per cooldown). A leak that
+stays unexplained is not counted again on every poll: the counts say what was decided, not how
+often it was looked at.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Callable, Optional, Protocol
+
+from gpuwatch.config import AgentConfig
+from gpuwatch.model import AgentReading, NodeReport, NodeSnapshot, TraceReport
+from gpuwatch.units import human_bytes
+
+log = logging.getLogger(__name__)
+
+SENT = "sent"
+FAILED = "failed"
+RATE_LIMITED = "rate_limited"
+DISABLED = "disabled"
+RESULTS = (SENT, FAILED, RATE_LIMITED, DISABLED)
+
+
+class TraceSender(Protocol):
+    def request_trace(self, pid: int, steps: int) -> bool: ...
+
+
+class _Pending:
+    __slots__ = ("previous", "sent_at", "steps")
+
+    def __init__(self, sent_at: float, steps: int, previous: Optional[TraceReport]) -> None:
+        self.sent_at = sent_at
+        self.steps = steps
+        #: The trace report the process had sent before: the answer is the next one.
+        self.previous = previous
+
+
+class TraceRequests:
+    """Decides which processes to ask for a trace after each poll's findings, and asks them.
+
+    `before_assess` settles the requests the poll's agent readings answer and puts those still
+    pending into the snapshot (the leak detector shows them as requested); `after_assess` asks
+    for new ones. `config` may be replaced on reload.
+    """
+
+    def __init__(self, sender: TraceSender, config: AgentConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sender = sender
+        self.config = config
+        self._clock = clock
+        self._pending: dict[int, _Pending] = {}
+        #: When each process was last asked (or found not to be askable), for the cooldown.
+        self._asked: dict[int, float] = {}
+        #: Processes the pending limit holds back, counted once as rate_limited until asked.
+        self._held: set[int] = set()
+        self._counts = dict.fromkeys(RESULTS, 0)
+
+    @property
+    def counts(self) -> Mapping[str, int]:
+        """Requests by result since start: sent, failed, rate_limited, disabled."""
+        return MappingProxyType(dict(self._counts))
+
+    @property
+    def pending(self) -> Mapping[int, int]:
+        """Processes asked and not answered yet: PID -> the steps asked for."""
+        return MappingProxyType({pid: p.steps for pid, p in self._pending.items()})
+
+    def before_assess(self, snapshot: NodeSnapshot) -> NodeSnapshot:
+        """Settle the requests this snapshot answers (or whose process is gone, or that waited
+        too long); the snapshot with those still pending in `traces_pending`."""
+        now = self._clock()
+        agents = snapshot.agents
+        for pid, request in list(self._pending.items()):
+            agent = agents.get(pid)
+            if agent is None:
+                del self._pending[pid]
+            elif agent.trace is not None and agent.trace != request.previous:
+                del self._pending[pid]
+                _log_answer(pid, _name(snapshot, pid), agent.trace)
+            elif now - request.sent_at >= self.config.trace_cooldown:
+                del self._pending[pid]
+                log.info("PID %d (%s) did not answer its trace request in %g s", pid,
+                         _name(snapshot, pid), self.config.trace_cooldown)
+        # Whatever is known of a process goes with it: a PID reused later starts afresh.
+        self._asked = {pid: at for pid, at in self._asked.items() if pid in agents}
+        self._held &= agents.keys()
+        return replace(snapshot, traces_pending=self.pending)
+
+    def after_assess(self, report: NodeReport) -> None:
+        """Ask the processes whose host-memory leak has no culprit, within the limits."""
+        config = self.config
+        now = self._clock()
+        agents = report.snapshot.agents
+        for f in report.findings:
+            if f.kind != "leak" or f.pid is None:
+                continue
+            details = f.details
+            if details.get("found_by") is not None or details.get("series") != "RSS":
+                continue
+            if f.since is not None and report.snapshot.taken_at - f.since < config.trace_after:
+                continue
+            pid = f.pid
+            agent = agents.get(pid)
+            if agent is None or not agent.can_reply or pid in self._pending:
+                continue
+            asked = self._asked.get(pid)
+            if asked is not None and now - asked < config.trace_cooldown:
+                continue
+            if not config.tracing:
+                self._asked[pid] = now
+                self._counts[DISABLED] += 1
+                continue
+            if len(self._pending) >= config.trace_max_pending:
+                if pid not in self._held:
+                    self._held.add(pid)
+                    self._counts[RATE_LIMITED] += 1
+                continue
+            self._held.discard(pid)
+            self._asked[pid] = now
+            self._request(pid, agent, report, now)
+
+    def _request(self, pid: int, agent: AgentReading, report: NodeReport, now: float) -> None:
+        steps = self.config.trace_steps
+        name = _name(report.snapshot, pid)
+        if self.sender.request_trace(pid, steps):
+            self._pending[pid] = _Pending(now, steps, agent.trace)
+            self._counts[SENT] += 1
+            log.info("asked PID %d (%s) to trace its allocations for %d steps: its RSS grows "
+                     "every step and nothing it reports explains it", pid, name, steps)
+        else:
+            self._counts[FAILED] += 1
+            log.info("could not ask PID %d (%s) to trace its allocations: the request could "
+                     "not be sent; trying again in %g s", pid, name, self.config.trace_cooldown)
+
+
+def _name(snapshot: NodeSnapshot, pid: int) -> str:
+    p = snapshot.processes.get(pid)
+    return (p.name if p is not None else None) or "?"
+
+
+def _log_answer(pid: int, name: str, trace: TraceReport) -> None:
+    if trace.status != "done":
+        log.info("PID %d (%s) answered its trace request: %s%s", pid, name, trace.status,
+                 f" ({trace.why})" if trace.why else "")
+        return
+    if not trace.sites or not trace.steps:
+        log.info("PID %d (%s) traced %s steps: no allocation site grew", pid, name,
+                 trace.steps or 0)
+        return
+    top = max(trace.sites, key=lambda s: s.bytes)
+    log.info("PID %d (%s) traced %d steps: top allocation site %s:%d, +%s/step", pid, name,
+             trace.steps, top.file, top.line, human_bytes(round(top.bytes / trace.steps)))

@@ -88,9 +88,8 @@ class StepSeries:
     discovery pass: they are sparse, each point a fresh measurement.
     """
 
-    __slots__ = ("buffer_bytes", "buffer_items", "capacity", "cuda", "cuda_reserved",
-                 "discovered_bytes", "discovered_items", "discovered_latest", "gpu", "rss",
-                 "times")
+    __slots__ = ("buffer_bytes", "buffer_items", "capacity", "cuda", "discovered_bytes",
+                 "discovered_items", "discovered_latest", "gpu", "rss", "times")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -98,8 +97,6 @@ class StepSeries:
         self.rss = Series(capacity)
         #: torch's allocated bytes: what tensors hold, which a GPU leak is decided on.
         self.cuda = Series(capacity)
-        #: torch's reserved bytes: the caching allocator's pool, allocated or not.
-        self.cuda_reserved = Series(capacity)
         #: NVML's figure at each poll, against the step the process had reached by then.
         self.gpu = Series(capacity)
         self.buffer_items: dict[str, Series] = {}
@@ -115,7 +112,6 @@ class StepSeries:
         self.times.add(step, point.at)
         self.rss.add(step, point.rss_bytes)
         self.cuda.add(step, point.cuda_allocated_bytes)
-        self.cuda_reserved.add(step, point.cuda_reserved_bytes)
         for name, size in point.buffers.items():
             for store, value in ((self.buffer_items, size.items), (self.buffer_bytes, size.bytes)):
                 series = store.get(name)

@@ -312,6 +312,9 @@ class MemoryLimit:
     available_bytes: int
 
 
+FindingIdentity = tuple[str, Optional[int], Optional[float], tuple[int, ...]]
+
+
 @dataclass(frozen=True)
 class Finding:
     """Something wrong on the node, with the evidence for it.
@@ -338,8 +341,15 @@ class Finding:
     details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
-    def identity(self) -> tuple[str, Optional[int], Optional[float], tuple[int, ...]]:
-        return (self.kind, self.pid, self.start_time, self.gpus if self.pid is None else ())
+    def identity(self) -> FindingIdentity:
+        return Finding.identity_of(self.kind, self.pid, self.start_time, self.gpus)
+
+    @staticmethod
+    def identity_of(kind: str, pid: Optional[int], start_time: Optional[float],
+                    gpus: tuple[int, ...] = ()) -> FindingIdentity:
+        """What tells one finding from another across polls: its kind and process, or for a
+        finding of no process (a ghost), its GPUs."""
+        return (kind, pid, start_time, gpus if pid is None else ())
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,26 @@ def running_job(tmp_path: Path, workers: int = 2,
         launcher.wait()
 
 
+@contextlib.contextmanager
+def killed_after(argv: list[str], env: Mapping[str, str], **popen: Any
+                 ) -> Iterator[subprocess.Popen[bytes]]:
+    """`argv` running for the length of the block, then killed and collected however it ends."""
+    proc = subprocess.Popen(argv, env=env, **popen)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def progress_step(progress: Path) -> Optional[int]:
+    """The step a training program last wrote to its progress file; None before the first."""
+    try:
+        return int(progress.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def terminate(proc: subprocess.Popen[Any], timeout: float = 15) -> None:
     """SIGTERM, then SIGKILL if it has not exited within `timeout`; waits either way."""
     if proc.poll() is None:

@@ -20,7 +20,7 @@ import pytest
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import running_daemon, value
-from tests.realprocs import GIB, MIB, status_json
+from tests.realprocs import GIB, MIB, killed_after, progress_step, status_json
 
 INTERVAL = 0.2
 WARMUP = 10
@@ -29,20 +29,9 @@ WARMUP = 10
 @contextmanager
 def trainer(env: dict[str, str], tmp_path: Path, *args: str) -> Iterator[tuple[int, Path]]:
     progress = tmp_path / f"progress-{time.monotonic_ns()}"
-    proc = subprocess.Popen([sys.executable, "-m", "gpuwatch.simulate.trainer",
-                             "--progress", str(progress), *args], env=env)
-    try:
+    with killed_after([sys.executable, "-m", "gpuwatch.simulate.trainer", "--progress",
+                       str(progress), *args], env) as proc:
         yield proc.pid, progress
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def step_of(progress: Path) -> Optional[int]:
-    try:
-        return int(progress.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def daemon_doc(env: dict[str, str]) -> dict[str, Any]:
@@ -118,7 +107,7 @@ def test_steady_sawtooth_and_plateauing_workers_raise_nothing_over_500_steps(
         progresses = [progress for _, progress in (steady, saw, flat)]
         seen_leaks = 0.0
         deadline = time.monotonic() + 60
-        while min(step_of(p) or 0 for p in progresses) < 499:
+        while min(progress_step(p) or 0 for p in progresses) < 499:
             assert time.monotonic() < deadline, "the trainers did not reach step 500"
             samples = daemon.scrape()
             seen_leaks = max(seen_leaks, value(samples, "gpuwatch_findings", kind="leak") or 0)
@@ -143,7 +132,7 @@ def test_gpu_memory_growing_every_step_alone_is_a_leak(
             allocation would: updated as soon as the trainer moves on."""
             seen = None
             while not done.wait(0.01):
-                step = step_of(progress)
+                step = progress_step(progress)
                 if step is not None and step != seen:
                     fake_node.hold(pid, device=0, used=GIB + step * 64 * MIB)
                     seen = step
@@ -173,9 +162,9 @@ def test_a_stall_is_flagged_after_the_threshold_and_cleared_when_steps_resume(
         stalled = wait_for("the stall", lambda: finding_of(daemon_doc(cli_env), "stalled", pid),
                            20, alive=daemon.proc)
         assert stalled["reason"].startswith("step 9 has not advanced since")
-        assert step_of(progress) == 9
+        assert progress_step(progress) == 9
         wait_for("steps to resume and the stall to clear", lambda: (
-            (step_of(progress) or 0) > 12
+            (progress_step(progress) or 0) > 12
             and finding_of(daemon_doc(cli_env), "stalled", pid) is None) or None, 20,
             alive=daemon.proc)
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import running_daemon
-from tests.realprocs import GIB, status_json
+from tests.realprocs import GIB, killed_after, progress_step, status_json
 
 WARMUP = 10
 STEP_SECONDS = 0.4  # two poll intervals: a late poll costs a step, not the verdict
@@ -120,20 +120,9 @@ def training(env: dict[str, str], tmp_path: Path, holder: str
              ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     program = write_program(tmp_path / "program", holder)
     progress = tmp_path / "progress"
-    proc = subprocess.Popen([sys.executable, str(program), str(progress)], env=env,
-                            cwd=program.parent)
-    try:
+    with killed_after([sys.executable, str(program), str(progress)], env,
+                      cwd=program.parent) as proc:
         yield proc, progress
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def step_of(progress: Path) -> Optional[int]:
-    try:
-        return int(progress.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def leak_of(env: dict[str, str], pid: int) -> Optional[dict[str, Any]]:
@@ -149,7 +138,7 @@ def _config(extra: str = "") -> str:
 def _named(env: dict[str, str], pid: int, progress: Path, found_by: str,
            culprits: list[str]) -> Optional[tuple[dict[str, Any], int]]:
     """The leak finding once its culprit is named `found_by`; every culprit seen on the way."""
-    step = step_of(progress)
+    step = progress_step(progress)
     leak = leak_of(env, pid)
     if leak is None or step is None:
         return None
@@ -178,7 +167,7 @@ def _discovered_culprit(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: 
         assert abs(leak["details"]["culprit_bytes_per_step"] - (8 << 20)) < 0.25 * (8 << 20)
         # Keep watching: the LRU (now full) and the scratch list are never blamed.
         deadline_step = step + 8
-        while (step_of(progress) or 0) < deadline_step and proc.poll() is None:
+        while (progress_step(progress) or 0) < deadline_step and proc.poll() is None:
             _named(cli_env, proc.pid, progress, "discovered", culprits)
             time.sleep(0.2)
     assert set(culprits) == {expected}, culprits

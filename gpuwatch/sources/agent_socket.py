@@ -351,30 +351,23 @@ class AgentReceiver:
                     raise _Rejected("bad_type")
                 allocated = _optional_int(cuda.get("allocated"))
                 reserved = _optional_int(cuda.get("reserved"))
-                # Absent from agents older than these figures: no call for them.
-                active = cuda.get("active")
-                if active is not None:
-                    active = _optional_int(active)
-                allocations = cuda.get("allocations")
-                if allocations is not None:
-                    allocations = _optional_int(allocations)
+                active = _optional_int(cuda.get("active"))
+                allocations = _optional_int(cuda.get("allocations"))
             raw_buffers = doc.get("buffers")
             buffers: Optional[dict[str, BufferSize]] = None
             if raw_buffers is not None:
-                if type(raw_buffers) is not dict:
-                    raise _Rejected("bad_type")
-                if len(raw_buffers) > MAX_BUFFERS:
-                    raise _Rejected("too_many_buffers")
                 # Read without the lock: only this thread adds names, and any set of names that
                 # were once valid is still a valid cache of the regex's answers.
                 agent = self._agents.get(pid)
-                buffers = _sizes(raw_buffers, agent.names if agent is not None else {}, _NAME)
+                buffers = _sizes(raw_buffers, MAX_BUFFERS, agent.names if agent is not None else {},
+                                 _NAME)
             raw_discovered = doc.get("discovered")
             discovered = None
             if raw_discovered is not None:
                 agent = self._agents.get(pid)
-                discovered = _discovered(raw_discovered,
-                                         agent.discovered_names if agent is not None else {})
+                discovered = _sizes(raw_discovered, MAX_DISCOVERED,
+                                    agent.discovered_names if agent is not None else {},
+                                    _DISCOVERED_NAME)
             exit_report = trace = None
             if kind != "step":
                 if kind == "exit":
@@ -521,17 +514,14 @@ class AgentReceiver:
 _TraceFields = tuple[str, str, Optional[int], tuple[TraceSite, ...], tuple[tuple[str, int], ...]]
 
 
-def _discovered(value: Any, known: Mapping[str, str]) -> dict[str, BufferSize]:
+def _sizes(value: Any, limit: int, known: Mapping[str, str], pattern: re.Pattern[str]
+           ) -> dict[str, BufferSize]:
+    """At most `limit` name -> {"items", "bytes"}, each name either `known` (accepted before)
+    or matching `pattern`."""
     if type(value) is not dict:
         raise _Rejected("bad_type")
-    if len(value) > MAX_DISCOVERED:
+    if len(value) > limit:
         raise _Rejected("too_many_buffers")
-    return _sizes(value, known, _DISCOVERED_NAME)
-
-
-def _sizes(value: dict[str, Any], known: Mapping[str, str], pattern: re.Pattern[str]
-           ) -> dict[str, BufferSize]:
-    """name -> {"items", "bytes"}, each name either `known` (accepted before) or matching."""
     sizes = {}
     for name, size in value.items():
         if name not in known and pattern.fullmatch(name) is None:
@@ -594,15 +584,10 @@ def _trace(value: Any) -> _TraceFields:
     steps = _optional_int(value.get("steps"))
     sites = tuple(TraceSite(_file(site.get("file")), _required_int(site.get("line")),
                             _required_int(site.get("bytes")), _required_int(site.get("count")))
-                  for site in _objects(value.get("sites"), MAX_TRACE_SITES))
+                  for site in _items(value.get("sites"), MAX_TRACE_SITES, dict))
     frames = tuple((_file(frame.get("file")), _required_int(frame.get("line")))
-                   for frame in _objects(value.get("traceback"), MAX_TRACEBACK))
+                   for frame in _items(value.get("traceback"), MAX_TRACEBACK, dict))
     return status, why, steps, sites, frames
-
-
-def _objects(value: Any, limit: int) -> list[dict[str, Any]]:
-    """A list of at most `limit` JSON objects (absent: none)."""
-    return _items(value, limit, dict)
 
 
 def _items(value: Any, limit: int, item_type: type) -> list[Any]:

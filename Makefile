@@ -27,17 +27,17 @@ run: $(STAMP)
 		exec $(BIN)/gpuwatch demo; \
 	fi
 
-# promtool, prometheus and alertmanager for the exporter, alert and end-to-end tests, from
-# Debian's packages.
+# promtool, prometheus and alertmanager for the exporter, alert and end-to-end tests, and tmux
+# for the terminal-UI tests of `gpuwatch top`, from Debian's packages.
 test-deps:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null \
-		&& command -v prometheus-alertmanager >/dev/null || { \
+		&& command -v prometheus-alertmanager >/dev/null && command -v tmux >/dev/null || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-				--no-install-recommends prometheus prometheus-alertmanager >/dev/null; \
+				--no-install-recommends prometheus prometheus-alertmanager tmux >/dev/null; \
 		else \
-			echo "make test: prometheus/promtool/alertmanager missing and cannot apt-get;" \
-				"those tests will skip"; \
+			echo "make test: prometheus/promtool/alertmanager/tmux missing and cannot" \
+				"apt-get; those tests will skip"; \
 		fi; }
 
 lint: $(STAMP)

@@ -32,7 +32,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "oneshot", "daemon_rss", "agent_step",
-           "agent_ingest", "run_overhead"]
+           "agent_ingest", "run_overhead", "top_cpu"]
 PACKAGES = ["gpuwatch", "nvidia-ml-py", "psutil", "prometheus-client", "nvitop",
             "nvitop-exporter", "gpustat"]
 
@@ -209,10 +209,23 @@ def run_overhead_rows(f: Figures) -> list[Row]:
     return rows
 
 
+def top_rows(f: Figures) -> list[Row]:
+    d, w, o = f["daemon"]["80x24"], f["daemon"]["300x60"], f["own_polls"]
+    return [
+        Row(f"`gpuwatch top` CPU, {f['processes']} GPU processes, a refresh every "
+            f"{f['interval_s']:g} s, from the daemon, 80x24 (300x60)",
+            f"{d['cpu_ms_per_refresh']:.1f} ms a refresh = {d['core_pct']:.2f}% of a core "
+            f"({w['core_pct']:.2f}%)", "< 2% of a core", d["core_pct"] < 2),
+        Row("`gpuwatch top` CPU, its own polls (no daemon)",
+            f"{o['cpu_ms_per_refresh']:.1f} ms a refresh = {o['core_pct']:.2f}% of a core"),
+        Row("`gpuwatch top`, a key that moves the selection", f"{f['key_ms']:.2f} ms"),
+    ]
+
+
 ROWS: dict[str, Callable[[Figures], list[Row]]] = {
     "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "oneshot": oneshot_rows,
     "daemon_rss": rss_rows, "agent_step": agent_step_rows, "agent_ingest": ingest_rows,
-    "run_overhead": run_overhead_rows,
+    "run_overhead": run_overhead_rows, "top_cpu": top_rows,
 }
 
 

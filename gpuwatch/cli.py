@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -38,9 +39,27 @@ app = typer.Typer(
     help="Which processes hold GPU memory on this node, which belong to jobs that are gone, "
          "and what leaks.",
     no_args_is_help=True,
-    add_completion=False,
+    # `gpuwatch --install-completion` (bash, zsh, fish): docs/cli.md.
+    add_completion=True,
     pretty_exceptions_enable=False,
+    # Plain help, as click formats it: paragraphs reflowed to the terminal, `\b` blocks (the
+    # exit-code tables) kept as written, the same on every Typer in the pinned range.
+    rich_markup_mode=None,
+    # Inherited by every subcommand's context: `gpuwatch status -h` as well as `gpuwatch -h`.
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def duration_option(text: str) -> float:
+    """A command-line duration: `30`, `30s`, `5m`, `1h30m` (gpuwatch.units.parse_duration)."""
+    from gpuwatch.units import parse_duration
+
+    if isinstance(text, (int, float)):  # a default given as a number
+        return float(text)
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _version(value: bool) -> None:
@@ -58,10 +77,10 @@ def _root(
 
 
 _CONFIG_OPTION = typer.Option(
-    None, "--config",
+    None, "--config", metavar="FILE",
     help="Config file (default $GPUWATCH_CONFIG, else /etc/gpuwatch/gpuwatch.toml).")
 _RUNTIME_OPTION = typer.Option(
-    None, "--runtime-dir", help="Where agent.sock and state.sock live "
+    None, "--runtime-dir", metavar="DIR", help="Where agent.sock and state.sock live "
     "(default $GPUWATCH_RUNTIME_DIR, else /run/gpuwatch).")
 
 
@@ -75,7 +94,8 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any]) -> Any:
         raise typer.Exit(EXIT_CONFIG) from None
 
 
-@app.command(epilog=STATUS_EXIT_CODES)
+@app.command(epilog=STATUS_EXIT_CODES,
+             short_help="GPUs and the process trees holding them, with findings.")
 def status(
     as_json: bool = typer.Option(False, "--json",
                                  help="Print the status document (docs/json.md)."),
@@ -83,61 +103,96 @@ def status(
     verbose: bool = typer.Option(False, "--verbose", "-v",
                                  help="Also the allocation sites a leak's trace found and the "
                                       "traceback of the largest."),
+    watch: bool = typer.Option(False, "--watch", "-w",
+                               help="Show it again every --interval until Ctrl+C, as `watch` "
+                                    "does (with --json: one document per line)."),
+    interval: float = typer.Option(2.0, "--interval", "-n", parser=duration_option,
+                                   metavar="DURATION", show_default=False,
+                                   help="With --watch, the time between refreshes: 1s, 500ms "
+                                        "(default 2s)."),
     runtime_dir: Optional[Path] = _RUNTIME_OPTION,
     config: Optional[Path] = _CONFIG_OPTION,
 ) -> None:
     """GPUs, and the processes holding their memory as trees with user, job and RSS.
 
     Uses the running daemon's view when its state socket answers, else polls once; the output
-    says which.
+    says which. On a terminal lines are fitted to its width and severities are coloured (not
+    with NO_COLOR set); piped or redirected, every line is written in full, without colour.
     """
+    cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
+    if interval < 0.1:
+        raise typer.BadParameter("at least 100ms", param_hint="'--interval'")
+    if not watch:
+        doc = _status_document(cfg, ask_daemon=not poll)
+        _print_status(doc, as_json, verbose)
+        raise typer.Exit(status_exit_code(doc))
+    raise typer.Exit(_watch_status(cfg, as_json, verbose, poll, interval))
+
+
+def _print_status(doc: dict[str, Any], as_json: bool, verbose: bool, *,
+                  watching: bool = False) -> None:
+    from gpuwatch.sinks.colour import wants_colour
     from gpuwatch.sinks.status_view import render_status
 
-    cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
-    doc = _status_document(cfg, ask_daemon=not poll)
+    tty = sys.stdout.isatty()
     if as_json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        # Indented for one document; when watching, one per line, for line-reading consumers.
+        text = json.dumps(doc, indent=None if watching else 2) + "\n"
     else:
-        sys.stdout.write(render_status(doc, width=shutil.get_terminal_size((160, 40)).columns,
-                                       verbose=verbose))
-    raise typer.Exit(status_exit_code(doc))
+        text = render_status(doc, width=shutil.get_terminal_size().columns if tty else 0,
+                             verbose=verbose, colour=wants_colour(sys.stdout))
+        if watching:
+            # On a terminal, home and clear before drawing, as `watch` does; piped, each view
+            # after a blank line.
+            text = "\033[H\033[2J" + text if tty else text + "\n"
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _watch_status(cfg: Any, as_json: bool, verbose: bool, poll: bool, interval: float) -> int:
+    """`status --watch`: redraw every `interval` on a terminal, append when piped (each view
+    after a blank line, each JSON document on a line of its own); Ctrl+C ends it with 0. Without
+    a daemon, its own polls keep one history, as top's do."""
+    import signal
+    import time
+
+    from gpuwatch.sinks.status_source import StatusSource
+
+    # Ctrl+C ends it even where the shell started it with SIGINT ignored (`cmd &` in a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StatusSource(cfg, force_poll=poll) as source:
+            while True:
+                started = time.monotonic()
+                _print_status(source(), as_json, verbose, watching=True)
+                time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def _status_document(cfg: Any, ask_daemon: bool) -> dict[str, Any]:
-    from gpuwatch.detectors import assess
-    from gpuwatch.history import History
-    from gpuwatch.poll import Poller
-    from gpuwatch.sinks.document import SOURCE_POLL, status_document
-    from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+    from gpuwatch.sinks.status_source import StatusSource
 
-    why = "--poll given"
-    if ask_daemon:
-        try:
-            return fetch_status(cfg.daemon.runtime_dir / STATE_SOCKET_NAME)
-        except StateUnavailable as exc:
-            why = str(exc)
-    poller = Poller(hostname=cfg.daemon.node_name or None)
-    try:
-        snapshot = poller.poll()
-    finally:
-        poller.close()
-    report = assess(snapshot, History(), cfg.detectors.for_single_poll())
-    return status_document(report, source=SOURCE_POLL, source_detail=why)
+    with StatusSource(cfg, force_poll=not ask_daemon, one_shot=True) as source:
+        return source()
 
 
-@app.command()
+@app.command(short_help="The node daemon: /metrics, the state and agent sockets.")
 def daemon(
     listen: Optional[str] = typer.Option(
-        None, "--listen", help="HOST:PORT for /metrics (default :9966, all interfaces)."),
-    interval: Optional[float] = typer.Option(None, "--interval", help="Seconds between polls."),
+        None, "--listen", metavar="HOST:PORT",
+        help="Where /metrics listens (default :9966, all interfaces)."),
+    interval: Optional[float] = typer.Option(
+        None, "--interval", parser=duration_option, metavar="DURATION",
+        help="Time between polls: 1s, 500ms (default 1s, or daemon.interval)."),
     config: Optional[Path] = _CONFIG_OPTION,
     runtime_dir: Optional[Path] = _RUNTIME_OPTION,
     state_dir: Optional[Path] = typer.Option(
-        None, "--state-dir", help="Where the audit log lives "
+        None, "--state-dir", metavar="DIR", help="Where the audit log lives "
         "(default $GPUWATCH_STATE_DIR, else /var/lib/gpuwatch)."),
-    log_format: Optional[str] = typer.Option(None, "--log-format", help="text or json."),
-    log_level: Optional[str] = typer.Option(None, "--log-level",
+    log_format: Optional[str] = typer.Option(None, "--log-format", metavar="FORMAT",
+                                             help="text or json."),
+    log_level: Optional[str] = typer.Option(None, "--log-level", metavar="LEVEL",
                                             help="debug, info, warning or error."),
 ) -> None:
     """The node daemon: polls NVML and /proc, serves Prometheus /metrics and the state socket.
@@ -163,20 +218,27 @@ Exit codes:
 """
 
 
-@app.command(epilog=REAP_EXIT_CODES)
+@app.command(epilog=REAP_EXIT_CODES,
+             short_help="End what holds GPU memory for jobs that are gone.")
 def reap(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; send nothing."),
     yes: bool = typer.Option(False, "--yes", help="Do not ask for confirmation."),
-    job: Optional[str] = typer.Option(None, "--job", help="Only this job's processes."),
-    pids: Optional[list[int]] = typer.Option(None, "--pid", help="Only this PID (repeatable)."),
+    job: Optional[str] = typer.Option(None, "--job", metavar="JOB",
+                                      help="Only this job's processes (its id, or SOURCE:ID)."),
+    pids: Optional[list[int]] = typer.Option(None, "--pid", metavar="PID",
+                                             help="Only this PID (repeatable)."),
     kinds: Optional[list[str]] = typer.Option(
-        None, "--kind", help="Finding kinds to act on (repeatable; default orphan, leftover, "
-                             "zombie)."),
-    user: Optional[str] = typer.Option(None, "--user", help="Only this user's processes."),
-    older_than: float = typer.Option(0.0, "--older-than", min=0,
-                                     help="Only findings open at least this many seconds."),
-    grace: Optional[float] = typer.Option(None, "--grace", min=0,
-                                          help="Seconds between SIGTERM and SIGKILL."),
+        None, "--kind", metavar="KIND",
+        help="Finding kinds to act on (repeatable; default orphan, leftover, zombie)."),
+    user: Optional[str] = typer.Option(None, "--user", metavar="USER",
+                                       help="Only this user's processes."),
+    older_than: float = typer.Option(0.0, "--older-than", parser=duration_option,
+                                     metavar="DURATION", show_default=False,
+                                     help="Only findings open at least this long: 90s, 5m, 2h."),
+    grace: Optional[float] = typer.Option(None, "--grace", parser=duration_option,
+                                          metavar="DURATION",
+                                          help="Time between SIGTERM and SIGKILL: 10s, 1m "
+                                               "(default reaper.grace)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan and results as JSON."),
     poll: bool = typer.Option(False, "--poll", help="Plan from one poll here even if a daemon "
                                                    "is running."),
@@ -257,6 +319,124 @@ def _daemon_pid(info: Path) -> Optional[int]:
     return pid if isinstance(pid, int) else None
 
 
+# `gpuwatch doctor`
+EXIT_DOCTOR_WARNINGS = 3
+EXIT_DOCTOR_FAILURES = 4
+
+DOCTOR_EXIT_CODES = f"""\b
+Exit codes:
+  {EXIT_OK}  every check ok (skipped ones count as ok)
+  {EXIT_ERROR}  gpuwatch itself failed
+  {EXIT_USAGE}  bad command-line usage (an unknown --check name included)
+  {EXIT_DOCTOR_WARNINGS}  at least one warning, no failure
+  {EXIT_DOCTOR_FAILURES}  at least one failure
+"""
+
+
+@app.command(epilog=DOCTOR_EXIT_CODES,
+             short_help="Check NVML, privileges, /proc, cgroups, the daemon, config, systemd.")
+def doctor(
+    as_json: bool = typer.Option(False, "--json",
+                                 help="Print the checks as JSON (docs/doctor.md)."),
+    only: Optional[list[str]] = typer.Option(
+        None, "--check", metavar="NAME",
+        help="Run only this check (repeatable): config, nvml, privileges, proc-mount, "
+             "pid-namespace, cgroups, daemon, agent-socket, metrics, systemd."),
+    timeout: float = typer.Option(2.0, "--timeout", parser=duration_option, metavar="DURATION",
+                                  show_default=False,
+                                  help="How long to wait for the daemon's sockets, its /metrics "
+                                       "and systemctl: 500ms, 5s (default 2s; at most 60s)."),
+    runtime_dir: Optional[Path] = _RUNTIME_OPTION,
+    config: Optional[Path] = _CONFIG_OPTION,
+) -> None:
+    """Check what gpuwatch depends on, and say what to do about each problem.
+
+    NVML and every GPU, this process's privileges, /proc's hidepid, the PID namespace, cgroups
+    and job attribution, the daemon and its version, the agent socket, /metrics, the
+    configuration, and the systemd unit. One line per check: ok, warn, fail or skip, what was
+    found, and for warn and fail what to do (docs/doctor.md). A bad configuration is a failed
+    check here, not exit 78: the other checks still run, with the defaults.
+    """
+    from gpuwatch.doctor import (
+        CHECK_NAMES,
+        FAIL,
+        WARN,
+        Context,
+        exit_status,
+        load_config_for_doctor,
+        run_checks,
+    )
+    from gpuwatch.sinks.colour import wants_colour
+    from gpuwatch.sinks.doctor_view import render_doctor
+
+    if not 0.1 <= timeout <= 60:
+        raise typer.BadParameter("between 100ms and 60s", param_hint="'--timeout'")
+    unknown = sorted(set(only or ()) - set(CHECK_NAMES))
+    if unknown:
+        typer.echo(f"gpuwatch doctor: unknown check {', '.join(unknown)}; checks: "
+                   + ", ".join(CHECK_NAMES), err=True)
+        raise typer.Exit(EXIT_USAGE)
+    loaded = load_config_for_doctor(config, runtime_dir)
+    ctx = Context(loaded.config, config_source=loaded.source, config_error=loaded.error,
+                  timeout=timeout)
+    checks = run_checks(ctx, only=frozenset(only or ()))
+    worst = exit_status(checks)
+    code = (EXIT_DOCTOR_FAILURES if worst == FAIL else EXIT_DOCTOR_WARNINGS if worst == WARN
+            else EXIT_OK)
+    doc = {"schema": 1, "gpuwatch_version": __version__,
+           "checks": [c.as_json() for c in checks], "exit_code": code}
+    if as_json:
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        sys.stdout.write(render_doctor(doc, colour=wants_colour(sys.stdout)))
+    raise typer.Exit(code)
+
+
+TOP_EXIT_CODES = f"""\b
+Exit codes (128+N for signal N, as a shell reports it):
+  {EXIT_OK}    quit with q
+  {EXIT_USAGE}    no terminal (use `gpuwatch status --watch` or `status --json`), or bad usage
+  130  Ctrl+C (SIGINT)
+  143  SIGTERM
+  129  SIGHUP: its terminal closed
+  {EXIT_CONFIG}   bad configuration
+"""
+
+
+@app.command(epilog=TOP_EXIT_CODES,
+             short_help="A live, full-screen view: GPUs, process trees, findings, reap.")
+def top(
+    interval: float = typer.Option(2.0, "--interval", "-n", parser=duration_option,
+                                   metavar="DURATION", show_default=False,
+                                   help="Time between refreshes: 1s, 500ms (default 2s)."),
+    poll: bool = typer.Option(False, "--poll",
+                              help="Poll here even if a daemon is running."),
+    runtime_dir: Optional[Path] = _RUNTIME_OPTION,
+    config: Optional[Path] = _CONFIG_OPTION,
+) -> None:
+    """A live view of the node, as htop and nvitop give it: GPUs with memory bars, the process
+    trees holding their memory with findings marked, and each process's RSS and GPU memory
+    over time.
+
+    Uses the running daemon's view when its state socket answers (asked again on every
+    refresh), else polls of its own; the header says which. Keys: arrows or j/k move, s sorts,
+    / filters by job or user, enter shows a process's details, r reaps an orphan, leftover or
+    zombie after showing the plan, q quits. docs/top.md has the rest.
+    """
+    from gpuwatch.runtime_dir import DAEMON_INFO_NAME
+    from gpuwatch.sinks.top import NO_TERMINAL, run_top
+
+    if interval < 0.1:
+        raise typer.BadParameter("at least 100ms", param_hint="'--interval'")
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        typer.echo(NO_TERMINAL, err=True)
+        raise typer.Exit(EXIT_USAGE)
+    cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
+    info = cfg.daemon.runtime_dir / DAEMON_INFO_NAME
+    raise typer.Exit(run_top(cfg, interval, force_poll=poll,
+                             daemon_pid=lambda: _daemon_pid(info)))
+
+
 DEMO_EXIT_CODES = """\b
 Exit codes (128+N for signal N, as a shell reports it):
   0    --duration ran out
@@ -267,16 +447,20 @@ Exit codes (128+N for signal N, as a shell reports it):
 """
 
 
-@app.command(epilog=DEMO_EXIT_CODES)
+@app.command(epilog=DEMO_EXIT_CODES, short_help="A simulated node with real jobs; no GPU needed.")
 def demo(
-    listen: str = typer.Option("127.0.0.1:9966", "--listen",
-                               help="HOST:PORT for the demo daemon's /metrics (another free "
+    listen: str = typer.Option("127.0.0.1:9966", "--listen", metavar="HOST:PORT",
+                               help="Where the demo daemon's /metrics listens (another free "
                                     "port is taken if this one is busy)."),
-    workers: int = typer.Option(2, "--workers", min=1, max=64, help="Workers in the job."),
+    workers: int = typer.Option(2, "--workers", min=1, max=64, metavar="N",
+                                help="Workers in the job (1-64)."),
     duration: Optional[float] = typer.Option(
-        None, "--duration", help="Stop after this many seconds (default: until Ctrl+C)."),
-    pace: float = typer.Option(5.0, "--pace", min=0.1,
-                               help="Seconds per step of the story (orphans, leftovers)."),
+        None, "--duration", parser=duration_option, metavar="DURATION",
+        help="Stop after this long: 90s, 10m (default: until Ctrl+C)."),
+    pace: float = typer.Option(5.0, "--pace", parser=duration_option, metavar="DURATION",
+                               show_default=False,
+                               help="Time per step of the story (orphans, leftovers); at "
+                                    "least 100ms (default 5s)."),
 ) -> None:
     """A simulated node with real jobs on fake GPUs, watched by the real daemon. No GPU needed.
 
@@ -286,11 +470,14 @@ def demo(
     """
     from gpuwatch.simulate.demo import run_demo
 
+    if pace < 0.1:
+        raise typer.BadParameter("at least 100ms", param_hint="'--pace'")
     raise typer.Exit(run_demo(listen, workers, duration, pace))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
-                                "help_option_names": []})
+                                "help_option_names": []},
+             short_help="Run a job so that nothing of it outlives it.")
 def run(ctx: typer.Context) -> None:
     """Run a job so that Ctrl+C, a crash or a finished trainer leaves nothing behind.
 
@@ -312,9 +499,17 @@ def status_exit_code(doc: dict[str, Any]) -> int:
 
 def main() -> None:
     try:
-        app()
+        # The name users type, also under `python -m gpuwatch`: usage lines and the completion
+        # script (its _GPUWATCH_COMPLETE variable) say `gpuwatch`.
+        app(prog_name="gpuwatch")
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:
+        # `gpuwatch status | head`: the reader has what it wanted. Nothing more is written (the
+        # interpreter's last flush would fail again and print a traceback).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(EXIT_OK)
 
 
 if __name__ == "__main__":

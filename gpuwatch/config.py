@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from gpuwatch.units import parse_duration
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.9/3.10 only
@@ -83,6 +85,31 @@ def _non_negative_float(v: Any) -> float:
     return f
 
 
+def _seconds(v: Any) -> float:
+    """A duration: a number of seconds, or a string with units ("30s", "5m", "1h30m")."""
+    if isinstance(v, str):
+        try:
+            return parse_duration(v)
+        except ValueError:
+            raise ValueError("a duration (seconds, or \"30s\", \"5m\")"
+                             ) from None
+    return float(v) if not isinstance(v, bool) else -1.0
+
+
+def _positive_seconds(v: Any) -> float:
+    f = _seconds(v)
+    if not 0 < f < float("inf"):
+        raise ValueError("a duration > 0 (seconds, or \"30s\", \"5m\")")
+    return f
+
+
+def _non_negative_seconds(v: Any) -> float:
+    f = _seconds(v)
+    if not 0 <= f < float("inf"):
+        raise ValueError("a duration >= 0 (seconds, or \"30s\", \"5m\")")
+    return f
+
+
 def _non_negative_int(v: Any) -> int:
     try:
         i = int(v) if not isinstance(v, (bool, float)) else -1
@@ -144,7 +171,7 @@ class DaemonConfig:
     listen: str = _setting(f":{DEFAULT_PORT}", _listen,
                            "address for /metrics; ':PORT' listens on all interfaces",
                            env="GPUWATCH_LISTEN")
-    interval: float = _setting(2.0, _positive_float, "seconds between polls",
+    interval: float = _setting(2.0, _positive_seconds, "seconds between polls",
                                env="GPUWATCH_INTERVAL")
     runtime_dir: Path = _setting(Path("/run/gpuwatch"), _path,
                                  "agent.sock and state.sock live here",
@@ -155,7 +182,7 @@ class DaemonConfig:
                                env="GPUWATCH_LOG_FORMAT")
     log_level: str = _setting("info", _one_of("debug", "info", "warning", "error"),
                               "log threshold", env="GPUWATCH_LOG_LEVEL")
-    nvml_retry_max: float = _setting(60.0, _positive_float,
+    nvml_retry_max: float = _setting(60.0, _positive_seconds,
                                      "longest wait between NVML re-initialisation attempts")
     state_socket_group: str = _setting("gpuwatch", str,
                                        "group allowed to read state.sock besides root")
@@ -182,21 +209,21 @@ class HistoryConfig:
 @dataclass(frozen=True)
 class DetectorConfig:
     leftover_grace: float = _setting(
-        60.0, _non_negative_float,
+        60.0, _non_negative_seconds,
         "seconds a job member may outlive the job's last trainer before it is a leftover")
     zombie_grace: float = _setting(
-        10.0, _non_negative_float, "seconds a process may stay defunct before it is a zombie")
+        10.0, _non_negative_seconds, "seconds a process may stay defunct before it is a zombie")
     unkillable_after: float = _setting(
-        60.0, _positive_float,
+        60.0, _positive_seconds,
         "seconds in uninterruptible sleep (D) before a process is unkillable")
     min_age: float = _setting(
-        10.0, _non_negative_float,
+        10.0, _non_negative_seconds,
         "a process younger than this is never an orphan from environment evidence alone")
     ghost_min_bytes: int = _setting(
         1 << 30, _positive_int,
         "used GPU memory no process accounts for, above which a GPU has a ghost finding")
     ghost_grace: float = _setting(
-        10.0, _non_negative_float,
+        10.0, _non_negative_seconds,
         "seconds GPU memory must stay unaccounted for (or a PID listed by NVML stay absent "
         "from /proc) before it is a ghost: a process exiting mid-poll leaves one for a poll")
     protected_names: tuple[str, ...] = _setting(
@@ -206,7 +233,7 @@ class DetectorConfig:
     protected_users: tuple[str, ...] = _setting(
         (), _names, "users whose processes are never reported (nor reaped)")
     stall_after: float = _setting(
-        600.0, _positive_float,
+        600.0, _positive_seconds,
         "seconds an instrumented process holding GPU memory may stay on one step")
     leak_warmup_steps: int = _setting(
         10, _non_negative_int, "steps ignored at the start of a run (allocations, caches, CoW)")
@@ -219,12 +246,12 @@ class DetectorConfig:
         0.001, _non_negative_float,
         "growth per step below this share of the current size is no leak")
     leak_warmup_seconds: float = _setting(
-        300.0, _non_negative_float,
+        300.0, _non_negative_seconds,
         "without an agent: seconds of a process's life ignored by the leak test")
     leak_min_bytes_per_second: float = _setting(
         64 << 10, _positive_float, "without an agent: growth per second below which no leak")
     leak_min_span_seconds: float = _setting(
-        600.0, _positive_float, "without an agent: shortest stretch of time to call a leak on")
+        600.0, _positive_seconds, "without an agent: shortest stretch of time to call a leak on")
     host_memory_limit_bytes: int = _setting(
         0, _non_negative_int,
         "a host-memory limit per process to project leaks against when no cgroup sets one "
@@ -238,7 +265,7 @@ class DetectorConfig:
 
 @dataclass(frozen=True)
 class ReaperConfig:
-    grace: float = _setting(10.0, _non_negative_float,
+    grace: float = _setting(10.0, _non_negative_seconds,
                             "seconds between SIGTERM and SIGKILL")
     allow_other_users: bool = _setting(
         True, _bool, "as root, signal other users' processes (a non-root caller never can)")
@@ -246,7 +273,7 @@ class ReaperConfig:
     auto_kinds: tuple[str, ...] = _setting(("orphan",), _names,
                                            "finding kinds the daemon may reap on its own")
     auto_after: float = _setting(
-        300.0, _non_negative_float,
+        300.0, _non_negative_seconds,
         "seconds a finding must stay open before the daemon reaps it on its own")
     auto_max_per_minute: int = _setting(10, _positive_int,
                                         "most processes the daemon reaps on its own a minute")
@@ -258,13 +285,13 @@ class AgentConfig:
         True, _bool, "ask instrumented processes whose leak has no culprit to trace their "
         "allocations (tracemalloc, for agent.trace_steps steps)", env="GPUWATCH_AGENT_TRACING")
     trace_after: float = _setting(
-        60.0, _non_negative_float,
+        60.0, _non_negative_seconds,
         "seconds a leak must stay without a watched or discovered culprit before its process is "
         "asked to trace")
     trace_steps: int = _setting(20, _int_between(1, 100),
                                 "training steps a process is asked to trace, 1 to 100")
     trace_cooldown: float = _setting(
-        900.0, _non_negative_float,
+        900.0, _non_negative_seconds,
         "seconds before the same process is asked to trace again; also how long a request "
         "may go unanswered")
     trace_max_pending: int = _setting(

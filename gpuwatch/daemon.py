@@ -8,6 +8,7 @@ SIGHUP reloads the configuration (a bad one is refused and the running one kept)
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -181,8 +182,7 @@ class Daemon:
             self._install_signal_handlers()
             host, port = split_listen(d.listen)
             try:
-                self._http, _ = start_http_server(port, addr=host or "0.0.0.0",
-                                                  registry=self.registry)
+                self._http, _ = self._listen(host, port)
                 bound_port = self._http.server_address[1]
                 self.metrics_url = f"http://{_url_host(host)}:{bound_port}/metrics"
                 self._state_server = StateServer(runtime_dir / STATE_SOCKET_NAME,
@@ -206,6 +206,26 @@ class Daemon:
             os.close(lock)
         log.info("stopped")
         return 0
+
+    def _listen(self, host: str, port: int) -> Any:
+        address = f"{_url_host(host) if host else '0.0.0.0'}:{port}"
+        try:
+            return start_http_server(port, addr=host or "0.0.0.0", registry=self.registry)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(exc.errno, f"cannot serve /metrics on {address}: the address is "
+                              "already in use (another gpuwatch daemon, or an exporter, holds "
+                              "it); choose another with --listen HOST:PORT or daemon.listen "
+                              "in the config file") from None
+            if exc.errno == errno.EACCES:
+                raise OSError(exc.errno, f"cannot serve /metrics on {address}: permission "
+                              "denied (ports below 1024 need root); choose another with "
+                              "--listen HOST:PORT") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise OSError(exc.errno, f"cannot serve /metrics on {address}: no interface "
+                              "of this machine has that address; check --listen HOST:PORT"
+                              ) from None
+            raise
 
     def stop(self) -> None:
         self._stop.set()
@@ -435,7 +455,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"gpuwatch daemon: {exc}", file=sys.stderr)
         return EXIT_ALREADY_RUNNING
     except OSError as exc:  # the port or a directory is not ours to take
-        print(f"gpuwatch daemon: {exc}", file=sys.stderr)
+        print(f"gpuwatch daemon: {exc.strerror or exc}", file=sys.stderr)
         return 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from collections.abc import Sequence
 from typing import Optional
 
@@ -18,6 +19,32 @@ def human_bytes(n: Optional[int]) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
+                   "d": 86400.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in `text`: `30`, `30s`, `1.5m`, `500ms`, `2h`, `1d`, or parts added up (`1m30s`),
+    as `sleep`, `timeout` and Prometheus take them. A bare number is seconds. Raises ValueError
+    with a message that says what is accepted."""
+    cleaned = text.strip().lower()
+    total, at = 0.0, 0
+    while at < len(cleaned):
+        match = _DURATION_PART.match(cleaned, at)
+        if match is None or (match.group(2) and match.group(2) not in _DURATION_UNITS) or (
+                not match.group(2) and (at, match.end()) != (0, len(cleaned))):
+            raise ValueError(f"{text!r} is not a duration: give seconds (30), or a number with "
+                             "a unit (500ms, 30s, 5m, 2h, 1d, 1m30s)")
+        total += float(match.group(1)) * _DURATION_UNITS.get(match.group(2), 1.0)
+        at = match.end()
+        while at < len(cleaned) and cleaned[at] == " ":
+            at += 1
+    if not cleaned:
+        raise ValueError("an empty duration: give seconds (30), or a number with a unit (30s, 5m)")
+    return total
 
 
 def clock_time(epoch: float) -> str:

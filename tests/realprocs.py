@@ -94,3 +94,15 @@ def status_json(env: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
 
 def processes_by_pid(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {p["pid"]: p for p in doc["processes"]}
+
+
+def real_nvml_present() -> bool:
+    """Whether this machine has NVIDIA's own libnvidia-ml.so.1, which a test of "no library"
+    cannot hide."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True

@@ -34,8 +34,9 @@ def test_the_config_variable_names_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "named"), [
     ("[daemon]\nintervall = 2\n", "daemon.intervall: unknown key"),
     ("[deamon]\ninterval = 2\n", "deamon: unknown section"),
-    ("[daemon]\ninterval = -1\n", "daemon.interval: expected a number > 0, got -1"),
-    ("[daemon]\ninterval = \"soon\"\n", "daemon.interval: expected a number > 0"),
+    ("[daemon]\ninterval = -1\n", 'daemon.interval: expected a duration > 0 (seconds, or "30s", '
+                                   '"5m"), got -1'),
+    ("[daemon]\ninterval = \"soon\"\n", "daemon.interval: expected a duration (seconds, or"),
     ("[daemon]\nlisten = \"localhost\"\n", "daemon.listen: expected HOST:PORT"),
     ("[daemon]\nlog_format = \"xml\"\n", "daemon.log_format: expected one of text, json"),
     ("[exporter]\nmax_process_series = 0\n", "exporter.max_process_series: expected an integer"),
@@ -79,3 +80,15 @@ def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "gpuwatch.toml"
     path.write_text(text)
     return path
+
+
+def test_durations_take_units_in_the_file_and_in_variables(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[daemon]\ninterval = "500ms"\n[detectors]\nleftover_grace = "2m"\n'
+                            '[agent]\ntrace_cooldown = "1h30m"\n')
+    cfg = load_config(path, environ={})
+    assert (cfg.daemon.interval, cfg.detectors.leftover_grace, cfg.agent.trace_cooldown) == (
+        0.5, 120.0, 5400.0)
+    assert load_config(path, environ={"GPUWATCH_INTERVAL": "2s"}).daemon.interval == 2.0
+    # A ratio is not a duration.
+    with pytest.raises(ConfigError, match="leak_min_relative"):
+        load_config(_write(tmp_path, '[detectors]\nleak_min_relative = "5m"\n'), environ={})

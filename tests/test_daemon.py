@@ -163,7 +163,7 @@ def test_a_bad_config_at_start_exits_78_naming_the_key(cli_env: dict[str, str],
     bad.write_text("[daemon]\ninterval = 0\n")
     result = gpuwatch(["daemon", "--config", str(bad)], cli_env, timeout=30)
     assert result.returncode == EXIT_CONFIG
-    assert "daemon.interval: expected a number > 0, got 0" in result.stderr
+    assert "daemon.interval: expected a duration > 0" in result.stderr
     assert str(bad) in result.stderr
 
 

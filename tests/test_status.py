@@ -17,7 +17,15 @@ from gpuwatch.sinks.document import status_document
 from gpuwatch.sinks.status_view import render_status
 from gpuwatch.units import short_command
 from tests import leakreports
-from tests.realprocs import GIB, MIB, gpuwatch, processes_by_pid, running_job, status_json
+from tests.realprocs import (
+    GIB,
+    MIB,
+    gpuwatch,
+    processes_by_pid,
+    real_nvml_present,
+    running_job,
+    status_json,
+)
 
 
 def test_launcher_and_two_workers_show_as_one_tree_with_memory_per_gpu_and_the_job(
@@ -62,7 +70,7 @@ def test_launcher_and_two_workers_show_as_one_tree_with_memory_per_gpu_and_the_j
 
 def test_without_any_nvml_library_status_says_so_and_still_shows_worker_processes(
         tmp_path: Path, cli_env: dict[str, str]) -> None:
-    if _real_nvml_present():
+    if real_nvml_present():
         pytest.skip("this machine has a real libnvidia-ml.so.1")
     env = {k: v for k, v in cli_env.items() if k not in ("LD_LIBRARY_PATH", fakenvml.STATE_ENV)}
     with running_job(tmp_path, workers=1) as job:
@@ -186,16 +194,6 @@ def _unused_pid() -> int:
         if not Path(f"/proc/{pid}").exists():
             return pid
     raise AssertionError("no free PID")
-
-
-def _real_nvml_present() -> bool:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return False
-    return True
 
 
 def test_a_command_reads_by_program_name_and_a_script_by_its_own_name() -> None:

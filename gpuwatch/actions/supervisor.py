@@ -1,7 +1,7 @@
 """`gpuwatch run`: launch a job so that its end (Ctrl+C, a crash, a finished trainer) leaves
 nothing behind.
 
-    gpuwatch run [--grace S] [--job-name NAME] [--keep-helpers] [--json FILE] -- COMMAND...
+    gpuwatch run [--grace DURATION] [--job-name NAME] [--keep-helpers] [--json FILE] -- COMMAND...
 
 The supervisor owns the job's whole process tree:
 - it is a child subreaper, so every process of the job, one that double-forks or calls setsid()
@@ -49,7 +49,7 @@ from gpuwatch.sinks.run_view import render_run
 from gpuwatch.sources.jobs import RUN_ID_KEY, RUN_SUPERVISOR_KEY
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource, ProcStat
-from gpuwatch.units import short_command
+from gpuwatch.units import parse_duration, short_command
 
 #: Variables every process of the job inherits: the job's id, and the supervisor's identity
 #: (what the daemon reads: gpuwatch.sources.jobs).
@@ -608,10 +608,10 @@ def _job_id(command: Sequence[str]) -> str:
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError("a number of seconds >= 0")
-    return value
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 EPILOG = f"""\
@@ -633,9 +633,10 @@ def parser() -> argparse.ArgumentParser:
                     "behind: every process it starts is ended, by identity, and NVML is read "
                     "to check its GPU memory was released.",
         epilog=EPILOG)
-    p.add_argument("--grace", type=_seconds, default=DEFAULT_GRACE, metavar="SECONDS",
+    p.add_argument("--grace", type=_seconds, default=DEFAULT_GRACE, metavar="DURATION",
                    help="after a stop signal, or once the command exited with processes "
-                        f"left, this long before SIGTERM and SIGKILL (default {DEFAULT_GRACE:g})")
+                        "left, this long before SIGTERM and SIGKILL (30s, 1m; default "
+                        f"{DEFAULT_GRACE:g}s)")
     p.add_argument("--job-name", metavar="NAME",
                    help="the job's id, shown by the daemon as run:NAME (default: the "
                         "command's name and a random suffix)")

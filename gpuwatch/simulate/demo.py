@@ -435,6 +435,7 @@ run {c.run_id}
   metrics  {sim.metrics_url}
   status   GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {shown} status
   JSON     GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {shown} status --json
+  top      GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {shown} top
 
 What happens:
   after {3 * pace:g} s  job B's trainer finishes; {2 * pace:g} s later its helpers are leftovers

@@ -8,26 +8,52 @@ and listed with their reasons below it.
 from __future__ import annotations
 
 import datetime as _dt
-from collections.abc import Collection, Iterable, Sequence
+import textwrap
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Optional
 
+from gpuwatch.sinks.colour import paint
 from gpuwatch.sources.jobs import WORKER_MARKER_KEYS
 from gpuwatch.units import human_bytes, human_duration, short_command
 
 
-def render_status(doc: dict[str, Any], width: int = 120, verbose: bool = False) -> str:
-    """The table view; `verbose` adds what a leak's allocation trace found: its sites and the
-    traceback of the largest."""
-    lines = [_header(doc), ""]
-    lines += _gpu_table(doc)
+def render_status(doc: dict[str, Any], width: int = 120, verbose: bool = False,
+                  colour: bool = False) -> str:
+    """The table view, each line cut at `width` (0: never cut, for a pipe or a file); `verbose`
+    adds what a leak's allocation trace found: its sites and the traceback of the largest;
+    `colour` paints severities and finding markers with ANSI colours."""
+    lines = [*_wrap(_header(doc), width), ""]
+    lines += [_fit(line, width) for line in _gpu_table(doc)]
     lines.append("")
-    lines += _process_table(doc, width)
+    lines += _process_table(doc, width, colour)
     if doc["findings"]:
-        lines += ["", *_findings_table(doc, width, verbose)]
+        lines += ["", *_findings_table(doc, width, verbose, colour)]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _findings_table(doc: dict[str, Any], width: int, verbose: bool = False) -> list[str]:
+def _wrap(text: str, width: int) -> list[str]:
+    """Sentences are wrapped, not cut: the end of one (a socket's path, why NVML failed) is
+    what the reader needs."""
+    if width <= 0:
+        return text.splitlines()
+    return [wrapped for line in text.splitlines()
+            for wrapped in textwrap.wrap(line, width, subsequent_indent="  ") or [""]]
+
+
+def _fit(line: str, width: int) -> str:
+    return line[:width] if width > 0 else line
+
+
+def _paint_cell(line: str, at: int, cell: str, style: str) -> str:
+    """`line` with `cell`, which starts at column `at`, painted; only where the whole cell is
+    still on the (possibly cut) line, so an escape sequence is never cut in half."""
+    if line[at:at + len(cell)] != cell:
+        return line
+    return line[:at] + paint(cell, style) + line[at + len(cell):]
+
+
+def _findings_table(doc: dict[str, Any], width: int, verbose: bool = False,
+                    colour: bool = False) -> list[str]:
     rows: list[Sequence[str]] = [("FINDING", "SEVERITY", "PID", "NAME", "GPU MEMORY", "FOR",
                                   "REASON")]
     notes: dict[int, list[str]] = {}
@@ -41,23 +67,27 @@ def _findings_table(doc: dict[str, Any], width: int, verbose: bool = False) -> l
             f["name"] or "-",
             f"{gpus}:{memory}" if f["gpu_memory_bytes"] is not None and f["pid"] else memory,
             human_duration(doc["taken_at"] - f["since"]),
-            f["reason"] + _figures(details),
+            f["reason"] + finding_figures(details),
         ))
         if f["kind"] == "leak":
-            notes[len(rows) - 1] = _leak_notes(details, verbose)
+            notes[len(rows) - 1] = leak_notes(details, verbose)
     table = columns(rows)
     # Notes sit under the reason they go with, so the columns to the left stay readable. They
     # are never cut at the width as rows are: a culprit's name or a traceback's file cut short
     # is of no use, wrapped it still is.
     indent = " " * table[0].rindex("REASON")
+    severity_at = table[0].index("SEVERITY")
     out = []
     for i, line in enumerate(table):
-        out.append(line[:width] if width > 0 else line)
+        line = _fit(line, width)
+        if colour and i > 0:
+            line = _paint_cell(line, severity_at, rows[i][1], rows[i][1])
+        out.append(line)
         out += [indent + note for note in notes.get(i, ())]
     return out
 
 
-def _leak_notes(d: dict[str, Any], verbose: bool = False) -> list[str]:
+def leak_notes(d: dict[str, Any], verbose: bool = False) -> list[str]:
     """Lines under a leak's reason: its culprit and how it was found, with the culprit's own
     growth (the reason is frozen as first given, these figures are not); what became of an
     allocation trace; with `verbose`, the traced sites and the largest one's traceback."""
@@ -165,9 +195,9 @@ def _gpu_table(doc: dict[str, Any]) -> list[str]:
     return columns(rows, right={0, 3, 4, 5})
 
 
-def _figures(d: dict[str, Any]) -> str:
+def finding_figures(d: dict[str, Any]) -> str:
     """A leak's figures, appended to its reason: growth and projected OOM (the culprit's share is
-    on a line of its own, see _leak_notes)."""
+    on a line of its own, see leak_notes)."""
     parts = []
     if "growth_bytes_per_step" in d:
         parts.append(f"+{human_bytes(d['growth_bytes_per_step'])}/step")
@@ -192,31 +222,44 @@ def _memory_cell(used: Optional[int], total: Optional[int]) -> str:
     return f"{human_bytes(used)} / {human_bytes(total)} ({share:.0f}%)"
 
 
-def _process_table(doc: dict[str, Any], width: int) -> list[str]:
+def _process_table(doc: dict[str, Any], width: int, colour: bool = False) -> list[str]:
     procs = {p["pid"]: p for p in doc["processes"]}
     kinds: dict[int, list[str]] = {}
+    severities: dict[int, list[str]] = {}
     for f in doc["findings"]:
         if f["pid"] is not None:
             kinds.setdefault(f["pid"], []).append(f["kind"])
-    shown = _shown_pids(procs, doc["nvml"]["available"], set(kinds))
+            severities.setdefault(f["pid"], []).append(f["severity"])
+    shown = shown_pids(procs, doc["nvml"]["available"], set(kinds))
     if not shown:
         return ["no process holds GPU memory" if doc["nvml"]["available"]
                 else "no process looks like GPU work (no /dev/nvidia* holder, no rank variables)"]
     rows: list[Sequence[str]] = [("PID", "USER", "JOB", "STATE", "RSS", "GPU MEMORY", "COMMAND")]
-    for depth_prefix, p in _walk_trees(procs, shown):
+    pids: list[int] = []
+    for depth_prefix, p in walk_trees(procs, shown):
+        pids.append(p["pid"])
         rows.append((
             depth_prefix + str(p["pid"]),
             p["user"] or "?",
-            _job_cell(p["job"]),
+            job_cell(p["job"]),
             p["state"] or "-",
             human_bytes(p["rss_bytes"]) if p["rss_bytes"] is not None else "-",
-            _gpu_cell(p),
-            "".join(f"[{k}] " for k in kinds.get(p["pid"], ())) + _command_cell(p, procs, shown),
+            gpu_cell(p),
+            "".join(f"[{k}] " for k in kinds.get(p["pid"], ())) + command_cell(p, procs, shown),
         ))
-    return [line[:width] if width > 0 else line for line in columns(rows)]
+    table = [_fit(line, width) for line in columns(rows)]
+    if colour:
+        command_at = table[0].index("COMMAND")
+        for i, pid in enumerate(pids, start=1):
+            at = command_at
+            for kind, severity in zip(kinds.get(pid, ()), severities.get(pid, ())):
+                marker = f"[{kind}]"
+                table[i] = _paint_cell(table[i], at, marker, severity)
+                at += len(marker) + 1 + len(paint("", severity))
+    return table
 
 
-def _shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool,
+def shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool,
                 flagged: set[int]) -> set[int]:
     """Each GPU holder (and each process with a finding) with its chain up to its job root.
 
@@ -239,18 +282,21 @@ def _shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool,
     return shown
 
 
-def _walk_trees(procs: dict[int, dict[str, Any]], shown: set[int]
+def walk_trees(procs: dict[int, dict[str, Any]], shown: set[int],
+                key: Optional[Callable[[int], Any]] = None
                 ) -> Iterable[tuple[str, dict[str, Any]]]:
+    """Each tree depth first, as (prefix drawing its branch, process); roots and siblings in
+    PID order, or by `key` (`gpuwatch top` sorts by a figure, keeping the trees whole)."""
     children: dict[int, list[int]] = {}
     for pid in shown:
         children.setdefault(procs[pid]["ppid"] or 0, []).append(pid)
-    roots = sorted(pid for pid in shown if procs[pid]["ppid"] not in shown)
+    roots = sorted((pid for pid in shown if procs[pid]["ppid"] not in shown), key=key)
 
     def walk(pid: int, prefix: str, is_last: bool, is_root: bool
              ) -> Iterable[tuple[str, dict[str, Any]]]:
         branch = "" if is_root else ("└─ " if is_last else "├─ ")
         yield prefix + branch, procs[pid]
-        kids = sorted(children.get(pid, ()))
+        kids = sorted(children.get(pid, ()), key=key)
         below = prefix + ("" if is_root else ("   " if is_last else "│  "))
         for i, kid in enumerate(kids):
             yield from walk(kid, below, i == len(kids) - 1, False)
@@ -259,17 +305,17 @@ def _walk_trees(procs: dict[int, dict[str, Any]], shown: set[int]
         yield from walk(root, "", True, True)
 
 
-def _job_cell(job: Optional[dict[str, Any]]) -> str:
+def job_cell(job: Optional[dict[str, Any]]) -> str:
     return f"{job['source']}:{job['id']}" if job else "-"
 
 
-def _gpu_cell(p: dict[str, Any]) -> str:
+def gpu_cell(p: dict[str, Any]) -> str:
     if not p["gpus"]:
         return "-"
     return " ".join(f"{u['index']}:{human_bytes(u['memory_bytes'])}" for u in p["gpus"])
 
 
-def _command_cell(p: dict[str, Any], procs: dict[int, dict[str, Any]], shown: set[int]) -> str:
+def command_cell(p: dict[str, Any], procs: dict[int, dict[str, Any]], shown: set[int]) -> str:
     if not p["in_procfs"]:
         return "(not in /proc: exited, or another PID namespace)"
     command = short_command(p["name"], p["cmdline"])
@@ -288,3 +334,4 @@ def columns(rows: Sequence[Sequence[str]], right: Collection[int] = ()
         cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)]
         out.append("  ".join(cells).rstrip())
     return out
+

@@ -1,0 +1,45 @@
+"""The human view of `gpuwatch doctor`: one line per check, what to do under each problem, and a
+one-line count at the end.
+
+It renders the same document `gpuwatch doctor --json` prints, so both views always agree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpuwatch.sinks.colour import paint
+
+_STATUS_WIDTH = 4
+
+
+def render_doctor(doc: Mapping[str, Any], colour: bool = False) -> str:
+    """`colour`: the status words in colour (gpuwatch.sinks.colour.wants_colour decides)."""
+    checks: Sequence[Mapping[str, Any]] = doc["checks"]
+    name_width = max((len(c["name"]) for c in checks), default=0)
+    indent = " " * (_STATUS_WIDTH + 2 + name_width + 2)
+    lines = []
+    for c in checks:
+        status = f"{c['status']:<{_STATUS_WIDTH}}"
+        if colour:
+            # Padded before painting: escape codes take no columns but count as characters.
+            status = paint(status, c["status"])
+        lines.append(f"{status}  {c['name']:<{name_width}}  {c['summary']}")
+        if c.get("fix") and c["status"] in ("warn", "fail"):
+            lines.append(f"{indent}→ {c['fix']}")
+    lines += ["", summary_line(checks)]
+    return "\n".join(lines) + "\n"
+
+
+def summary_line(checks: Sequence[Mapping[str, Any]]) -> str:
+    """'2 warnings, 1 failure (8 ok, 1 skipped)', or 'all ok (10 ok)'."""
+    counts = Counter(c["status"] for c in checks)
+    problems = []
+    if counts["warn"]:
+        problems.append(f"{counts['warn']} warning{'s' if counts['warn'] != 1 else ''}")
+    if counts["fail"]:
+        problems.append(f"{counts['fail']} failure{'s' if counts['fail'] != 1 else ''}")
+    rest = f"{counts['ok']} ok" + (f", {counts['skip']} skipped" if counts["skip"] else "")
+    return f"{', '.join(problems) or 'all ok'} ({rest})"

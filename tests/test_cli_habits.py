@@ -1,0 +1,262 @@
+"""The command line as someone used to nvidia-smi, htop, kubectl and `watch` tries it: `-h`
+everywhere, help without type placeholders, durations with units, output that a pipe gets in full
+and a terminal gets fitted and coloured, `status --watch`, shell completion, and a daemon that
+says which address is taken."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.simulate.demo import wait_for
+from gpuwatch.simulate.fakenvml import FakeNode
+from tests.realprocs import GIB, gpuwatch, killed_after
+from tests.scenarios import orphaned_worker_under_pid1
+
+COMMANDS = ["status", "daemon", "reap", "top", "doctor", "demo", "run"]
+ANSI = "\033["
+
+
+# ---- a real terminal: a pseudo-terminal of a chosen size ---------------------------------------
+
+
+class TerminalOutput:
+    """What a program wrote to its terminal, read as it comes."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.text = ""
+        self.closed = False
+
+    def _read(self, timeout: float) -> None:
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return
+        try:
+            chunk = os.read(self.fd, 1 << 16)
+        except OSError:  # EIO: every writer has closed the terminal
+            chunk = b""
+        if not chunk:
+            self.closed = True
+        self.text += chunk.decode(errors="replace").replace("\r\n", "\n")
+
+    def read_until(self, what: str, predicate: Callable[[str], bool], timeout: float = 30
+                   ) -> str:
+        deadline = time.monotonic() + timeout
+        while not predicate(self.text):
+            left = deadline - time.monotonic()
+            if left <= 0 or self.closed:
+                raise AssertionError(f"no {what} on the terminal, which shows:\n"
+                                     f"{self.text[-3000:]}")
+            self._read(min(left, 0.5))
+        return self.text
+
+    def read_to_end(self, timeout: float = 60) -> str:
+        return self.read_until("end of output", lambda _: self.closed, timeout)
+
+
+@contextlib.contextmanager
+def in_terminal(argv: Sequence[str], env: Mapping[str, str], columns: int = 100,
+                rows: int = 40) -> Iterator[tuple[subprocess.Popen[bytes], TerminalOutput]]:
+    """`argv` with a pseudo-terminal of `columns` x `rows` as stdin, stdout and stderr."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    # COLUMNS and LINES would win over the terminal's own size.
+    clean = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen(list(argv), env=clean, stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    try:
+        yield proc, TerminalOutput(master)
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(master)
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gpuwatch", *args]
+
+
+# ---- help ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_dash_h_prints_the_help_of_every_command(command: str) -> None:
+    result = gpuwatch([command, "-h"] if command else ["-h"], os.environ)
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout.lower()
+    assert result.stdout == gpuwatch([command, "--help"] if command else ["--help"],
+                                     os.environ).stdout
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_names_values_and_shows_no_type_placeholders(command: str) -> None:
+    text = gpuwatch([command, "-h"] if command else ["-h"], os.environ).stdout
+    # What some Typer releases render for an option's Python type, and escaped brackets.
+    assert not re.findall(r"<[a-z][\w\[\], ]*>", text), text
+    assert "\\[" not in text, text
+    assert not re.findall(r"\b(?:BOOLEAN|FLOAT RANGE|INTEGER|TEXT)\b", text), text
+
+
+def test_every_root_command_is_listed_with_a_whole_summary() -> None:
+    text = gpuwatch(["-h"], os.environ).stdout
+    listed = re.findall(r"^  (\w+)\s{2,}(.+)$", text.split("Commands:")[1], re.M)
+    assert {name for name, _ in listed} == set(COMMANDS)
+    assert not [line for _, line in listed if line.endswith("...")], listed
+
+
+def test_shell_completion_can_be_installed_and_completes_commands_and_options() -> None:
+    script = gpuwatch(["--show-completion", "bash"], os.environ)
+    assert script.returncode == 0 and "_GPUWATCH_COMPLETE" in script.stdout, script.stderr
+    for words, cword, expect in (("gpuwatch sta", "1", "status"),
+                                 ("gpuwatch reap --old", "2", "--older-than")):
+        done = subprocess.run([sys.executable, "-m", "gpuwatch"], capture_output=True,
+                              text=True, timeout=60,
+                              env={**os.environ, "_GPUWATCH_COMPLETE": "complete_bash",
+                                   "COMP_WORDS": words, "COMP_CWORD": cword})
+        assert done.stdout.split() == [expect], (words, done.stdout, done.stderr)
+    assert "--install-completion" in gpuwatch(["-h"], os.environ).stdout
+
+
+# ---- durations ----------------------------------------------------------------------------------
+
+
+def test_durations_take_units_and_a_bad_one_names_the_option(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with orphaned_worker_under_pid1(tmp_path) as worker:
+        fake_node.hold(worker, device=0, used=GIB)
+        young = gpuwatch(["reap", "--dry-run", "--json", "--older-than", "5m", "--grace", "30s"],
+                         cli_env)
+        assert young.returncode == 3, young.stderr  # nothing five minutes old yet
+        now = gpuwatch(["reap", "--dry-run", "--json", "--older-than", "0s", "--grace", "1m30s"],
+                       cli_env)
+        assert now.returncode == 0, now.stderr
+        (action,) = json.loads(now.stdout)["actions"]
+        assert action["pid"] == worker
+    for args, option in ((["reap", "--dry-run", "--older-than", "5x"], "--older-than"),
+                         (["reap", "--dry-run", "--grace", "soon"], "--grace"),
+                         (["status", "--watch", "--interval", "-1"], "--interval")):
+        bad = gpuwatch(args, cli_env)
+        assert bad.returncode == 2, bad
+        assert option in bad.stderr and "not a duration" in bad.stderr, bad.stderr
+
+
+# ---- output: in full when piped, fitted and coloured on a terminal ------------------------------
+
+
+LONG_TAIL = "--note=" + "x" * 220 + "-END-OF-COMMAND"
+
+
+@pytest.fixture
+def long_command_holder(fake_node: FakeNode) -> Iterator[int]:
+    """A process with a command line far wider than any terminal, holding GPU memory."""
+    with killed_after([sys.executable, "-c", "import time; time.sleep(600)", LONG_TAIL],
+                      os.environ) as proc:
+        wait_for("the holder's command line", lambda: LONG_TAIL.encode() in Path(
+            f"/proc/{proc.pid}/cmdline").read_bytes() or None, 10)
+        fake_node.hold(proc.pid, device=0, used=2 * GIB)
+        yield proc.pid
+
+
+def test_piped_status_writes_every_line_in_full_without_colour(
+        long_command_holder: int, cli_env: dict[str, str]) -> None:
+    # COLUMNS as a terminal would leave it set: a pipe is not that terminal.
+    result = gpuwatch(["status"], {**cli_env, "COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    (row,) = _rows_of(result.stdout, long_command_holder)
+    assert row.endswith("-END-OF-COMMAND"), row
+    assert ANSI not in result.stdout
+
+
+def test_status_on_a_terminal_fits_its_width(long_command_holder: int,
+                                             cli_env: dict[str, str]) -> None:
+    with in_terminal(cli("status"), cli_env, columns=90) as (proc, screen):
+        text = screen.read_to_end()
+        assert proc.wait(30) == 0, text
+    assert _rows_of(text, long_command_holder), text
+    assert max(map(len, text.splitlines())) <= 90, text
+    assert "-END-OF-COMMAND" not in text
+
+
+def _rows_of(text: str, pid: int) -> list[str]:
+    """The process-table rows of `pid` (a tree's branches come before the PID)."""
+    return [line for line in text.splitlines() if re.match(rf"^[\s│├└─]*{pid}\s", line)]
+
+
+@pytest.fixture
+def critical_orphan(fake_node: FakeNode, tmp_path: Path) -> Iterator[int]:
+    with orphaned_worker_under_pid1(tmp_path) as worker:
+        fake_node.hold(worker, device=0, used=GIB)
+        yield worker
+
+
+def test_severities_are_coloured_on_a_terminal_unless_no_color(
+        critical_orphan: int, cli_env: dict[str, str]) -> None:
+    with in_terminal(cli("status"), cli_env, columns=200) as (proc, screen):
+        coloured = screen.read_to_end()
+        proc.wait(30)
+    assert "\033[1;31mcritical\033[0m" in coloured, coloured
+    assert "\033[1;31m[orphan]\033[0m" in coloured, coloured
+    with in_terminal(cli("status"), {**cli_env, "NO_COLOR": "1"}, columns=200) as (proc, screen):
+        plain = screen.read_to_end()
+        proc.wait(30)
+    assert "critical" in plain and "[orphan]" in plain and ANSI not in plain, plain
+    # Uncoloured, the terminal gets the same characters.
+    assert re.sub(r"\033\[[\d;]*m", "", coloured).splitlines()[2:] == plain.splitlines()[2:]
+
+
+# ---- status --watch -----------------------------------------------------------------------------
+
+
+def test_status_watch_piped_as_json_writes_one_document_a_line_until_stopped(
+        cli_env: dict[str, str]) -> None:
+    with killed_after(cli("status", "--watch", "--json", "-n", "200ms"), cli_env,
+                      stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        first, second = (json.loads(proc.stdout.readline()) for _ in range(2))
+        assert first["schema"] == second["schema"]
+        assert second["taken_at"] > first["taken_at"]
+        proc.terminate()
+        assert proc.wait(20) == -signal.SIGTERM
+
+
+@pytest.mark.sigint
+def test_status_watch_redraws_the_terminal_and_ctrl_c_ends_it_with_0(
+        cli_env: dict[str, str]) -> None:
+    with in_terminal(cli("status", "--watch", "--interval", "0.2s"), cli_env) as (proc, screen):
+        screen.read_until("three redraws", lambda text: text.count("\033[H\033[2J") >= 3)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+
+
+# ---- the daemon's address -----------------------------------------------------------------------
+
+
+def test_an_address_in_use_is_named_with_what_to_do(cli_env: dict[str, str],
+                                                    tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = gpuwatch(["daemon", "--listen", f"127.0.0.1:{port}",
+                           "--runtime-dir", str(tmp_path / "run"),
+                           "--state-dir", str(tmp_path / "state")], cli_env)
+    assert result.returncode == 1
+    assert f"127.0.0.1:{port}" in result.stderr and "already in use" in result.stderr
+    assert "--listen" in result.stderr
+    assert "Traceback" not in result.stderr

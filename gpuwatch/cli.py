@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -504,12 +503,7 @@ def main() -> None:
         app(prog_name="gpuwatch")
     except KeyboardInterrupt:
         sys.exit(130)
-    except BrokenPipeError:
-        # `gpuwatch status | head`: the reader has what it wanted. Nothing more is written (the
-        # interpreter's last flush would fail again and print a traceback).
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        sys.exit(EXIT_OK)
+
 
 
 if __name__ == "__main__":

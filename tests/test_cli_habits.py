@@ -235,6 +235,18 @@ def test_status_watch_piped_as_json_writes_one_document_a_line_until_stopped(
         assert proc.wait(20) == -signal.SIGTERM
 
 
+def test_status_watch_into_a_pipe_closed_by_its_reader_ends_quietly(
+        cli_env: dict[str, str]) -> None:
+    with killed_after(cli("status", "--watch", "-n", "100ms"), cli_env, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().startswith(b"node ")
+        proc.stdout.close()  # what `| head -1` does once it has its line
+        proc.wait(20)
+        errors = proc.stderr.read().decode()
+    assert proc.returncode in (0, 1) and "Traceback" not in errors, errors
+
+
 @pytest.mark.sigint
 def test_status_watch_redraws_the_terminal_and_ctrl_c_ends_it_with_0(
         cli_env: dict[str, str]) -> None:

@@ -181,6 +181,10 @@ def daemon(
     listen: Optional[str] = typer.Option(
         None, "--listen", metavar="HOST:PORT",
         help="Where /metrics listens (default :9966, all interfaces)."),
+    web_config: Optional[Path] = typer.Option(
+        None, "--web-config", metavar="FILE",
+        help="TLS and basic auth for /metrics: a web config file as Prometheus exporters read "
+        "(default plain HTTP, or daemon.web_config)."),
     interval: Optional[float] = typer.Option(
         None, "--interval", parser=duration_option, metavar="DURATION",
         help="Time between polls: 1s, 500ms (default 1s, or daemon.interval)."),
@@ -201,7 +205,8 @@ def daemon(
     """
     from gpuwatch.daemon import exec_daemon
 
-    exec_daemon(config, {"daemon.listen": listen, "daemon.interval": interval,
+    exec_daemon(config, {"daemon.listen": listen, "daemon.web_config": web_config,
+                         "daemon.interval": interval,
                          "daemon.runtime_dir": runtime_dir, "daemon.state_dir": state_dir,
                          "daemon.log_format": log_format, "daemon.log_level": log_level})
 

@@ -93,7 +93,9 @@ def _seconds(v: Any) -> float:
         except ValueError:
             raise ValueError("a duration (seconds, or \"30s\", \"5m\")"
                              ) from None
-    return float(v) if not isinstance(v, bool) else -1.0
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError("a duration (seconds, or \"30s\", \"5m\")")
+    return float(v)
 
 
 def _positive_seconds(v: Any) -> float:
@@ -190,6 +192,9 @@ class DaemonConfig:
         "", str, "the node's name in metrics (gpuwatch_node_info), alerts and `status`; empty: "
         "the hostname (on Kubernetes, set it from the downward API's spec.nodeName)",
         env="GPUWATCH_NODE_NAME")
+    web_config: str = _setting(
+        "", str, "web configuration file (exporter-toolkit format: TLS, basic auth) for "
+        "/metrics; empty: plain HTTP, no authentication", env="GPUWATCH_WEB_CONFIG")
 
 
 @dataclass(frozen=True)
@@ -268,7 +273,8 @@ class ReaperConfig:
     grace: float = _setting(10.0, _non_negative_seconds,
                             "seconds between SIGTERM and SIGKILL")
     allow_other_users: bool = _setting(
-        True, _bool, "as root, signal other users' processes (a non-root caller never can)")
+        True, _bool, "with CAP_KILL (root, or the unit's gpuwatch account), signal other users' "
+        "processes (without CAP_KILL the reaper never does)")
     auto: bool = _setting(False, _bool, "the daemon reaps on its own (off by default)")
     auto_kinds: tuple[str, ...] = _setting(("orphan",), _names,
                                            "finding kinds the daemon may reap on its own")
@@ -296,6 +302,23 @@ class AgentConfig:
         "may go unanswered")
     trace_max_pending: int = _setting(
         4, _positive_int, "most trace requests awaiting an answer on the node at once")
+    max_processes: int = _setting(
+        1024, _positive_int,
+        "most reporting processes the daemon keeps state for; when all slots are taken, a "
+        "user holding fewer than max_processes / users takes one from the user holding most")
+    memory_budget: int = _setting(
+        64 << 20, _positive_int,
+        "bytes of state that agent reports may make the daemon keep (receiver, pending points, "
+        "step history), shared by the users holding some: past it, a user at its share is "
+        "refused and those above their share give back")
+    max_reports_per_second: int = _setting(
+        20_000, _positive_int,
+        "agent reports a second the daemon accepts, shared by the users sending; a process "
+        "may always send 50")
+    max_series_per_user: int = _setting(
+        2000, _positive_int,
+        "most /metrics series that instrumented processes of one user get (agent step and "
+        "buffer series, and the process series of those that matter only as reporters)")
 
 
 @dataclass(frozen=True)
@@ -357,13 +380,16 @@ def load_config(path: Optional[Path] = None,
 
 def _apply_file(config: Config, path: Path) -> Config:
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start}): TOML files "
+                          "are UTF-8") from None
     for section, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{section}: expected a [{section}] table, got {table!r} ({path})")

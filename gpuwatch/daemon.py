@@ -26,7 +26,6 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
 )
 
 from gpuwatch import __version__, systemd_notify
@@ -36,12 +35,15 @@ from gpuwatch.actions.reaper import (
     REAPABLE_KINDS,
     TERMINATE,
     VIA_PARENT,
+    AuditFollower,
+    AuditWriter,
     Filters,
     Reaper,
-    read_audit_counts,
+    Result,
 )
 from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
 from gpuwatch.actions.trace_requests import TraceRequests
+from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.config import EXIT_CONFIG, Config, ConfigError, load_config, split_listen
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
@@ -57,6 +59,8 @@ from gpuwatch.runtime_dir import (
 )
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
 from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
+from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
+from gpuwatch.sinks.listener import ConnectionCollector, ConnectionStats
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME, TRACE_STATUSES, AgentReceiver
 from gpuwatch.sources.nvml import NvmlSource
@@ -74,7 +78,12 @@ class Daemon:
         self._config_path = config_path
         self._overrides = dict(overrides or {})
         d = config.daemon
-        self.agents = AgentReceiver(d.runtime_dir / AGENT_SOCKET_NAME)
+        a = config.agent
+        # One memory budget for what agent reports create, the receiver's and the history's.
+        self.agents = AgentReceiver(d.runtime_dir / AGENT_SOCKET_NAME,
+                                    max_processes=a.max_processes,
+                                    budget=AgentBudget(a.memory_budget),
+                                    max_reports_per_second=a.max_reports_per_second)
         self.poller = poller or Poller(nvml=NvmlSource(retry_initial=1.0,
                                                        retry_max=d.nvml_retry_max),
                                        hostname=d.node_name or None)
@@ -82,7 +91,8 @@ class Daemon:
             self.poller.agents = self.agents
         self.trace_requests = TraceRequests(self.agents, config.agent)
         self._exit_reported: set[int] = set()
-        self.history = History(config.history.samples, config.history.max_processes)
+        self.history = History(config.history.samples, config.history.max_processes,
+                               budget=self.agents.budget)
         self._latest: Optional[NodeReport] = None
         self._document: tuple[Optional[NodeReport], Optional[bytes]] = (None, None)
         self._document_lock = threading.Lock()
@@ -96,7 +106,8 @@ class Daemon:
         self.registry = CollectorRegistry()
         self.collector = ReportCollector(
             lambda: self._latest, config.exporter.max_process_series,
-            agent_counts=lambda: (self.agents.accepted, self.agents.rejected))
+            agent_counts=lambda: (self.agents.accepted, self.agents.rejected),
+            agent_budget=self.agents.budget.stats, max_agent_series=a.max_series_per_user)
         self.registry.register(self.collector)
         # The daemon's own CPU, memory and file descriptors: a node agent is watched too.
         ProcessCollector(registry=self.registry)
@@ -126,7 +137,7 @@ class Daemon:
             "by status (done, refused, failed).", ["status"], registry=self.registry)
         # What the two counters above have been given so far of the running totals they mirror.
         self._trace_counted: dict[tuple[str, str], int] = {}
-        self._audit_offset: Optional[int] = None
+        self._audit: Optional[AuditFollower] = None
         self._auto_reaps: deque[float] = deque()
         self._reaping: Optional[threading.Thread] = None
         for source in ("nvml", "procfs", "poll"):
@@ -142,8 +153,11 @@ class Daemon:
             for outcome in OUTCOMES:
                 self.reaped.labels(kind, outcome)
 
-        self._http: Any = None
+        self._http: Optional[MetricsServer] = None
         self._state_server: Optional[StateServer] = None
+        # How the metrics port and state.sock ended their connections (timeouts, the cap).
+        self.connections = ConnectionStats()
+        self.registry.register(ConnectionCollector(self.connections))
         self.metrics_url: Optional[str] = None
 
     # -- what the sinks read -----------------------------------------------------------------
@@ -182,11 +196,12 @@ class Daemon:
             self._install_signal_handlers()
             host, port = split_listen(d.listen)
             try:
-                self._http, _ = self._listen(host, port)
-                bound_port = self._http.server_address[1]
-                self.metrics_url = f"http://{_url_host(host)}:{bound_port}/metrics"
+                self._http = self._listen(host, port)
+                bound_port = self._http.port
+                self.metrics_url = f"{self._http.scheme}://{_url_host(host)}:{bound_port}/metrics"
                 self._state_server = StateServer(runtime_dir / STATE_SOCKET_NAME,
-                                                 self.document_bytes, group=d.state_socket_group)
+                                                 self.document_bytes, group=d.state_socket_group,
+                                                 stats=self.connections)
                 self._state_server.start()
                 self.agents.start()
                 self._write_daemon_info(bound_port)
@@ -207,10 +222,17 @@ class Daemon:
         log.info("stopped")
         return 0
 
-    def _listen(self, host: str, port: int) -> Any:
+    def _listen(self, host: str, port: int) -> MetricsServer:
+        """/metrics on HOST:PORT, over HTTPS with basic auth where daemon.web_config says so
+        (a bad web config is a ConfigError, before the port is taken)."""
         address = f"{_url_host(host) if host else '0.0.0.0'}:{port}"
+        web = None
+        if self.config.daemon.web_config:  # PyYAML and bcrypt only for a daemon that has one
+            from gpuwatch.sinks.web_config import WebSettings
+
+            web = WebSettings(Path(self.config.daemon.web_config))
         try:
-            return start_http_server(port, addr=host or "0.0.0.0", registry=self.registry)
+            sock = bind_tcp(host, port)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise OSError(exc.errno, f"cannot serve /metrics on {address}: the address is "
@@ -226,6 +248,12 @@ class Daemon:
                               "of this machine has that address; check --listen HOST:PORT"
                               ) from None
             raise
+        server = MetricsServer(sock, self.registry, self.connections, web)
+        server.start()
+        if web is not None and web.users and not web.tls:
+            log.warning("%s: basic_auth_users without tls_server_config: passwords cross the "
+                        "network in clear text", web.path)
+        return server
 
     def stop(self) -> None:
         self._stop.set()
@@ -282,6 +310,7 @@ class Daemon:
         for error in snapshot.errors:
             self.poll_errors.labels(error.source).inc()
         self.series_dropped.inc(dropped_by_cap(report, self.collector.max_process_series))
+        self.collector.count_poll(report)
         self._log_nvml_transition(snapshot)
         self._log_exit_reports(snapshot)
         try:
@@ -305,18 +334,31 @@ class Daemon:
                     self._trace_counted[(key, label)] = total
 
     def _count_reaps(self) -> None:
-        """Reaps in the audit log since the daemon started, whoever carried them out."""
-        path = self.config.daemon.state_dir / AUDIT_NAME
-        if self._audit_offset is None:  # count from now: earlier lines belong to earlier runs
-            self._audit_offset = path.stat().st_size if path.exists() else 0
-            return
-        counts, self._audit_offset = read_audit_counts(path, self._audit_offset)
-        for (kind, result), n in counts.items():
+        """Reaps in the audit log since the daemon started, whoever carried them out; and what
+        became of actions a reaper left without a result (a reaper killed in its grace period,
+        this daemon's own before a restart), recorded as "recovered" lines."""
+        if self._audit is None:  # counts from now: earlier lines belong to earlier runs
+            path = self.config.daemon.state_dir / AUDIT_NAME
+            self._audit = AuditFollower(path, AuditWriter(path, "daemon", os.geteuid()))
+        news = self._audit.poll()
+        if news.ended_torn:
+            log.warning("%s ended in a torn line (a reaper stopped in the middle of writing it): "
+                        "the next entry starts on a new line", self._audit.path)
+        if news.torn:
+            log.warning("%s: %d torn line(s) skipped", self._audit.path, news.torn)
+        for entry in news.recovered:
+            log.warning("reap audit: %s %s (%s) was left without a result: %s: %s",
+                        entry["kind"], entry["pid"], entry["name"], entry["result"],
+                        entry["detail"])
+        if news.error is not None:
+            log.warning("reap audit: %s", news.error)
+        for (kind, result), n in news.counts.items():
             self.reaped.labels(kind, result).inc(n)
 
     def _auto_reap(self, report: NodeReport) -> None:
         """The daemon's own reaping: only the configured kinds, only findings open long enough,
-        at a bounded rate, one batch at a time, with every check the CLI makes."""
+        at a bounded rate, one batch at a time, with every check the CLI makes. A plan it
+        refuses is recorded once per process and reason, not at every poll."""
         if self._reaping is not None and self._reaping.is_alive():
             return
         policy = self.config.reaper
@@ -330,16 +372,32 @@ class Daemon:
                         daemon_pid=os.getpid(), actor="daemon")
         filters = Filters(kinds=frozenset(policy.auto_kinds), older_than=policy.auto_after)
         doc = status_document(report, source=SOURCE_DAEMON)
-        actions = [a for a in reaper.plan(doc, filters) if a.action in (TERMINATE, VIA_PARENT)]
+        planned = reaper.plan(doc, filters)
+        actions = [a for a in planned if a.action in (TERMINATE, VIA_PARENT)]
+        if self._audit is not None:
+            refused = self._audit.refusals_to_audit(
+                [a for a in planned if a.action not in (TERMINATE, VIA_PARENT)])
+            try:
+                reaper.audit_planned(refused)
+            except OSError as exc:
+                log.warning("auto-reap: cannot write the audit log: %s", exc)
+            for a in refused:
+                log.warning("auto-reap: %s %s (%s) refused: %s", a.kind, a.pid, a.name,
+                            a.refused)
         if not actions:
             return
         actions = actions[:budget]
         self._auto_reaps.extend([now] * len(actions))
 
+        def logged(r: Result) -> None:
+            log.warning("auto-reap: %s %s (%s): %s %s", r.action.kind, r.action.pid,
+                        r.action.name, r.result, r.detail)
+
         def run() -> None:
-            for r in reaper.execute(actions):
-                log.warning("auto-reap: %s %s (%s): %s %s", r.action.kind, r.action.pid,
-                            r.action.name, r.result, r.detail)
+            try:
+                reaper.execute(actions, on_result=logged)
+            except OSError as exc:
+                log.error("auto-reap: cannot write the audit log: %s", exc)
 
         self._reaping = threading.Thread(target=run, name="auto-reap", daemon=True)
         self._reaping.start()
@@ -391,12 +449,15 @@ class Daemon:
             systemd_notify.ready(status=self._status_line())
             return False
         old = self.config
-        for key in ("listen", "runtime_dir", "state_dir", "node_name"):
+        for key in ("listen", "runtime_dir", "state_dir", "node_name", "web_config"):
             if getattr(new.daemon, key) != getattr(old.daemon, key):
                 log.warning("daemon.%s changed; it takes effect at the next restart", key)
         self.config = new
         self.collector.max_process_series = new.exporter.max_process_series
         self.trace_requests.config = new.agent
+        self.collector.max_agent_series = new.agent.max_series_per_user
+        self.agents.configure(new.agent.max_processes, new.agent.memory_budget,
+                              new.agent.max_reports_per_second)
         self.history.resize(new.history.samples, new.history.max_processes)
         nvml = self.poller.nvml
         nvml.retry_max = new.daemon.nvml_retry_max
@@ -420,8 +481,7 @@ class Daemon:
             self._state_server.stop()
         self.agents.stop()
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.stop()
         remove_own_daemon_info(runtime_dir / DAEMON_INFO_NAME)
         self.poller.close()
 
@@ -454,6 +514,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except AlreadyRunning as exc:
         print(f"gpuwatch daemon: {exc}", file=sys.stderr)
         return EXIT_ALREADY_RUNNING
+    except ConfigError as exc:  # daemon.web_config, read when the port is opened
+        print(f"gpuwatch: bad configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except OSError as exc:  # the port or a directory is not ours to take
         print(f"gpuwatch daemon: {exc.strerror or exc}", file=sys.stderr)
         return 1

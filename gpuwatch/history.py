@@ -10,6 +10,13 @@ since when NVML has listed each PID that /proc lacks (a ghost must outlast proce
 Everything is capped and whatever is absent from a poll is forgotten, so the daemon's memory stays
 flat however long it runs. Samples are packed arrays (8 bytes a figure, NaN for unknown) rather
 than one Python object each.
+
+What agent reports make it keep (each reporting process's step series) is charged to the
+reporting user in the agent memory budget (gpuwatch.agent_budget), at the size each series can
+reach, when it is created: a series the budget refuses is not kept (and counted), and at each
+poll the budget takes back from users above their share the step histories of their processes,
+those without an open finding and reporting least recently first. A process whose agent slot is
+gone (evicted, or the process exited) loses its step history at the next poll.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
 
+from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.model import (
     NO_DISCOVERY,
     BufferSize,
@@ -35,8 +43,13 @@ Identity = tuple[int, Optional[float]]
 _NAN = math.nan
 #: How many exited processes are remembered (for "parent 4121 (torchrun) exited" reasons).
 _DEPARTED = 4096
-#: Step points kept per instrumented process: the leak test's window and then some.
+#: Step points kept per instrumented process for its step, RSS, CUDA and GPU series: the leak
+#: test's window and then some, and the seconds per step over a long stretch.
 STEP_POINTS = 512
+#: Points kept per watched buffer and per discovered container, two series each (items, bytes).
+#: The leak test reads at most the newest 2 x detectors.leak_window points of a series (128 at
+#: the default window of 64); these are most of what a process with many buffers costs.
+SERIES_POINTS = 160
 #: Unattributed-memory readings kept per GPU: enough to cover a ghost grace at a fast interval.
 GPU_READINGS = 64
 
@@ -51,6 +64,20 @@ class Departed(NamedTuple):
     name: Optional[str]
     #: Last poll that saw it alive; it exited between then and the next poll.
     last_seen: float
+
+
+def series_bytes(capacity: int) -> int:
+    """Memory of a Series filled to `capacity`: two arrays of doubles (8 bytes a point, and
+    the array's over-allocation) and the object (measured with tracemalloc: 17.2 a point)."""
+    return 96 + 18 * capacity
+
+
+#: A StepSeries with its four step-aligned series full, its dictionaries and the object.
+STEP_BYTES = 640 + 4 * series_bytes(STEP_POINTS)
+#: One buffer's or discovered container's two series (items, bytes) and their entries.
+PAIR_BYTES = 160 + 2 * series_bytes(SERIES_POINTS)
+#: Names a StepSeries remembers as refused, so that each is counted once.
+_REFUSED_NAMES = 256
 
 
 class Series:
@@ -86,13 +113,25 @@ class StepSeries:
 
     Discovered containers' series hold a point only at the steps of reports that followed a
     discovery pass: they are sparse, each point a fresh measurement.
+
+    With a `budget`, every buffer's and discovered container's pair of series is charged to
+    `uid` (PAIR_BYTES) before it is created, and not created when the budget refuses; the
+    caller charges STEP_BYTES for the rest. `release()` gives all of it back.
     """
 
-    __slots__ = ("buffer_bytes", "buffer_items", "capacity", "cuda", "discovered_bytes",
-                 "discovered_items", "discovered_latest", "gpu", "rss", "times")
+    __slots__ = ("budget", "buffer_bytes", "buffer_items", "capacity", "charged", "cuda",
+                 "discovered_bytes", "discovered_items", "discovered_latest", "gpu",
+                 "refused_names", "rss", "series_points", "times", "uid")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, budget: Optional[AgentBudget] = None, uid: int = 0,
+                 charged: int = 0, series_points: int = SERIES_POINTS) -> None:
         self.capacity = capacity
+        self.series_points = series_points
+        self.budget = budget
+        self.uid = uid
+        #: Bytes charged to the budget for this process, STEP_BYTES included.
+        self.charged = charged
+        self.refused_names: set[str] = set()
         self.times = Series(capacity)  # step -> receive time, for seconds per step
         self.rss = Series(capacity)
         #: torch's allocated bytes: what tensors hold, which a GPU leak is decided on.
@@ -107,19 +146,52 @@ class StepSeries:
         #: The names in the newest report that carried a discovery pass: what grows now.
         self.discovered_latest: frozenset[str] = frozenset()
 
+    @property
+    def last_report_at(self) -> float:
+        """When the newest step point was received (0 before any)."""
+        return self.times.ys[-1] if len(self.times) else 0.0
+
+    def _reserve(self, name: str) -> bool:
+        """Charge a new pair of series, or count it refused (once per name)."""
+        if self.budget is None:
+            return True
+        reason = self.budget.grant(self.uid, "history", PAIR_BYTES)
+        if reason is None:
+            self.charged += PAIR_BYTES
+            self.refused_names.discard(name)
+            return True
+        if name not in self.refused_names and len(self.refused_names) < _REFUSED_NAMES:
+            self.refused_names.add(name)
+            self.budget.refused("series", reason)
+        return False
+
+    def _unreserve(self) -> None:
+        if self.budget is not None:
+            self.budget.release(self.uid, "history", PAIR_BYTES)
+            self.charged -= PAIR_BYTES
+
+    def release(self) -> int:
+        """Give back everything charged for this process; the bytes."""
+        charged, self.charged = self.charged, 0
+        if self.budget is not None:
+            self.budget.release(self.uid, "history", charged)
+        return charged
+
     def add(self, point: StepPoint) -> None:
         step = float(point.step)
         self.times.add(step, point.at)
         self.rss.add(step, point.rss_bytes)
         self.cuda.add(step, point.cuda_allocated_bytes)
+        items, sizes = self.buffer_items, self.buffer_bytes
         for name, size in point.buffers.items():
-            for store, value in ((self.buffer_items, size.items), (self.buffer_bytes, size.bytes)):
-                series = store.get(name)
-                if series is None:
-                    if len(store) >= MAX_BUFFERS:
-                        continue
-                    series = store[name] = Series(self.capacity)
-                series.add(step, value)
+            item_series = items.get(name)
+            if item_series is None:
+                if len(items) >= MAX_BUFFERS or not self._reserve(name):
+                    continue
+                item_series = items[name] = Series(self.series_points)
+                sizes[name] = Series(self.series_points)
+            item_series.add(step, size.items)
+            sizes[name].add(step, size.bytes)
         if point.discovered is not NO_DISCOVERY:
             self._add_discovered(step, point.discovered)
 
@@ -130,14 +202,17 @@ class StepSeries:
             if name in items:
                 items.move_to_end(name)
                 sizes.move_to_end(name)
+            elif self._reserve(name):
+                items[name] = Series(self.series_points)
+                sizes[name] = Series(self.series_points)
             else:
-                items[name] = Series(self.capacity)
-                sizes[name] = Series(self.capacity)
+                continue
             items[name].add(step, size.items)
             sizes[name].add(step, size.bytes)
         while len(items) > MAX_DISCOVERED:
             items.popitem(last=False)
             sizes.popitem(last=False)
+            self._unreserve()
 
     def add_gpu(self, step: int, gpu_memory: Optional[int]) -> None:
         if len(self.gpu) and self.gpu.xs[-1] >= step:
@@ -148,7 +223,8 @@ class StepSeries:
 class ProcessHistory:
     __slots__ = ("capacity", "disk_sleep_since", "first_ppid", "first_seen", "gpu_memory",
                  "held_gpu", "job_key", "last_seen", "name", "parent_name", "parent_start", "pid",
-                 "reparented_at", "rss", "start_time", "steps", "times", "zombie_since")
+                 "reparented_at", "rss", "start_time", "steps", "steps_refused", "times",
+                 "zombie_since")
 
     def __init__(self, p: HostProcess, parent: Optional[HostProcess], job_key: Optional[str],
                  first_seen: float, capacity: int) -> None:
@@ -169,6 +245,8 @@ class ProcessHistory:
         self.held_gpu = False
         #: Step-aligned figures, once the process reports through the agent.
         self.steps: Optional[StepSeries] = None
+        #: The budget refused it a step history (counted once until one is granted).
+        self.steps_refused = False
         self.capacity = capacity
         self.times = array("d")
         self.rss = array("d")
@@ -230,11 +308,17 @@ class JobRecord:
 
 
 class History:
-    def __init__(self, samples: int = 300, max_processes: int = 4096) -> None:
+    def __init__(self, samples: int = 300, max_processes: int = 4096,
+                 budget: Optional[AgentBudget] = None) -> None:
         self.samples = samples
         self.max_processes = max_processes
         self.polls = 0
+        #: Where step histories are charged; shared with the agent receiver in the daemon.
+        self.budget = budget if budget is not None else AgentBudget()
+        self.budget.add_reclaimer(self._reclaim, order=0)
         self._by_identity: OrderedDict[Identity, ProcessHistory] = OrderedDict()
+        #: The processes that have a step history, for the poll's pass over them.
+        self._stepped: dict[Identity, ProcessHistory] = {}
         self._departed: OrderedDict[Identity, Departed] = OrderedDict()
         self._jobs: dict[str, JobRecord] = {}
         # Identity -> (first seen, reason, whether the reason may still take a culprit).
@@ -313,6 +397,7 @@ class History:
             self._by_identity.move_to_end(key)
         for key in [k for k in self._by_identity if k not in seen]:
             gone = self._by_identity.pop(key)
+            self._drop_steps(gone)
             self._departed[key] = Departed(gone.name, gone.last_seen)
         while len(self._departed) > _DEPARTED:
             self._departed.popitem(last=False)
@@ -335,17 +420,55 @@ class History:
                                 if not p.in_procfs and p.holds_gpu}
 
     def _record_agents(self, snapshot: NodeSnapshot) -> None:
-        for pid, agent in snapshot.agents.items():
+        agents = snapshot.agents
+        for h in list(self._stepped.values()):
+            agent = agents.get(h.pid)
+            if agent is None or h.steps is None or agent.uid != h.steps.uid:
+                self._drop_steps(h)  # its slot is gone: evicted, or a PID reused
+        budget = self.budget
+        for pid, agent in agents.items():
             p = snapshot.processes.get(pid)
             h = self._by_identity.get(p.identity) if p is not None else None
             if h is None:
                 continue
             if h.steps is None:
-                h.steps = StepSeries(STEP_POINTS)
+                reason = budget.grant(agent.uid, "history", STEP_BYTES)
+                if reason is not None:
+                    if not h.steps_refused:
+                        h.steps_refused = True
+                        budget.refused("history", reason)
+                    continue
+                h.steps_refused = False
+                h.steps = StepSeries(STEP_POINTS, budget, agent.uid, STEP_BYTES)
+                self._stepped[h.identity] = h
             for point in agent.points:
                 h.steps.add(point)
             if p is not None and p.holds_gpu and agent.step is not None:
                 h.steps.add_gpu(agent.step, p.gpu_memory_bytes)
+        budget.reclaim()
+        budget.give_pages_back()
+
+    def _drop_steps(self, h: ProcessHistory) -> int:
+        self._stepped.pop(h.identity, None)
+        steps, h.steps = h.steps, None
+        return steps.release() if steps is not None else 0
+
+    def _reclaim(self, uid: int, nbytes: int, reason: str) -> int:
+        """The budget's reclaimer: drop `uid`'s step histories until `nbytes` are freed,
+        those of processes without an open finding first, then the least recently reporting."""
+        flagged = {(identity[1], identity[2]) for identity in self._open_findings}
+        candidates = sorted(
+            (h for h in self._stepped.values() if h.steps is not None and h.steps.uid == uid),
+            key=lambda h: (h.identity in flagged, h.steps.last_report_at if h.steps else 0.0))
+        freed = evicted = 0
+        for h in candidates:
+            if freed >= nbytes:
+                break
+            freed += self._drop_steps(h)
+            evicted += 1
+        if evicted:
+            self.budget.evicted("history", reason, evicted)
+        return freed
 
     def _update_jobs(self, snapshot: NodeSnapshot, seen: set[Identity]) -> None:
         now = snapshot.taken_at
@@ -388,7 +511,8 @@ class History:
 
     def _trim(self) -> None:
         while len(self._by_identity) > self.max_processes:
-            self._by_identity.popitem(last=False)
+            _, h = self._by_identity.popitem(last=False)
+            self._drop_steps(h)
 
     def resize(self, samples: int, max_processes: int) -> None:
         """Apply a reloaded configuration without losing what fits."""

@@ -5,6 +5,10 @@ work), the processes that report through the agent, the members of their jobs (e
 of each job root), the processes the caller asks to keep watching (job members from earlier
 polls, so helpers stay visible after they are reparented), and the ancestors of all of these up
 to PID 1. Besides, for each `gpuwatch run` supervisor these processes name, whether it still runs.
+
+A GPU whose process lists cannot be read keeps the holders of its last good read, with unknown
+figures (gpuwatch.sources.nvml): those that have left /proc since are dropped here, except PIDs
+that were already absent from /proc while NVML still listed them (ghosts stay ghosts).
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ import socket
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Callable, Optional, Protocol
 
 from gpuwatch.jobtree import job_root, job_roots
-from gpuwatch.model import AgentReading, GpuProcessUsage, HostProcess, NodeSnapshot
+from gpuwatch.model import AgentReading, GpuDevice, GpuProcessUsage, HostProcess, NodeSnapshot
 from gpuwatch.sources.jobs import run_supervisor
 from gpuwatch.sources.memory import CgroupMemory, read_mem_available
 from gpuwatch.sources.nvml import NvmlSource
@@ -45,13 +50,17 @@ class Poller:
         self.cgroup_memory = CgroupMemory()
         self.hostname = hostname or socket.gethostname()
         self._clock = clock
+        #: PIDs NVML listed at the last poll that /proc did not have.
+        self._unlisted: set[int] = set()
 
     def poll(self, watch: Iterable[int] = ()) -> NodeSnapshot:
         started = time.perf_counter()
         taken_at = self._clock()
         reading = self.nvml.read()
+        # (An NVML stand-in without `carried` never carries holders over.)
+        gpus = self._without_exited(reading.gpus, getattr(self.nvml, "carried", {}))
         usage: dict[int, list[GpuProcessUsage]] = defaultdict(list)
-        for gpu in reading.gpus:
+        for gpu in gpus:
             for u in gpu.processes:
                 usage[u.pid].append(u)
         gpu_usage = {pid: tuple(us) for pid, us in usage.items()}
@@ -70,11 +79,12 @@ class Poller:
         agents = self._live_agents(agents, processes)
         limited = {p.cgroup for pid, p in processes.items()
                    if p.cgroup and (p.holds_gpu or pid in agents)}
+        self._unlisted = {pid for pid, p in processes.items() if p.holds_gpu and not p.in_procfs}
         return NodeSnapshot(
             taken_at=taken_at,
             hostname=self.hostname,
             nvml=reading.status,
-            gpus=reading.gpus,
+            gpus=gpus,
             processes=processes,
             errors=reading.errors + host.errors + more.errors,
             poll_duration_seconds=time.perf_counter() - started,
@@ -84,6 +94,29 @@ class Poller:
             cgroup_memory=MappingProxyType(self.cgroup_memory.read(limited)),
             run_supervisors=MappingProxyType(self._run_supervisors(processes)),
         )
+
+    def _without_exited(self, gpus: tuple[GpuDevice, ...],
+                        carried: Mapping[int, frozenset[int]]) -> tuple[GpuDevice, ...]:
+        """`gpus` without the holders carried over from an earlier read (their GPU's process
+        list could not be read) whose process has exited since: gone from /proc, or a zombie
+        with no thread left (the driver frees an exited process's memory; a zombie whose other
+        threads live on keeps it). Nothing says they still hold memory, and kept they would read
+        as ghosts."""
+        gone: set[int] = set()
+        for pid in set().union(*carried.values()) - self._unlisted:
+            try:
+                stat = self.processes.stat(pid)
+            except (OSError, ValueError, IndexError):
+                continue  # unreadable: kept, unknown
+            if stat is None or (stat.state == "zombie" and stat.threads <= 1):
+                gone.add(pid)
+        if not gone:
+            return gpus
+        return tuple(
+            replace(g, processes=tuple(u for u in g.processes
+                                       if not (u.pid in gone and u.pid in carried[g.index])))
+            if g.index in carried else g
+            for g in gpus)
 
     def _run_supervisors(self, processes: Mapping[int, HostProcess]
                          ) -> dict[int, Optional[float]]:

@@ -6,7 +6,7 @@ import contextlib
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
@@ -66,18 +66,25 @@ def pids_with_series(samples: Samples, name: str) -> set[int]:
 
 @contextlib.contextmanager
 def running_daemon(env: Mapping[str, str], tmp_path: Path, config: str = "",
-                   args: tuple[str, ...] = ("--interval", "0.2")) -> Iterator[RunningDaemon]:
-    """Start the daemon on 127.0.0.1 (a free port), wait until it serves, stop it after."""
+                   args: tuple[str, ...] = ("--interval", "0.2"),
+                   prefix: Sequence[str] = ()) -> Iterator[RunningDaemon]:
+    """Start the daemon on 127.0.0.1 (a free port), wait until it serves, stop it after.
+    `prefix` runs it through another program (setpriv: another user, other capabilities); it
+    then starts in `tmp_path`, whose files are made readable for that user."""
     runtime = Path(env.get("GPUWATCH_RUNTIME_DIR", tmp_path / "run"))
     tmp_path.mkdir(parents=True, exist_ok=True)
     config_path = tmp_path / "gpuwatch.toml"
     config_path.write_text(config)
+    if prefix:
+        tmp_path.chmod(0o755)
+        config_path.chmod(0o644)
     log_path = tmp_path / "daemon.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuwatch", "daemon", "--listen", "127.0.0.1:0",
+            [*prefix, sys.executable, "-m", "gpuwatch", "daemon", "--listen", "127.0.0.1:0",
              "--config", str(config_path), "--runtime-dir", str(runtime), *args],
-            env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+            env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT,
+            cwd=tmp_path if prefix else None)
     def own_info() -> Optional[dict[str, Any]]:
         # Not a daemon.json left by an earlier daemon that was killed: this one's.
         info = read_json(runtime / "daemon.json")
@@ -151,3 +158,24 @@ class WatchedNode(DaemonReader):
         result = gpuwatch(["status"], self.env)
         assert "from the running daemon" in result.stdout
         return result.stdout
+
+
+def setpriv_or_skip() -> str:
+    """setpriv(1), to run a program as uid 65534 or with other capabilities; skips the test
+    where that cannot be done."""
+    import os
+    import pwd
+    import shutil
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run processes as other users and with other capabilities")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("no setpriv(1) (util-linux)")
+    try:
+        pwd.getpwuid(65534)
+    except KeyError:
+        pytest.skip("no user with uid 65534")
+    return setpriv

@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -81,11 +82,14 @@ def free_port() -> int:
 @contextlib.contextmanager
 def prometheus_scraping(targets: Union[str, Sequence[str]], tmp_path: Path,
                         rule_files: Sequence[Path] = (),
-                        alertmanager: Optional[str] = None) -> Iterator[str]:
+                        alertmanager: Optional[str] = None, job_options: str = "",
+                        extra_jobs: str = "") -> Iterator[str]:
     """Prometheus scraping `targets` every second as scrape job `gpuwatch`, evaluating
     `rule_files` every second and sending alerts to `alertmanager` (HOST:PORT), re-sending
     firing ones every second (so that the test sees Alertmanager take updates without
-    notifying again); yields its base URL once it is ready."""
+    notifying again); yields its base URL once it is ready. `job_options` (YAML keys of a scrape
+    config: `scheme`, `tls_config`, `basic_auth`) go into the job; `extra_jobs` (YAML list
+    items, indented by two spaces) follow it."""
     port = free_port()
     config = tmp_path / "prometheus.yml"
     rules = ("rule_files:\n" + "".join(f'  - "{path}"\n' for path in rule_files)
@@ -105,6 +109,7 @@ global:
   - job_name: gpuwatch
     static_configs:
       - targets: [{listed}]
+{textwrap.indent(job_options, "    ")}{extra_jobs}
 """)
     log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(

@@ -581,6 +581,52 @@ def test_one_call_failing_on_one_device(fake_node: FakeNode) -> None:
     ]
 
 
+def test_a_counted_failure_fails_only_its_first_calls_and_a_rewrite_does_not_rearm_it(
+        fake_node: FakeNode) -> None:
+    script = PRELUDE + textwrap.dedent(
+        """
+        N.nvmlInit()
+        for _ in sys.stdin:
+            h = N.nvmlDeviceGetHandleByIndex(0)
+            print(json.dumps({
+                "count": [code(N.nvmlDeviceGetCount) for _ in range(3)],
+                "procs": [code(N.nvmlDeviceGetComputeRunningProcesses, h) for _ in range(2)],
+            }), flush=True)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], env=fake_node.env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(child.stdout, selectors.EVENT_READ)
+
+    def ask() -> dict[str, Any]:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert sel.select(timeout=30), "the client did not answer"
+        return json.loads(child.stdout.readline())
+
+    try:
+        assert ask() == {"count": [0, 0, 0], "procs": [0, 0]}
+        fake_node.fail("nvmlDeviceGetCount*", UNKNOWN, times=2)
+        fake_node.fail("nvmlDeviceGetComputeRunningProcesses*", TIMEOUT, device=0, times=1)
+        assert ask() == {"count": [UNKNOWN, UNKNOWN, 0], "procs": [TIMEOUT, 0]}
+        fake_node.hold(os.getpid(), 0, GiB)  # the file is rewritten: spent faults stay spent
+        assert ask() == {"count": [0, 0, 0], "procs": [0, 0]}
+        fake_node.fail("nvmlDeviceGetCount*", GPU_IS_LOST, times=1)  # a second, fresh one
+        assert ask() == {"count": [GPU_IS_LOST, 0, 0], "procs": [0, 0]}
+        fake_node.clear_failures()
+        fake_node.fail("nvmlDeviceGetCount*", UNKNOWN, times=1)  # removed and added: armed
+        assert ask()["count"] == [UNKNOWN, 0, 0]
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+        sel.close()
+    assert "times=1" in fake_node.render()
+    with pytest.raises(ValueError):
+        fake_node.fail("nvmlDeviceGetCount", UNKNOWN, times=0)
+
+
 def test_lookups_by_key_resolve_the_device_for_failures(fake_node: FakeNode) -> None:
     fake_node.fail("nvmlDeviceGetHandleByUUID", GPU_IS_LOST, device=1)
     uuids = [d.uuid for d in fake_node.devices]

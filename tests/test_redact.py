@@ -1,13 +1,19 @@
-"""Secret redaction in command lines: what is hidden, what is kept byte for byte."""
+"""Secret redaction in command lines and in the launch environment: what is hidden, what is kept
+byte for byte."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
-from gpuwatch.sources.redact import MASK, redact_cmdline
+from gpuwatch.simulate.fakenvml import FakeNode
+from gpuwatch.sources.redact import MASK, redact_cmdline, redact_env
 
 HF_TOKEN = "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"  # hf_ + 34 letters, mixed case
 GH_TOKEN = "ghp_9kXbT3wQmZr7LpVn2YcHsJ5dGfA8eUoRt1Ki"
@@ -367,3 +373,73 @@ def test_an_internal_failure_hides_every_argument_but_a_plain_program(
     assert redact_cmdline(["/usr/bin/python3", "--token", "abc"]) == (
         "/usr/bin/python3", MASK, MASK)
     assert redact_cmdline(["HF_TOKEN=abc python x.py"]) == (MASK,)
+
+
+# -- the launch environment ------------------------------------------------------------------
+
+def test_launch_env_values_are_redacted_by_the_command_line_rules() -> None:
+    env = {
+        "MASTER_ADDR": "https://trainer:s3cr3t-pw@rdzv.example.com:29400",
+        "JAX_COORDINATOR_ADDRESS": "grpc://coord:8476/?token=abcdef123456&x=1",
+        "TORCHELASTIC_RUN_ID": GH_TOKEN,
+        "RAY_JOB_ID": f"Authorization: Bearer {JWT}",
+    }
+    assert redact_env(env) == {
+        "MASTER_ADDR": f"https://trainer:{MASK}@rdzv.example.com:29400",
+        "JAX_COORDINATOR_ADDRESS": f"grpc://coord:8476/?token={MASK}&x=1",
+        "TORCHELASTIC_RUN_ID": f"ghp_{MASK}",
+        "RAY_JOB_ID": f"Authorization: Bearer {MASK}",
+    }
+
+
+def test_launch_env_without_secrets_is_unchanged() -> None:
+    env = {"MASTER_ADDR": "10.0.3.17", "MASTER_PORT": "29500", "RANK": "3",
+           "TORCHELASTIC_RUN_ID": "llama3-70b-sft-0611", "SLURM_JOB_ID": "41234",
+           "CUDA_VISIBLE_DEVICES": "GPU-6f1c3c1e-8a41-4f0b-9a55-2f5b8f0c7d10,MIG-1/2/0",
+           "GPUWATCH_RUN_ID": "train-3fa91c", "GPUWATCH_RUN_SUPERVISOR": "5120:1700000000.12",
+           "JAX_COORDINATOR_ADDRESS": "coord-0.svc:8476", "EMPTY": ""}
+    assert redact_env(env) == env
+    assert redact_env(redact_env({"MASTER_ADDR": "tcp://u:p@h:1"})) == {
+        "MASTER_ADDR": f"tcp://u:{MASK}@h:1"}
+
+
+def test_a_secret_named_variable_is_masked_whole_and_a_failure_masks_the_value(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert redact_env({"HF_TOKEN": "abc", "X": "1"}) == {"HF_TOKEN": MASK, "X": "1"}
+    from gpuwatch.sources import redact
+
+    def broken(words: list[str], shell: bool) -> list[str]:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(redact, "_redact_words", broken)
+    assert redact_env({"MASTER_ADDR": "10.0.0.1"}) == {"MASTER_ADDR": MASK}
+
+
+def test_a_real_process_s_launch_env_is_shown_redacted(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """MASTER_ADDR with a password and a token-shaped run id, read from /proc/PID/environ: masked
+    in `status --json` (launch_env, and the job id taken from it) and in `gpuwatch status`."""
+    from tests.realprocs import gpuwatch
+
+    secret_addr = "https://user:secret-pw-42@rdzv.example.com:29400"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "RANK")}
+    env.update({"MASTER_ADDR": secret_addr, "RANK": "0", "TORCHELASTIC_RUN_ID": GH_TOKEN})
+    worker = subprocess.Popen(["sleep", "60"], env=env)
+    try:
+        fake_node.hold(worker.pid, device=0, used=1 << 30)
+        result = gpuwatch(["status", "--poll", "--json"], cli_env)
+        assert "secret-pw-42" not in result.stdout and GH_TOKEN not in result.stdout
+        doc = json.loads(result.stdout)
+        (p,) = [p for p in doc["processes"] if p["pid"] == worker.pid]
+        assert p["launch_env"]["MASTER_ADDR"] == f"https://user:{MASK}@rdzv.example.com:29400"
+        assert p["launch_env"]["TORCHELASTIC_RUN_ID"] == f"ghp_{MASK}"
+        assert p["launch_env"]["RANK"] == "0"
+        assert p["job"] == {"id": f"ghp_{MASK}", "source": "torchelastic"}
+        table = gpuwatch(["status", "--poll"], cli_env).stdout
+        assert "secret-pw-42" not in table and GH_TOKEN not in table
+        (row,) = [line for line in table.splitlines()
+                  if str(worker.pid) in line.split() and "sleep" in line]
+        assert f"torchelastic:ghp_{MASK}" in row
+    finally:
+        worker.kill()
+        worker.wait()

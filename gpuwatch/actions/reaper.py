@@ -5,28 +5,57 @@ exactly what the daemon sees. Safety, in order of precedence:
 - only findings of reapable kinds are candidates; what signals cannot end (unkillable) or where
   there is no process (a ghost) is reported, never signalled;
 - never PID 1, the daemon itself, kernel threads, protected names or users; another user's process
-  only as root and only where the policy allows it;
+  only with CAP_KILL (what the kernel asks, not uid 0) and only where the policy allows it;
 - the identity (PID and start time) is checked right before every signal, so a PID reused by a
   new process is never signalled (gpuwatch.actions.signals, the one signalling path);
-- SIGTERM, a grace period, then SIGKILL; a zombie is reaped through its parent;
-- every planned and executed action goes to an append-only audit log (reap.jsonl).
+- SIGTERM to every candidate first, one grace period for all, then SIGKILL to those left; a
+  zombie is reaped through its parent;
+- every action carried out goes to an append-only audit log (reap.jsonl): its plan before the
+  first signal, its result the moment it is known, and, for a process still there at the first
+  look after a signal, a "signalled" line then; one line per write(), so a reaper killed in
+  the middle leaves every result and signal it had, and `AuditFollower` (the daemon) finds the
+  actions such a reaper left without a result and records what became of their processes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
+import functools
 import json
 import os
 import signal
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from gpuwatch.actions.signals import SAME, SETTLE, ProcessRef, Signaller
+from gpuwatch.actions.signals import (
+    GONE,
+    OTHER,
+    SAME,
+    SETTLE,
+    WAITING,
+    ZOMBIE,
+    Ending,
+    ProcessRef,
+    Signaller,
+    may_signal_other_users,
+)
 from gpuwatch.config import Config
+from gpuwatch.sources.processes import ProcessSource
 
 AUDIT_NAME = "reap.jsonl"
+#: Phases of an audit line: a plan (a dry run's, or one about to be carried out), a signal sent
+#: to a process still there at the first look after it (no result yet), the result of carrying
+#: it out, and the result found later for an action whose reaper stopped first.
+PLANNED, SIGNALLED, EXECUTED, RECOVERED = "planned", "signalled", "executed", "recovered"
+#: How much of the audit log's end the daemon reads when it starts: actions left without a result
+#: are the last ones written.
+AUDIT_TAIL_BYTES = 4 << 20
 #: What a reap may act on by default; unkillable and ghost findings can only be reported.
 REAPABLE_KINDS = frozenset({"orphan", "leftover", "zombie"})
 
@@ -38,7 +67,6 @@ TERMINATE = "terminate"
 VIA_PARENT = "reap-via-parent"
 REPORT = "report"
 REFUSE = "refuse"
-
 
 
 @dataclass(frozen=True)
@@ -75,6 +103,16 @@ class Action:
                 "gpu_memory_bytes": self.gpu_memory_bytes, "gpus": list(self.gpus),
                 "reason": self.reason, "refused": self.refused}
 
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Action:
+        """The action of an audit line (its target's start time is not recorded)."""
+        return Action(kind=str(d.get("kind")), action=str(d.get("action")),
+                      reason=str(d.get("reason")), pid=d.get("pid"),
+                      start_time=d.get("start_time"), name=d.get("name"), user=d.get("user"),
+                      job=d.get("job"), gpu_memory_bytes=d.get("gpu_memory_bytes"),
+                      gpus=tuple(d.get("gpus") or ()), target=d.get("target"),
+                      signals=tuple(d.get("signals") or ()), refused=d.get("refused"))
+
 
 @dataclass(frozen=True)
 class Result:
@@ -82,6 +120,8 @@ class Result:
     #: "planned", or one of OUTCOMES
     result: str
     detail: str = ""
+    #: The signals sent, each with when (seconds since the epoch): (("SIGTERM", 1700000000.1),)
+    sent: tuple[tuple[str, float], ...] = ()
 
     @property
     def freed(self) -> bool:
@@ -90,23 +130,38 @@ class Result:
     def as_json(self) -> dict[str, Any]:
         return {**self.action.as_json(), "result": self.result, "detail": self.detail}
 
+    @staticmethod
+    def of(action: Action, ending: Ending) -> Result:
+        return Result(action, ending.result, ending.detail,
+                      tuple(zip(ending.sent, ending.sent_at)))
+
 
 class Reaper:
+    """`may_signal_others`: whether this process may signal other users' processes (CAP_KILL
+    in its effective set, read from /proc/self/status when not given)."""
+
     def __init__(self, config: Config, audit_path: Path, daemon_pid: Optional[int] = None,
                  actor: str = "cli", euid: Optional[int] = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 may_signal_others: Optional[bool] = None,
+                 signaller: Optional[Signaller] = None) -> None:
         self.config = config
         self.audit_path = audit_path
         self.daemon_pid = daemon_pid
         self.actor = actor
         self.euid = os.geteuid() if euid is None else euid
-        self._clock = clock
-        self._signals = Signaller()
+        self.may_signal_others = (may_signal_other_users() if may_signal_others is None
+                                  else may_signal_others)
+        self._signals = signaller or Signaller()
+        self.audit = AuditWriter(audit_path, actor, self.euid, clock)
 
     # -- planning ------------------------------------------------------------------------------
     def plan(self, doc: dict[str, Any], filters: Filters = Filters(), dry_run: bool = False,
              grace: Optional[float] = None) -> list[Action]:
-        """`grace` (default: the config's) is only what the plan says; execute() takes its own."""
+        """`grace` (default: the config's) is only what the plan says; execute() takes its own.
+
+        A dry run's plan goes to the audit log here; any other plan when execute() carries it
+        out (a plan that is shown and declined was never more than a dry run)."""
         processes = {p["pid"]: p for p in doc["processes"]}
         chosen = [f for f in doc["findings"] if self._selected(f, doc, filters)]
         candidates = {f["pid"] for f in chosen if f["pid"] is not None}
@@ -114,8 +169,14 @@ class Reaper:
         actions = [self._action(f, processes, candidates, wait) for f in chosen]
         # Zombies last: terminating their parents first is what may reap them.
         actions.sort(key=lambda a: a.action == VIA_PARENT)
-        self._audit([Result(a, "planned") for a in actions], phase="planned", dry_run=dry_run)
+        if dry_run:
+            self.audit.write([self.audit.entry(Result(a, "planned"), PLANNED, dry_run=True)
+                              for a in actions])
         return actions
+
+    def audit_planned(self, actions: Iterable[Action]) -> None:
+        """Record plans that are not carried out (the daemon's refused auto-reaps)."""
+        self.audit.write([self.audit.entry(Result(a, "planned"), PLANNED) for a in actions])
 
     def _selected(self, f: dict[str, Any], doc: dict[str, Any], filters: Filters) -> bool:
         if f["kind"] not in filters.kinds:
@@ -174,70 +235,179 @@ class Reaper:
         if user in self.config.detectors.protected_users:
             return f"a protected user's process ({user})"
         if proc["uid"] is not None and proc["uid"] != self.euid:
-            if self.euid != 0:
-                return f"another user's process ({user}): only root may signal it"
+            if not self.may_signal_others:
+                return (f"another user's process ({user}): signalling it needs CAP_KILL, "
+                        "which this reaper lacks")
             if not self.config.reaper.allow_other_users:
                 return f"another user's process ({user}): reaper.allow_other_users is off"
         return None
 
     # -- acting --------------------------------------------------------------------------------
-    def execute(self, actions: Iterable[Action], grace: Optional[float] = None
-                ) -> list[Result]:
+    def execute(self, actions: Iterable[Action], grace: Optional[float] = None,
+                on_result: Optional[Callable[[Result], None]] = None) -> list[Result]:
+        """Carry out `actions`: their plans go to the audit log before the first signal; every
+        process to terminate gets SIGTERM before any grace is waited, and each result goes to
+        the audit log (and to `on_result`) the moment it is known. Results in the order of
+        `actions`. An audit log that cannot be written stops nothing already under way: the
+        error is raised once the batch is done."""
+        actions = list(actions)
         wait = self.config.reaper.grace if grace is None else grace
-        results = []
-        for a in actions:
+        batch = uuid.uuid4().hex[:12]
+        ids = [f"{batch}.{i}" for i in range(len(actions))]
+        self.audit.write([self.audit.entry(Result(a, "planned"), PLANNED, action_id=ids[i])
+                          for i, a in enumerate(actions)])
+        results: list[Optional[Result]] = [None] * len(actions)
+        unwritten: list[OSError] = []
+
+        def record(i: int, r: Result, phase: str) -> None:
+            entry = self.audit.entry(r, phase, action_id=ids[i])
+            if phase == SIGNALLED:
+                entry["result"] = None  # none yet: the signal is on record, its outcome is not
+            try:
+                self.audit.write([entry])
+            except OSError as exc:
+                unwritten.append(exc)
+
+        def done(i: int, r: Result) -> None:
+            results[i] = r
+            record(i, r, EXECUTED)
+            if on_result is not None:
+                on_result(r)
+
+        terminating = []
+        for i, a in enumerate(actions):
             if a.action == REFUSE:
-                r = Result(a, "refused", a.refused or "")
+                done(i, Result(a, "refused", a.refused or ""))
             elif a.action == REPORT:
-                r = Result(a, "unkillable" if a.kind == "unkillable" else "failed",
-                           a.refused or "")
-            elif a.action == VIA_PARENT:
-                r = self._reap_via_parent(a)
-            else:
-                r = self._terminate(a, wait)
-            results.append(r)
-        self._audit(results, phase="executed", dry_run=False)
-        return results
+                done(i, Result(a, "unkillable" if a.kind == "unkillable" else "failed",
+                               a.refused or ""))
+            elif a.action == TERMINATE:
+                terminating.append(i)
+        if terminating:
+            refs = []
+            for i in terminating:
+                assert actions[i].target is not None
+                refs.append(ProcessRef(actions[i].target, actions[i].target_start_time))
+            self._signals.terminate_all(
+                refs, wait,
+                on_end=lambda j, ending: done(terminating[j],
+                                              Result.of(actions[terminating[j]], ending)),
+                on_waiting=lambda j, so_far: record(
+                    terminating[j], Result.of(actions[terminating[j]], so_far), SIGNALLED))
+        for i, a in enumerate(actions):
+            if a.action == VIA_PARENT:
+                done(i, self._reap_via_parent(a, functools.partial(record, i,
+                                                                   phase=SIGNALLED)))
+        if unwritten:
+            raise unwritten[0]
+        return [r for r in results if r is not None]
 
-    def _terminate(self, a: Action, grace: float) -> Result:
-        assert a.target is not None
-        ending = self._signals.terminate(ProcessRef(a.target, a.target_start_time), grace)
-        return Result(a, ending.result, ending.detail)
-
-    def _reap_via_parent(self, a: Action) -> Result:
+    def _reap_via_parent(self, a: Action, signalled: Callable[[Result], None]) -> Result:
         assert a.pid is not None and a.target is not None
         zombie = ProcessRef(a.pid, a.start_time)
         if self._signals.wait_collected(zombie, 0.5):
             return Result(a, "reaped", "its parent reaped it")
         parent = ProcessRef(a.target, a.target_start_time)
         told = False
+        sent: tuple[tuple[str, float], ...] = ()
         if a.target != 1:
             try:
                 told = self._signals.send(parent, signal.SIGCHLD) == SAME
             except OSError as exc:
                 return Result(a, "failed", f"cannot signal its parent: {exc.strerror}")
+            if told:
+                sent = (("SIGCHLD", time.time()),)
+                if not self._signals.wait_collected(zombie, WAITING):
+                    signalled(Result(a, "waiting", "SIGCHLD sent to its parent", sent))
         if self._signals.wait_collected(zombie, SETTLE):
             return Result(a, "reaped", "reaped after its parent was told (SIGCHLD)"
-                          if told else "reaped by its new parent")
+                          if told else "reaped by its new parent", sent)
         return Result(a, "failed", f"its parent {a.target} does not reap it: end the parent, "
-                                   "or wait for it to exit")
+                                   "or wait for it to exit", sent)
 
-    # -- audit ---------------------------------------------------------------------------------
-    def _audit(self, results: list[Result], phase: str, dry_run: bool) -> None:
-        if not results:
+
+@functools.lru_cache(maxsize=4)
+def _start_time_of(pid: int) -> Optional[float]:
+    """This process's start time (`pid`: os.getpid(), so that a forked child reads its own)."""
+    stat = ProcessSource().stat("self")
+    return stat.start_time if stat is not None else None
+
+
+class AuditWriter:
+    """Appends to the audit log: O_APPEND, one line per write(), under an exclusive flock so
+    that the check for a torn last line (a writer killed mid-write) and the append are one step:
+    an entry after a torn line starts on a line of its own. Each line names the process that
+    wrote it (`reaper`: PID and start time), which is how the daemon tells a reaper still at
+    work from one that stopped."""
+
+    def __init__(self, path: Path, actor: str, uid: int,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self.actor = actor
+        self.uid = uid
+        self._clock = clock
+        self.reaper = {"pid": os.getpid(), "start_time": _start_time_of(os.getpid())}
+
+    def entry(self, r: Result, phase: str, dry_run: bool = False,
+              action_id: Optional[str] = None) -> dict[str, Any]:
+        return {"ts": round(self._clock(), 3), "actor": self.actor, "uid": self.uid,
+                "reaper": self.reaper, "id": action_id, "phase": phase, "dry_run": dry_run,
+                **r.as_json(), "sent": [{"signal": name, "at": round(at, 3)}
+                                        for name, at in r.sent]}
+
+    def write(self, entries: list[dict[str, Any]]) -> None:
+        if not entries:
             return
-        self.audit_path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-        now = self._clock()
-        lines = "".join(json.dumps({"ts": round(now, 3), "actor": self.actor, "uid": self.euid,
-                                    "phase": phase, "dry_run": dry_run, **r.as_json()}) + "\n"
-                        for r in results)
-        # One append per batch, O_APPEND: concurrent writers never interleave inside a line.
-        fd = os.open(self.audit_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                     0o640)
+        with self._open() as fd:
+            lead = b"" if _ends_a_line(fd) else b"\n"
+            for e in entries:
+                _write_all(fd, lead + json.dumps(e).encode() + b"\n")
+                lead = b""
+
+    def end_torn_line(self) -> bool:
+        """End a torn last line, if there is one (so that it reads as one unreadable line, and
+        the next entry starts on a line of its own). Whether there was one."""
+        if not self.path.exists():
+            return False
+        with self._open() as fd:
+            if _ends_a_line(fd):
+                return False
+            os.write(fd, b"\n")
+            return True
+
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[int]:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+        flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC  # read: the last byte, for a torn line
         try:
-            os.write(fd, lines.encode())
+            fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o640)
+            created = True
+        except FileExistsError:
+            fd = os.open(self.path, flags)
+            created = False
+        try:
+            if created and os.geteuid() == 0:
+                # Root (`gpuwatch reap` in an epilog) creating the log in the daemon's state
+                # directory: the file is the directory owner's, so that the daemon (the unit's
+                # gpuwatch account) can append to it too.
+                directory = os.stat(self.path.parent)
+                with contextlib.suppress(OSError):
+                    os.fchown(fd, directory.st_uid, directory.st_gid)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield fd
         finally:
             os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """One write() for the line; the rest of it only after a short write (a full disk)."""
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _ends_a_line(fd: int) -> bool:
+    size = os.fstat(fd).st_size
+    return size == 0 or os.pread(fd, 1, size - 1) == b"\n"
 
 
 def _job_matches(job: Optional[dict[str, str]], wanted: str) -> bool:
@@ -248,29 +418,206 @@ def _job_matches(job: Optional[dict[str, str]], wanted: str) -> bool:
     return wanted in (job["id"], f"{job['source']}:{job['id']}")
 
 
-def read_audit_counts(path: Path, offset: int) -> tuple[dict[tuple[str, str], int], int]:
-    """Executed results in the audit log after byte `offset`: ({(kind, result): n}, new offset).
+@dataclass
+class AuditNews:
+    """What the daemon learnt from the audit log since it last looked."""
 
-    A log that shrank (rotated) is read from the start again. Lines that do not parse are
-    skipped: the log is append-only, and a torn last line is completed on the next read.
+    #: Results recorded (executed or recovered), by (finding kind, result).
+    counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: Lines that do not parse: torn by a writer killed in the middle of one.
+    torn: int = 0
+    #: Whether the log ended in such a line when the daemon started (now ended by a newline).
+    ended_torn: bool = False
+    #: The "recovered" entries written for actions a stopped reaper left without a result.
+    recovered: list[dict[str, Any]] = field(default_factory=list)
+    #: A new problem reading the log, or writing the recovered entries.
+    error: Optional[str] = None
+
+
+def _who(entry: dict[str, Any]) -> str:
+    """The reaper that wrote `entry`, in words: "daemon PID 5120, started 10:27:19Z"."""
+    ident = _identity(entry)
+    if ident is None:
+        return str(entry.get("actor"))
+    pid, start_time = ident
+    started = ""
+    if isinstance(start_time, (int, float)):
+        when = datetime.datetime.fromtimestamp(start_time, tz=datetime.timezone.utc)
+        started = f", started {when:%H:%M:%S}Z"
+    return f"{entry.get('actor')} PID {pid}{started}"
+
+
+def _identity(entry: dict[str, Any]) -> Optional[tuple[int, Optional[float]]]:
+    reaper = entry.get("reaper")
+    if not isinstance(reaper, dict) or not isinstance(reaper.get("pid"), int):
+        return None
+    return reaper["pid"], reaper.get("start_time")
+
+
+class AuditFollower:
+    """The daemon's reading of the audit log, whoever writes it (`gpuwatch reap`, `top`, its own
+    auto-reap), a poll at a time: it counts the results, skips and counts torn lines, remembers
+    the refused auto-reap plans already recorded, and finds the actions a reaper planned and
+    then stopped without a result for (killed in its grace period, say), checks what became of
+    their processes and records that as a "recovered" line.
+
+    An action is left without a result only once the process that planned it (the `reaper` of
+    its line: PID and start time) is gone: a reaper still inside its grace period is not one.
     """
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return {}, 0
-    if size < offset:
-        offset = 0
-    counts: dict[tuple[str, str], int] = {}
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read()
-    complete = data.rfind(b"\n") + 1
-    for line in data[:complete].splitlines():
+
+    def __init__(self, path: Path, writer: AuditWriter,
+                 signaller: Optional[Signaller] = None) -> None:
+        self.path = path
+        self.writer = writer
+        self._signals = signaller or Signaller()
+        self.offset = 0
+        #: Planned actions carried out with no result yet, by id.
+        self._pending: dict[str, dict[str, Any]] = {}
+        #: (pid, start_time, action, refused) of the refused auto-reap plans recorded.
+        self._refusals: set[tuple[Any, ...]] = set()
+        self._started = False
+        self._failing: Optional[str] = None
+
+    def poll(self) -> AuditNews:
+        """What was appended since the last look, and what stopped reapers left. The first look
+        (the daemon's start) reads the end of the log as it stands: earlier runs' results are
+        not counted again, a torn last line is ended, and their actions without a result are
+        recovered. A log that cannot be read is said once (`error`), not at every poll."""
+        news = AuditNews()
         try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if entry.get("phase") == "executed":
-            key = (str(entry.get("kind")), str(entry.get("result")))
-            counts[key] = counts.get(key, 0) + 1
-    return counts, offset + complete
+            if not self._started:
+                self._start(news)
+                self._started = True
+            self._settle(news)
+        except OSError as exc:
+            error = f"cannot read {self.path}: {exc.strerror or exc}"
+            news.error = error if error != self._failing else None
+            self._failing = error
+            return news
+        self._failing = None
+        return news
+
+    def _start(self, news: AuditNews) -> None:
+        news.ended_torn = self.writer.end_torn_line()
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        begin = max(0, size - AUDIT_TAIL_BYTES)
+        with open(self.path, "rb") as f:
+            f.seek(begin)
+            data = f.read(size - begin)
+        if begin > 0:  # the first line read is only the end of one
+            data = data[data.find(b"\n") + 1:]
+        complete = data.rfind(b"\n") + 1
+        self.offset = size - (len(data) - complete)
+        # Earlier runs' results are not counted again; their torn lines are reported.
+        news.torn = self._take(data[:complete], AuditNews()).torn
+
+    def refusals_to_audit(self, refused: list[Action]) -> list[Action]:
+        """Of the refused auto-reap plans of this poll, those not recorded yet: each refusal is
+        recorded once per process and reason (for as long as it stays refused), not per poll."""
+        keys = {self._refusal_key(a): a for a in refused}
+        new = [a for key, a in keys.items() if key not in self._refusals]
+        self._refusals = set(keys)
+        return new
+
+    @staticmethod
+    def _refusal_key(a: Any) -> tuple[Any, ...]:
+        if isinstance(a, dict):
+            return a.get("pid"), a.get("start_time"), a.get("action"), a.get("refused")
+        return a.pid, a.start_time, a.action, a.refused
+
+    def _settle(self, news: AuditNews) -> None:
+        # The reapers found gone first, then their last lines: a reaper that wrote its result
+        # and exited between a read and the check is never taken for one that stopped short.
+        stopped = {ident for ident in {_identity(e) for e in self._pending.values()}
+                   if ident is not None and not self._running(ident)}
+        self._read(news)
+        left = [e for e in self._pending.values() if _identity(e) in stopped]
+        if left:
+            self._recover(left, news)
+
+    def _running(self, ident: tuple[int, Optional[float]]) -> bool:
+        return self._signals.state(ProcessRef(*ident)) == SAME
+
+    def _read(self, news: AuditNews) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            self.offset = 0
+            return
+        if size < self.offset:  # rotated (or truncated): read the new file from its start
+            self.offset = 0
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        # Only whole lines: a line being written is read once its newline is there.
+        complete = data.rfind(b"\n") + 1
+        self.offset += complete
+        self._take(data[:complete], news)
+
+    def _take(self, data: bytes, news: AuditNews) -> AuditNews:
+        for line in data.splitlines():
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                news.torn += 1
+                continue
+            if not isinstance(entry, dict):
+                news.torn += 1
+                continue
+            phase, action_id = entry.get("phase"), entry.get("id")
+            if phase == SIGNALLED and action_id in self._pending:
+                self._pending[action_id]["sent"] = entry.get("sent") or []
+            elif phase in (EXECUTED, RECOVERED):
+                key = (str(entry.get("kind")), str(entry.get("result")))
+                news.counts[key] = news.counts.get(key, 0) + 1
+                if action_id is not None:
+                    self._pending.pop(action_id, None)
+            elif phase == PLANNED and not entry.get("dry_run"):
+                if action_id is not None and entry.get("action") in (TERMINATE, VIA_PARENT):
+                    self._pending[action_id] = entry
+                    while len(self._pending) > 10_000:  # bounded whatever a log holds
+                        self._pending.pop(next(iter(self._pending)))
+                elif entry.get("actor") == "daemon" and entry.get("action") in (REFUSE, REPORT):
+                    self._refusals.add(self._refusal_key(entry))
+        return news
+
+    def _recover(self, entries: list[dict[str, Any]], news: AuditNews) -> None:
+        recovered = []
+        for e in entries:
+            self._pending.pop(e["id"], None)
+            result, detail = self._became(e)
+            who = _who(e)
+            signals = [s.get("signal") for s in e.get("sent") or [] if isinstance(s, dict)]
+            after = f" after sending {' and '.join(map(str, signals))}" if signals else ""
+            r = Result(Action.from_json(e), result,
+                       f"its reaper ({who}) stopped{after} before recording a result; {detail}")
+            recovered.append(self.writer.entry(r, RECOVERED, action_id=e["id"]))
+        try:
+            self.writer.write(recovered)
+        except OSError as exc:
+            news.error = (f"cannot record what became of {len(recovered)} unfinished "
+                          f"action(s) in {self.path}: {exc.strerror or exc}")
+            return
+        news.recovered.extend(recovered)
+
+    def _became(self, e: dict[str, Any]) -> tuple[str, str]:
+        """What became of the process an action was about, looked at now."""
+        pid, start_time = e.get("pid"), e.get("start_time")
+        if not isinstance(pid, int):
+            return "failed", "no process to look at"
+        now = self._signals.state(ProcessRef(pid, start_time))
+        if now == GONE:
+            return "gone", "the process is gone"
+        if now == OTHER:
+            return "gone", "the process is gone; its PID now belongs to another process"
+        if e.get("action") == VIA_PARENT:
+            return "failed", "still a zombie (same PID and start time)"
+        if now == ZOMBIE:
+            return "gone", "the process has exited (its parent has yet to collect it)"
+        return "still-running", ("still running (same PID and start time): not signalled "
+                                 "again here; reap it again")

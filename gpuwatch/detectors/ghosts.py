@@ -6,6 +6,11 @@ beyond what the listed processes hold by more than the configured threshold (mem
 context, or of processes NVML cannot attribute). Either must last `ghost_grace` seconds: NVML's
 memory figure, its process lists and /proc are read one after the other, so a process exiting in
 between looks like a ghost for a poll.
+
+What cannot be read neither opens nor closes a ghost: while a GPU's process lists (or a figure
+the excess is computed from) are unreadable, a ghost open before stays open, with its figure
+unknown, and none opens. Once open, a device ghost stays open while the excess stays over the
+threshold; the grace is for opening only.
 """
 
 from __future__ import annotations
@@ -16,24 +21,38 @@ from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import finding
 from gpuwatch.history import History
 from gpuwatch.model import Finding, NodeSnapshot
+from gpuwatch.sources.nvml import holders_unknown
 from gpuwatch.units import human_bytes
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
     now, grace = snapshot.taken_at, config.ghost_grace
+    blind = {g.index for g in snapshot.gpus if holders_unknown(g)}
     for p in snapshot.processes.values():
         if not p.in_procfs and p.holds_gpu:
-            since = history.unlisted_since(p.pid)
-            if since is None or now - since < grace:
-                continue
+            # Only carried over from a GPU's last good read: NVML does not list it now.
+            unlisted = all(u.gpu_index in blind and u.memory_bytes is None for u in p.gpu_usage)
+            if unlisted:
+                if history.open_since(Finding.identity_of("ghost", p.pid, p.start_time)) is None:
+                    continue
+            else:
+                since = history.unlisted_since(p.pid)
+                if since is None or now - since < grace:
+                    continue
             yield finding("ghost", "warning", p,
                           "NVML lists this PID on the GPU but /proc has no such process "
                           "(exited without releasing its memory, or another PID namespace)")
     for g in snapshot.gpus:
         unattributed = g.unattributed_memory_bytes
-        if (unattributed is not None and unattributed >= config.ghost_min_bytes
-                and history.unattributed_held(g.index, config.ghost_min_bytes, grace, now)):
+        was_open = history.open_since(Finding.identity_of("ghost", None, None, (g.index,)))
+        if unattributed is None:
+            held = was_open is not None  # unknown: not released
+        else:
+            held = unattributed >= config.ghost_min_bytes and (
+                was_open is not None
+                or history.unattributed_held(g.index, config.ghost_min_bytes, grace, now))
+        if held:
             yield Finding(
                 kind="ghost", severity="warning", gpus=(g.index,),
                 gpu_memory_bytes=unattributed,

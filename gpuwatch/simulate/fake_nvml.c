@@ -33,11 +33,15 @@
  *   gi/ci (MIG GPU/compute instance ids; default 0xFFFFFFFF, meaning none).
  * Fail keys: symbol (an exported name, "*" for every call, or a prefix such as "nvmlInit*"),
  *   error (nvmlReturn_t), device (only calls aimed at that device index match; calls that name
- *   no device, such as nvmlDeviceGetCount, never do).  A call is aimed at a device when it takes
- *   its handle (stubs included, see below) or looks it up by index, UUID or PCI bus id, so
- *   "fail symbol=* error=15 device=1" makes GPU 1 lost: even its handle lookup fails, as
- *   nvmlDeviceGetHandleByIndex does for a GPU that fell off the bus.  The fail table is
- *   consulted first, before the initialisation check.
+ *   no device, such as nvmlDeviceGetCount, never do), times (only the first N calls the record
+ *   matches fail, later ones go through: a transient fault; absent or 0, every call fails).
+ *   A call is aimed at a device when it takes its handle (stubs included, see below) or looks it
+ *   up by index, UUID or PCI bus id, so "fail symbol=* error=15 device=1" makes GPU 1 lost: even
+ *   its handle lookup fails, as nvmlDeviceGetHandleByIndex does for a GPU that fell off the bus.
+ *   The fail table is consulted first, before the initialisation check.
+ *   "times" is counted in each process that loaded the library.  A rewrite of the state file
+ *   keeps the count of each counted record it holds again (a rewrite for another reason does not
+ *   re-arm a spent fault); a record removed and added again starts afresh.
  *
  * A line that cannot be parsed is skipped (one note on stderr per load of the file); a record with
  * an unknown key is skipped as a whole, so a typo cannot silently produce a different node.
@@ -197,6 +201,8 @@ struct fake_failure {
     int prefix; /* symbol ended in '*': match by prefix */
     int error;
     int device; /* -1: any call */
+    int times;  /* 0: every matching call fails; N: only the first N */
+    int used;   /* matching calls failed so far (while times > 0) */
 };
 
 struct fake_state {
@@ -475,6 +481,8 @@ static const char *parse_failure(struct fake_state *s, char **tok, int n)
             ok = have_error = parse_int(val, &f.error) && f.error != 0;
         else if (!strcmp(key, "device"))
             ok = parse_int(val, &f.device);
+        else if (!strcmp(key, "times"))
+            ok = parse_int(val, &f.times);
         else
             return "unknown fail key";
         if (!ok)
@@ -553,6 +561,32 @@ static int same_identity(const struct file_identity *a, const struct stat *st)
            a->ctim.tv_sec == st->st_ctim.tv_sec && a->ctim.tv_nsec == st->st_ctim.tv_nsec;
 }
 
+static int same_failure(const struct fake_failure *a, const struct fake_failure *b)
+{
+    return a->prefix == b->prefix && a->error == b->error && a->device == b->device &&
+           a->times == b->times && strcmp(a->symbol, b->symbol) == 0;
+}
+
+/* A counted failure record that the new state holds again keeps the count it had, so a rewrite
+ * of the file for another reason does not re-arm a spent fault.  Equal records are paired in
+ * order: the first new one with the first old one, and so on. */
+static void carry_fail_counts(const struct fake_state *old, struct fake_state *new_state)
+{
+    unsigned char taken[MAX_FAILURES] = {0};
+    for (unsigned int i = 0; i < new_state->n_failures; i++) {
+        struct fake_failure *f = &new_state->failures[i];
+        if (f->times <= 0)
+            continue;
+        for (unsigned int j = 0; j < old->n_failures; j++) {
+            if (!taken[j] && same_failure(f, &old->failures[j])) {
+                taken[j] = 1;
+                f->used = old->failures[j].used;
+                break;
+            }
+        }
+    }
+}
+
 /* Re-reads the state file if it changed.  Returns whether a state file is there now.
  * Called with g_lock held. */
 static int refresh_locked(void)
@@ -573,6 +607,7 @@ static int refresh_locked(void)
     }
     parse_state(f, path, &g_scratch);
     fclose(f);
+    carry_fail_counts(&g_state, &g_scratch);
     memcpy(&g_state, &g_scratch, sizeof g_state);
     g_seen.valid = 1;
     g_seen.dev = st.st_dev;
@@ -649,12 +684,17 @@ static int slot_index(const void *handle)
 static nvmlReturn_t injected_failure(const char *symbol, int device)
 {
     for (unsigned int i = 0; i < g_state.n_failures; i++) {
-        const struct fake_failure *f = &g_state.failures[i];
+        struct fake_failure *f = &g_state.failures[i];
         if (f->device >= 0 && f->device != device)
             continue;
+        if (f->times > 0 && f->used >= f->times)
+            continue; /* a transient fault that has run its course */
         if (f->prefix ? strncmp(symbol, f->symbol, strlen(f->symbol)) == 0
-                      : strcmp(symbol, f->symbol) == 0)
+                      : strcmp(symbol, f->symbol) == 0) {
+            if (f->times > 0)
+                f->used++;
             return f->error;
+        }
     }
     return NVML_SUCCESS;
 }

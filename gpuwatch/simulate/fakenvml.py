@@ -37,6 +37,7 @@ __all__ = [
     "GPU_IS_LOST",
     "INSUFFICIENT_SIZE",
     "INVALID_ARGUMENT",
+    "IRQ_ISSUE",
     "LIBRARY_NOT_FOUND",
     "LIB_NAME",
     "NOT_FOUND",
@@ -254,6 +255,9 @@ class FakeFailure:
     error: int
     #: Only calls aimed at this device index fail; None: every call of that symbol.
     device: int | None = None
+    #: Only the first N matching calls fail (in each process using the library), later ones
+    #: succeed: a transient fault. None: every matching call fails.
+    times: int | None = None
 
 
 _PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:+*/")
@@ -347,9 +351,17 @@ class FakeNode:
         ]
         self.write()
 
-    def fail(self, symbol: str, error: int, device: int | None = None) -> None:
-        """Make ``symbol`` (or "*", or "prefix*") return ``error``, optionally on one device."""
-        self.failures.append(FakeFailure(symbol=symbol, error=error, device=device))
+    def fail(self, symbol: str, error: int, device: int | None = None,
+             times: int | None = None) -> None:
+        """Make ``symbol`` (or "*", or "prefix*") return ``error``, optionally on one device.
+
+        With ``times``, only the next ``times`` matching calls fail, then calls succeed again
+        (counted in each process that uses the library; later writes of the state file do not
+        re-arm it). Without, every matching call fails until ``clear_failures()``.
+        """
+        if times is not None and times < 1:
+            raise ValueError(f"times must be at least 1, not {times}")
+        self.failures.append(FakeFailure(symbol=symbol, error=error, device=device, times=times))
         self.write()
 
     def clear_failures(self) -> None:
@@ -399,6 +411,8 @@ class FakeNode:
             fields = [f"symbol={_quote(f.symbol)}", f"error={int(f.error)}"]
             if f.device is not None:
                 fields.append(f"device={int(f.device)}")
+            if f.times is not None:
+                fields.append(f"times={int(f.times)}")
             out.append("fail " + " ".join(fields))
         return "\n".join(out) + "\n"
 

@@ -7,7 +7,7 @@ every field; bump SCHEMA_VERSION on any incompatible change.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Optional
 
 from gpuwatch import __version__
@@ -20,6 +20,7 @@ from gpuwatch.model import (
     Job,
     NodeReport,
 )
+from gpuwatch.sources.nvml import holders_unknown
 
 SCHEMA_VERSION = 1
 
@@ -32,6 +33,7 @@ def status_document(report: NodeReport, source: str = SOURCE_POLL,
                     source_detail: Optional[str] = None) -> dict[str, Any]:
     snapshot = report.snapshot
     nvml = snapshot.nvml
+    blind = {g.index for g in snapshot.gpus if holders_unknown(g)}
     return {
         "schema": SCHEMA_VERSION,
         "gpuwatch_version": __version__,
@@ -51,7 +53,7 @@ def status_document(report: NodeReport, source: str = SOURCE_POLL,
         },
         "gpus": [_gpu(g) for g in snapshot.gpus],
         "processes": [_process(p, report.job_of(p), snapshot.job_roots.get(p.pid),
-                               snapshot.agents.get(p.pid))
+                               snapshot.agents.get(p.pid), blind)
                       for p in sorted(snapshot.processes.values(), key=lambda p: p.pid)],
         "findings": [_finding(f) for f in report.findings],
         "errors": [{"source": e.source, "message": e.message} for e in snapshot.errors],
@@ -73,6 +75,7 @@ def _gpu(g: GpuDevice) -> dict[str, Any]:
         "utilization_memory_percent": g.utilization_memory_percent,
         "mig_enabled": g.mig_enabled,
         "process_count": len(g.processes),
+        "holders_unknown": holders_unknown(g),
         "lost": g.lost,
         "errors": [{"call": e.call, "code": e.code, "message": e.message} for e in g.errors],
     }
@@ -142,8 +145,27 @@ def _job(job: Optional[Job]) -> Optional[dict[str, str]]:
     return {"id": job.id, "source": job.source} if job is not None else None
 
 
+def _holds_gpu(p: HostProcess, blind: Collection[int]) -> Optional[bool]:
+    """Whether NVML lists the process: None (unknown) when every GPU it was seen on has process
+    lists that could not be read in this poll, and it is there only as a holder of the last good
+    read, with an unknown figure."""
+    if not p.gpu_usage:
+        return False
+    if all(u.gpu_index in blind and u.memory_bytes is None for u in p.gpu_usage):
+        return None
+    return True
+
+
+def _gpu_memory(p: HostProcess, blind: Collection[int]) -> Optional[int]:
+    """Its GPU memory in all; None when part of it is on a GPU whose holders are unknown (a sum
+    of the rest would read as the whole)."""
+    if any(u.gpu_index in blind and u.memory_bytes is None for u in p.gpu_usage):
+        return None
+    return p.gpu_memory_bytes
+
+
 def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
-             agent: Optional[AgentReading]) -> dict[str, Any]:
+             agent: Optional[AgentReading], blind: Collection[int] = ()) -> dict[str, Any]:
     return {
         "pid": p.pid,
         "ppid": p.ppid,
@@ -157,9 +179,9 @@ def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
         "state": p.state,
         "rss_bytes": p.rss_bytes,
         "num_threads": p.num_threads,
-        "gpu_memory_bytes": p.gpu_memory_bytes,
+        "gpu_memory_bytes": _gpu_memory(p, blind),
         "gpus": [_usage(u) for u in p.gpu_usage],
-        "holds_gpu": p.holds_gpu,
+        "holds_gpu": _holds_gpu(p, blind),
         "job": _job(job),
         "cgroup": p.cgroup,
         "launch_env": dict(p.launch_env),

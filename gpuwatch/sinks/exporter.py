@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Iterable, Iterator, Mapping
+from itertools import islice
 from typing import Callable, Optional
 
 from prometheus_client.core import (
@@ -20,6 +21,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gpuwatch import __version__
+from gpuwatch.agent_budget import (
+    BUDGET_REASONS,
+    EVICTED_WHAT,
+    PARTS,
+    REFUSED_WHAT,
+    BudgetStats,
+)
 from gpuwatch.detectors import KINDS
 from gpuwatch.model import Finding, HostProcess, Job, NodeReport, NodeSnapshot
 
@@ -56,6 +64,50 @@ def dropped_by_cap(report: NodeReport, cap: int) -> int:
     return max(0, len(processes_that_matter(report)) - cap)
 
 
+def agent_series_cap(report: NodeReport, processes: Iterable[HostProcess], cap: int
+                     ) -> tuple[dict[int, int], int]:
+    """The per-user cap on series from instrumented processes (agent.max_series_per_user).
+
+    Counted per user (the kernel's UID of the reports): each process's agent series (its step
+    and step time, and its RSS and start time when it matters only as a reporter), then its
+    buffers' series in the order it reports them, over `processes` in their order (those with
+    findings first). Returns {pid: buffers that get series, or -1 when none of its agent
+    series fits} for the instrumented ones, and how many series the cap left out."""
+    agents = report.snapshot.agents
+    flagged = {f.pid for f in report.findings if f.pid is not None}
+    room: dict[int, int] = {}
+    allowed: dict[int, int] = {}
+    dropped = 0
+    for p in processes:
+        agent = agents.get(p.pid)
+        if agent is None:
+            continue
+        base = 0
+        if agent.step is not None:
+            base += 1 + (agent.step_changed_at is not None)
+        if not (p.holds_gpu or p.pid in flagged):
+            base += (p.rss_bytes is not None) + (p.start_time is not None)
+        buffers = ([(size.items is not None) + (size.bytes is not None)
+                    for size in agent.latest.buffers.values()]
+                   if agent.latest is not None else [])
+        left = room.get(agent.uid, cap)
+        if left < base:
+            allowed[p.pid] = -1
+            dropped += base + sum(buffers)
+            continue
+        left -= base
+        fit = 0
+        for n in buffers:
+            if n > left:
+                break
+            left -= n
+            fit += 1
+        dropped += sum(buffers[fit:])
+        allowed[p.pid] = fit
+        room[agent.uid] = left
+    return allowed, dropped
+
+
 def processes_that_matter(report: NodeReport) -> list[HostProcess]:
     """Processes that get per-process series: GPU holders, processes with findings and agent
     reporters; those with findings first, then the most GPU memory (the cap keeps the first)."""
@@ -70,11 +122,24 @@ def processes_that_matter(report: NodeReport) -> list[HostProcess]:
 class ReportCollector(Collector):
     def __init__(self, latest: Callable[[], Optional[NodeReport]],
                  max_process_series: int = 1000,
-                 agent_counts: Optional[Callable[[], tuple[int, Mapping[str, int]]]] = None
-                 ) -> None:
+                 agent_counts: Optional[Callable[[], tuple[int, Mapping[str, int]]]] = None,
+                 agent_budget: Optional[Callable[[], BudgetStats]] = None,
+                 max_agent_series: int = 2000) -> None:
         self._latest = latest
         self.max_process_series = max_process_series
         self._agent_counts = agent_counts
+        self._agent_budget = agent_budget
+        #: agent.max_series_per_user.
+        self.max_agent_series = max_agent_series
+        self._agent_series_dropped = 0
+
+    def count_poll(self, report: NodeReport) -> int:
+        """Count the agent series the per-user cap leaves out of this poll's report (summed
+        over polls, as gpuwatch_agent_series_dropped_total); the number."""
+        exported = processes_that_matter(report)[: self.max_process_series]
+        _, dropped = agent_series_cap(report, exported, self.max_agent_series)
+        self._agent_series_dropped += dropped
+        return dropped
 
     def describe(self) -> Iterable[Metric]:
         # Registering must not call collect(): there may be no snapshot yet.
@@ -86,11 +151,16 @@ class ReportCollector(Collector):
         yield build
         if self._agent_counts is not None:
             yield from self._agent_totals(*self._agent_counts())
+        if self._agent_budget is not None:
+            yield from self._agent_memory(self._agent_budget())
         report = self._latest()
         if report is None:
             return
         yield from self._node(report.snapshot)
         yield from self._gpus(report.snapshot)
+        yield _gauge("gpuwatch_agent_processes", "Processes with an agent slot at the last "
+                     "poll (at most agent.max_processes).", [],
+                     [([], float(len(report.snapshot.agents)))])
         yield from self._processes(report)
         yield from self._findings(report.findings)
         yield from self._leaks(report)
@@ -162,15 +232,22 @@ class ReportCollector(Collector):
         gpu_labels = [*PROCESS_LABELS, "gpu", "uuid"]
         gpu_mem, rss, start, steps, step_at, items, sizes = [], [], [], [], [], [], []
         agents = report.snapshot.agents
+        allowed, _ = agent_series_cap(report, exported, self.max_agent_series)
+        flagged = {f.pid for f in report.findings if f.pid is not None}
         for p in exported:
             base = process_labels(p.pid, p.name, p.user, report.job_of(p))
             agent = agents.get(p.pid)
+            fit = allowed.get(p.pid, 0)
+            if fit < 0:  # over its user's cap: only what it has as a GPU holder or finding
+                agent = None
+                if not (p.holds_gpu or p.pid in flagged):
+                    continue
             if agent is not None and agent.step is not None:
                 steps.append((base, float(agent.step)))
                 if agent.step_changed_at is not None:
                     step_at.append((base, agent.step_changed_at))
             if agent is not None and agent.latest is not None:
-                for name, size in agent.latest.buffers.items():
+                for name, size in islice(agent.latest.buffers.items(), fit):
                     if size.items is not None:
                         items.append(([*base, name], float(size.items)))
                     if size.bytes is not None:
@@ -212,6 +289,39 @@ class ReportCollector(Collector):
         for reason, n in sorted(rejected.items()):
             bad.add_metric([reason], float(n))
         yield bad
+        dropped = CounterMetricFamily(
+            "gpuwatch_agent_series_dropped", "Series of instrumented processes left out of "
+            "/metrics by agent.max_series_per_user, summed over polls.")
+        dropped.add_metric([], float(self._agent_series_dropped))
+        yield dropped
+
+    def _agent_memory(self, stats: BudgetStats) -> Iterator[Metric]:
+        yield _gauge("gpuwatch_agent_memory_bytes",
+                     "Memory that agent reports make the daemon keep, by part (receiver, "
+                     "pending, history), as charged to agent.memory_budget.", ["part"],
+                     [([part], float(stats.by_part.get(part, 0))) for part in PARTS])
+        yield _gauge("gpuwatch_agent_memory_budget_bytes",
+                     "agent.memory_budget: what agent state may hold before users above their "
+                     "share are refused and give back.", [], [([], float(stats.max_bytes))])
+        yield _gauge("gpuwatch_agent_users",
+                     "Users holding agent state, who share the budget and the slots.", [],
+                     [([], float(stats.users))])
+        refused = CounterMetricFamily(
+            "gpuwatch_agent_history_refused", "Step histories (history) and buffer or "
+            "discovered series (series) the budget refused to keep, by reason (user_share, "
+            "memory_budget).", labels=["what", "reason"])
+        for what in REFUSED_WHAT:
+            for reason in BUDGET_REASONS:
+                refused.add_metric([what, reason], float(stats.refused.get((what, reason), 0)))
+        yield refused
+        evicted = CounterMetricFamily(
+            "gpuwatch_agent_evicted", "What the budget took back from users above their "
+            "share: a reporting process's slot (process) or its step history (history), by "
+            "reason (user_share, memory_budget).", labels=["what", "reason"])
+        for what in EVICTED_WHAT:
+            for reason in BUDGET_REASONS:
+                evicted.add_metric([what, reason], float(stats.evicted.get((what, reason), 0)))
+        yield evicted
 
     def _leaks(self, report: NodeReport) -> Iterator[Metric]:
         """One series per leaking process and metric: a leak finding is one per process, and

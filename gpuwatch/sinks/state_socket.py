@@ -2,7 +2,9 @@
 
 A Unix stream socket in the runtime directory. The client sends one request line (`status`), the
 daemon answers with the status document as JSON and closes. The socket is mode 0660, owned by
-root and the `gpuwatch` group: the document names processes, users and command lines.
+root and the `gpuwatch` group: the document names processes, users and command lines. A client
+must send its request within 10 s and read the answer within 10 s more; one that does not is
+closed and counted (`gpuwatch_connections_total{socket="state"}`), with a debug line, no traceback.
 """
 
 from __future__ import annotations
@@ -13,28 +15,73 @@ import json
 import logging
 import os
 import socket
-import socketserver
-import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from gpuwatch.runtime_dir import FileIdentity, file_identity, unlink_if_same
+from gpuwatch.sinks.listener import (
+    REQUEST_TIMEOUT,
+    RESPONSE_TIMEOUT,
+    Conn,
+    ConnectionStats,
+    Handler,
+    Job,
+    Listener,
+    Outcome,
+)
 
 log = logging.getLogger(__name__)
 
 STATE_SOCKET_NAME = "state.sock"
 _MAX_REQUEST = 256
 _MAX_RESPONSE = 64 << 20
+#: Its clients are root and the gpuwatch group: fewer than the metrics port's.
+_MAX_CONNECTIONS = 64
+
+
+class _StateHandler(Handler):
+    max_request = _MAX_REQUEST
+    eof_ends_request = True  # "status" and a half-close, without the newline, is a request too
+
+    def __init__(self, document: Callable[[], Optional[bytes]]) -> None:
+        self._document = document
+
+    def request_end(self, buf: bytearray) -> int:
+        end = buf.find(b"\n")
+        return end + 1 if end >= 0 else -1
+
+    def dispatch(self, request: Optional[bytes], conn: Conn) -> Outcome:
+        request = (request or b"")[:_MAX_REQUEST].strip()
+        if request != b"status":
+            return json.dumps(
+                {"error": f"unknown request {request[:40]!r}; known: status"}).encode()
+        return Job("render", self._answer)
+
+    def _answer(self) -> bytes:
+        body = self._document()
+        return body if body is not None else \
+            b'{"error": "the daemon has not finished its first poll"}'
+
+    def failure(self) -> bytes:
+        return b'{"error": "the daemon failed to render its status; its log says why"}'
 
 
 class StateServer:
+    """The state socket, served by a `Listener`: idle clients and clients that stop reading
+    cost no thread and are closed when their time runs out (see listener.py)."""
+
     def __init__(self, path: Path, document: Callable[[], Optional[bytes]],
-                 group: Optional[str] = "gpuwatch") -> None:
+                 group: Optional[str] = "gpuwatch", stats: Optional[ConnectionStats] = None,
+                 *, max_connections: int = _MAX_CONNECTIONS,
+                 request_timeout: float = REQUEST_TIMEOUT,
+                 response_timeout: float = RESPONSE_TIMEOUT) -> None:
         self.path = path
         self._document = document
         self._group = group
-        self._server: Optional[socketserver.ThreadingUnixStreamServer] = None
-        self._thread: Optional[threading.Thread] = None
+        self.stats = stats if stats is not None else ConnectionStats()
+        self._limits = {"max_connections": max_connections, "request_timeout": request_timeout,
+                        "response_timeout": response_timeout}
+        self._listener: Optional[Listener] = None
         self._inode: Optional[FileIdentity] = None
 
     def start(self) -> None:
@@ -42,40 +89,22 @@ class StateServer:
         # daemon holds the runtime directory's lock).
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        document = self._document
-
-        class Handler(socketserver.StreamRequestHandler):
-            timeout = 5
-
-            def handle(self) -> None:
-                try:
-                    request = self.rfile.readline(_MAX_REQUEST).strip()
-                except OSError:
-                    return
-                if request != b"status":
-                    self.wfile.write(json.dumps(
-                        {"error": f"unknown request {request[:40]!r}; known: status"}).encode())
-                    return
-                body = document()
-                self.wfile.write(body if body is not None else
-                                 b'{"error": "the daemon has not finished its first poll"}')
-
-        old_umask = os.umask(0o117)  # created 0660, never briefly world-readable
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            server = socketserver.ThreadingUnixStreamServer(str(self.path), Handler)
-        finally:
-            os.umask(old_umask)
-        try:
+            old_umask = os.umask(0o117)  # created 0660, never briefly world-readable
+            try:
+                sock.bind(str(self.path))
+            finally:
+                os.umask(old_umask)
             self._inode = file_identity(self.path)
+            sock.listen(128)
         except BaseException:
-            server.server_close()
+            sock.close()
             raise
-        server.daemon_threads = True
         self._restrict_group()
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="state-socket",
-                                        daemon=True)
-        self._thread.start()
+        self._listener = Listener(sock, "state", _StateHandler(self._document), self.stats,
+                                  max_answering=4, **self._limits)
+        self._listener.start()
 
     def _restrict_group(self) -> None:
         if os.geteuid() != 0 or not self._group:
@@ -89,10 +118,9 @@ class StateServer:
         os.chown(self.path, 0, gid)
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
         # Only the socket this server bound: whoever put another file at the path since owns it.
         inode, self._inode = self._inode, None
         unlink_if_same(self.path, inode)

@@ -189,7 +189,7 @@ def _gpu_table(doc: dict[str, Any]) -> list[str]:
             _memory_cell(g["memory_used_bytes"], g["memory_total_bytes"]),
             human_bytes(g["unattributed_memory_bytes"]),
             f"{g['utilization_gpu_percent']}%" if g["utilization_gpu_percent"] is not None else "?",
-            str(g["process_count"]),
+            "?" if g.get("holders_unknown") else str(g["process_count"]),
             note,
         ))
     return columns(rows, right={0, 3, 4, 5})
@@ -232,8 +232,7 @@ def _process_table(doc: dict[str, Any], width: int, colour: bool = False) -> lis
             severities.setdefault(f["pid"], []).append(f["severity"])
     shown = shown_pids(procs, doc["nvml"]["available"], set(kinds))
     if not shown:
-        return ["no process holds GPU memory" if doc["nvml"]["available"]
-                else "no process looks like GPU work (no /dev/nvidia* holder, no rank variables)"]
+        return [no_holders_sentence(doc)]
     rows: list[Sequence[str]] = [("PID", "USER", "JOB", "STATE", "RSS", "GPU MEMORY", "COMMAND")]
     pids: list[int] = []
     for depth_prefix, p in walk_trees(procs, shown):
@@ -259,6 +258,17 @@ def _process_table(doc: dict[str, Any], width: int, colour: bool = False) -> lis
     return table
 
 
+def no_holders_sentence(doc: dict[str, Any]) -> str:
+    """What to say when no process is shown: nothing holds GPU memory, or who does is unknown
+    (a GPU's process list could not be read), or, without NVML, nothing looks like GPU work."""
+    unread = [str(g["index"]) for g in doc["gpus"] if g.get("holders_unknown")]
+    if doc["nvml"]["available"] and unread:
+        return (f"process list unreadable on GPU {', '.join(unread)}: who holds its memory is "
+                "unknown")
+    return ("no process holds GPU memory" if doc["nvml"]["available"]
+            else "no process looks like GPU work (no /dev/nvidia* holder, no rank variables)")
+
+
 def shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool,
                 flagged: set[int]) -> set[int]:
     """Each GPU holder (and each process with a finding) with its chain up to its job root.
@@ -268,7 +278,8 @@ def shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool,
     """
     shown: set[int] = set()
     for p in procs.values():
-        seed = (p["holds_gpu"] or not p["in_procfs"]) if nvml_available else (
+        # holds_gpu None: a holder of its GPU's last good read, unknown now; shown, with "?".
+        seed = (p["holds_gpu"] is not False or not p["in_procfs"]) if nvml_available else (
             not WORKER_MARKER_KEYS.isdisjoint(p["launch_env"]))
         if not (seed or p["pid"] in flagged):
             continue

@@ -34,8 +34,11 @@ Bounds, whatever is sent:
 - a datagram is at most 16,384 bytes (`oversized` beyond), a report at most 64 buffers and 8
   discovered containers (`too_many_buffers`), a trace report at most 8 sites and 16 traceback
   frames, each file name at most 256 characters, and a `why` of at most 200 (`bad_value`);
-- at most `max_processes` reporting processes (`too_many_processes` for a new one beyond), each
-  forgotten when the daemon sees it exit (`forget`);
+- at most `max_processes` reporting processes, each forgotten when the daemon sees it exit
+  (`forget`). When all slots are taken, a user holding fewer than its share (`max_processes` /
+  users holding slots) takes the least recently reporting slot of the user holding the most;
+  one holding its share or more is rejected (`user_share`, or `too_many_processes` when its
+  user holds them all): one user's idle processes cannot lock the others out;
 - at most 64 distinct buffer names per process over its whole life, not only per report: a report
   that would bring a process's set of names past 64 is rejected as `too_many_buffers`. With only
   the per-report limit, a process sending 64 new names each time would grow the names the daemon
@@ -46,18 +49,29 @@ Bounds, whatever is sent:
   again only costs its regex check again;
 - at most `max_points` pending step points per process between two `drain()` calls (older ones
   are dropped: the drain after a pause still sees the newest);
-- and, across all processes, at most `max_pending` pending "entries" (a point counts 1 plus one per
-  buffer and one per discovered container; one entry is about 170 bytes). Without this global
-  cap the per-process bounds multiply out to about 3 GB (1,024 processes x 256 points x 73
-  entries). When a report would exceed it, the oldest pending
-  points of the process that sent it are dropped first, so a flooding process pays for its own
-  flood, and every process keeps at least its newest point.
-What a process keeps beyond its pending points (the newest point, 64 buffer names, 256 discovered
-names of up to 128 characters, the newest trace report of up to 24 file names of up to 256
-characters, the reply address, the exit report) is bounded by the protocol limits, so the total
-is bounded by `max_processes x (per-process fixed part, ~100 KiB at most, over half of it
-discovered names) + max_pending x (one entry)`: about 120 MiB with the defaults, reachable only by
-1,024 live processes all sending maximal reports.
+- across all processes, at most `max_pending` pending "entries" (a point counts 1 plus one per
+  buffer and one per discovered container). Without this global cap the per-process bounds
+  multiply out to about 3 GB (1,024 processes x 256 points x 73 entries). When a report would
+  exceed it, a user holding its share of the entries or more loses its own oldest pending
+  points, so a flood costs only the flooder its history; a user under its share takes them from
+  the user holding the most. Every process keeps at least its newest point;
+- `max_reports_per_second` shared by the users that sent in the last 10 s, and each user's share
+  by its processes that did (at least PROCESS_REPORTS_PER_SECOND_MIN each), in token buckets of
+  one second's worth: a datagram beyond is rejected as `rate_limited` before it is parsed;
+- and what all this keeps is charged to the agent memory budget (gpuwatch.agent_budget), shared
+  with the history's step series: a slot, each interned name, the newest point, the trace and
+  exit reports (`AGENT_BYTES` and the rest below, upper estimates measured with tracemalloc)
+  when a report adds them, pending points as they come. Past the budget a report that would add
+  to what its user keeps while the user holds its share is rejected (`user_share`, or
+  `memory_budget` for a user alone or over the budget's ceiling), and pending points give way to
+  their own process's newer ones. At each poll the budget takes back from users above their
+  share, the receiver's part by forgetting their least recently reporting processes (`_reclaim`;
+  such a process's next report is a new process's).
+The per-process part (the newest point, 64 buffer names, 256 discovered names of up to 128
+characters, the newest trace report of up to 24 file names of up to 256 characters, the reply
+address, the exit report) is at most ~105 KiB, so without the budget 1,024 processes sending
+maximal reports could make the receiver alone keep 125 MiB; with it, the receiver and the
+history together keep what docs/agent-protocol.md ("Daemon side bounds") derives.
 
 A PID that reports under a new UID is another process that reused the PID before the daemon
 forgot the old one: its state starts afresh. The receiving thread never dies of a datagram: an
@@ -84,6 +98,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -96,6 +111,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Optional
 
+from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.model import (
     NO_DISCOVERY,
     AgentReading,
@@ -125,9 +141,25 @@ MAX_TRACE_STEPS = 100
 TRACE_STATUSES = ("done", "refused", "failed")
 #: Global cap on pending entries (a step point counts 1, plus 1 per buffer in it).
 DEFAULT_MAX_PENDING = 131_072
+DEFAULT_MAX_PROCESSES = 1024
+#: A process may always send this many a second, however many its user runs.
+PROCESS_REPORTS_PER_SECOND_MIN = 50
+#: A sender (process or user) silent this long no longer counts among those sharing the rate.
+_RATE_IDLE_SECONDS = 10.0
+
+# What the receiver keeps, in bytes charged to the agent memory budget (measured with
+# tracemalloc, rounded up): a slot (the _Agent, its deque, dictionaries and reply address); an
+# interned buffer name of up to 64 characters and its entry; a discovered name of up to 128; a
+# pending "entry" (a point counts 1, plus 1 per buffer and per discovered container in it: the
+# StepPoint, its mappings and a BufferSize with its two integers each).
+AGENT_BYTES = 2048
+NAME_BYTES = 192
+DISCOVERED_NAME_BYTES = 240
+ENTRY_BYTES = 160
 
 REASONS = ("malformed", "version", "oversized", "too_many_buffers", "bad_name", "bad_value",
-           "bad_type", "no_credentials", "too_many_processes")
+           "bad_type", "no_credentials", "too_many_processes", "rate_limited", "user_share",
+           "memory_budget")
 
 _INT_LIMIT = 1 << 63
 _NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
@@ -151,12 +183,14 @@ class _Rejected(Exception):
 
 
 class _Agent:
-    __slots__ = ("discovered_names", "exit_report", "finished_at", "first_seen", "last_seen",
-                 "latest", "names", "pending", "pending_cost", "reply_to", "step",
+    __slots__ = ("charged", "discovered_names", "exit_report", "finished_at", "first_seen",
+                 "last_seen", "latest", "names", "pending", "pending_cost", "reply_to", "step",
                  "step_changed_at", "trace", "uid")
 
     def __init__(self, uid: int, now: float, max_points: int) -> None:
         self.uid = uid
+        #: Bytes charged to the budget's "receiver" part (pending points are charged apart).
+        self.charged = 0
         self.first_seen = now
         self.last_seen = now
         self.step: Optional[int] = None
@@ -185,23 +219,64 @@ def _optional_int(value: Any) -> Optional[int]:
     return value
 
 
-def _cost(point: StepPoint) -> int:
-    return 1 + len(point.buffers) + len(point.discovered)
+def _cost(point: Optional[StepPoint]) -> int:
+    return 0 if point is None else 1 + len(point.buffers) + len(point.discovered)
+
+
+def _trace_bytes(trace: Optional[TraceReport]) -> int:
+    if trace is None:
+        return 0
+    return (512 + len(trace.why) + sum(160 + len(site.file) for site in trace.sites)
+            + sum(128 + len(file) for file, _ in trace.traceback))
+
+
+def _exit_bytes(report: Optional[Mapping[str, Any]]) -> int:
+    if report is None:
+        return 0
+    return 512 + sum(64 + len(name) for name in report.get("threads", ()))
+
+
+class _Rate:
+    """A token bucket: `tokens` as of `at` (monotonic seconds), refilled at a rate a second up
+    to one second's worth; a report takes one."""
+
+    __slots__ = ("at", "key", "tokens")
+
+    def __init__(self, key: int, tokens: float, at: float) -> None:
+        self.key = key  # the UID, for a process's bucket
+        self.tokens = tokens
+        self.at = at
 
 
 class AgentReceiver:
     """Receives agent reports on a Unix datagram socket in a daemon thread."""
 
-    def __init__(self, path: Path, *, max_processes: int = 1024, max_points: int = 256,
-                 clock: Callable[[], float] = time.time,
-                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    def __init__(self, path: Path, *, max_processes: int = DEFAULT_MAX_PROCESSES,
+                 max_points: int = 256, clock: Callable[[], float] = time.time,
+                 max_pending: int = DEFAULT_MAX_PENDING, budget: Optional[AgentBudget] = None,
+                 max_reports_per_second: Optional[float] = None,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.path = Path(path)
         self.max_processes = max_processes
         self.max_points = max_points
         self.max_pending = max_pending
+        #: None: no rate limit (the daemon always sets one, agent.max_reports_per_second).
+        self.max_reports_per_second = max_reports_per_second
+        #: The memory budget everything agent reports create is charged to (docs/agent.md).
+        self.budget = budget if budget is not None else AgentBudget()
+        self.budget.add_reclaimer(self._reclaim, order=1)
         self._clock = clock
+        self._monotonic = monotonic
         self._agents: dict[int, _Agent] = {}
+        #: Slots and pending entries held by each user.
+        self._slots_by_uid: dict[int, int] = {}
+        self._pending_by_uid: dict[int, int] = {}
         self._pending_total = 0
+        # Token buckets by UID and by PID; only the receiving thread touches them.
+        self._user_rates: dict[int, _Rate] = {}
+        self._process_rates: dict[int, _Rate] = {}
+        self._processes_by_uid: dict[int, int] = {}
+        self._rates_pruned_at = monotonic()
         self._accepted = 0
         self._rejected = dict.fromkeys(REASONS, 0)
         self._trace_reports = dict.fromkeys(TRACE_STATUSES, 0)
@@ -211,6 +286,15 @@ class AgentReceiver:
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self._inode: Optional[FileIdentity] = None
+
+    def configure(self, max_processes: int, memory_budget: int,
+                  max_reports_per_second: Optional[float]) -> None:
+        """Apply [agent] limits (at start and on reload). Lowered limits refuse what is new;
+        what is kept beyond them goes as the budget reclaims it or as processes exit."""
+        with self._lock:
+            self.max_processes = max_processes
+            self.max_reports_per_second = max_reports_per_second
+        self.budget.max_bytes = memory_budget
 
     # -- counters ----------------------------------------------------------------------------
     @property
@@ -327,6 +411,9 @@ class AgentReceiver:
         byte) is where `request_trace` can reach the process.
         """
         try:
+            # Before any parsing: a flood over its share costs two dictionary lookups each.
+            if self.max_reports_per_second is not None and not self._within_rate(pid, uid):
+                raise _Rejected("rate_limited")
             if truncated or len(payload) > MAX_DATAGRAM:
                 raise _Rejected("oversized")
             try:
@@ -382,6 +469,78 @@ class AgentReceiver:
         except _Rejected as rejected:
             self._count(rejected.reason)
 
+    def _within_rate(self, pid: int, uid: int) -> bool:  # max_reports_per_second is set
+        """Whether the process and its user are within their rates. A user's rate is
+        `max_reports_per_second` shared by the users that sent in the last 10 s; a process's
+        is its user's shared by its processes that did, and at least
+        PROCESS_REPORTS_PER_SECOND_MIN. Each bucket holds one second's worth."""
+        now = self._monotonic()
+        if now - self._rates_pruned_at >= 1.0:
+            self._prune_rates(now)
+        users = self._user_rates
+        user = users.get(uid)
+        if user is None:
+            user = users[uid] = _Rate(uid, math.inf, now)
+        process = self._process_rates.get(pid)
+        if process is None or process.key != uid:
+            if process is not None:  # the PID reused by another user's process
+                self._uncount_process(process.key)
+            process = self._process_rates[pid] = _Rate(uid, math.inf, now)
+            self._processes_by_uid[uid] = self._processes_by_uid.get(uid, 0) + 1
+        user_rate = self.max_reports_per_second / len(users)  # type: ignore[operator]
+        rate = user_rate / self._processes_by_uid[uid]
+        if rate < PROCESS_REPORTS_PER_SECOND_MIN:
+            rate = PROCESS_REPORTS_PER_SECOND_MIN
+        # Two token buckets (_Rate.take, inlined: this runs for every datagram).
+        tokens = process.tokens + (now - process.at) * rate
+        process.tokens = tokens if tokens < rate else rate
+        process.at = now
+        if process.tokens < 1.0:
+            return False
+        if user_rate < rate:
+            user_rate = rate
+        tokens = user.tokens + (now - user.at) * user_rate
+        user.tokens = tokens if tokens < user_rate else user_rate
+        user.at = now
+        if user.tokens < 1.0:
+            return False
+        process.tokens -= 1.0
+        user.tokens -= 1.0
+        return True
+
+    def _prune_rates(self, now: float) -> None:
+        idle = now - _RATE_IDLE_SECONDS
+        for uid in [uid for uid, rate in self._user_rates.items() if rate.at < idle]:
+            del self._user_rates[uid]
+        for pid in [pid for pid, rate in self._process_rates.items() if rate.at < idle]:
+            self._uncount_process(self._process_rates.pop(pid).key)
+        self._rates_pruned_at = now
+
+    def _uncount_process(self, uid: int) -> None:
+        counts = self._processes_by_uid
+        counts[uid] -= 1
+        if not counts[uid]:
+            del counts[uid]
+
+    def _admit(self, uid: int) -> None:
+        """Make room for a new process of `uid`, or refuse it. While slots are free anyone
+        gets one; when all are taken, a user holding fewer than its share (max_processes /
+        users holding slots) takes the least recently reporting slot of the user holding
+        the most, and one holding its share or more is refused."""
+        if len(self._agents) < self.max_processes:
+            return
+        slots = self._slots_by_uid
+        users = len(slots) + (uid not in slots)
+        if users == 1:
+            raise _Rejected("too_many_processes")
+        if slots.get(uid, 0) >= self.max_processes // users:
+            raise _Rejected("user_share")
+        most = max(slots, key=slots.__getitem__)
+        victim = min((pid for pid, a in self._agents.items() if a.uid == most),
+                     key=lambda pid: self._agents[pid].last_seen)
+        self._discard(victim)
+        self.budget.evicted("process", "user_share")
+
     def _store(self, pid: int, uid: int, now: float, kind: str, step: Optional[int],
                rss: Optional[int], allocated: Optional[int], reserved: Optional[int],
                buffers: Optional[dict[str, BufferSize]],
@@ -393,21 +552,51 @@ class AgentReceiver:
             # The PID was reused by another user's process before the poll forgot the old one.
             self._discard(pid)
             agent = None
+        new = agent is None
         if agent is None:
-            if len(self._agents) >= self.max_processes:
-                raise _Rejected("too_many_processes")
+            self._admit(uid)
             agent = _Agent(uid, now, self.max_points)
-        stored: Mapping[str, BufferSize] = _NO_BUFFERS
+        # What this report adds to what the process keeps, checked before anything is stored.
+        growth = AGENT_BYTES if new else 0
+        added: list[str] = []
         if buffers:
             names = agent.names
             added = [name for name in buffers if name not in names]
-            if added:
-                if len(names) + len(added) > MAX_NAMES_PER_PROCESS:
-                    raise _Rejected("too_many_buffers")
-                for name in added:
-                    names[name] = name
+            if len(names) + len(added) > MAX_NAMES_PER_PROCESS:
+                raise _Rejected("too_many_buffers")
+            growth += len(added) * NAME_BYTES
+        if discovered:
+            known = agent.discovered_names
+            fresh = sum(1 for name in discovered if name not in known)
+            growth += (min(len(known) + fresh, MAX_DISCOVERED_NAMES_PER_PROCESS)
+                       - len(known)) * DISCOVERED_NAME_BYTES
+        report_trace: Optional[TraceReport] = None
+        if kind == "step":
+            entries = 1 + len(buffers or ()) + len(discovered or ())
+            growth += (entries - _cost(agent.latest)) * ENTRY_BYTES
+        elif kind == "trace":
+            assert trace is not None
+            status, why, steps, sites, traceback = trace
+            report_trace = TraceReport(status, why, steps, sites, traceback, now, step)
+            growth += _trace_bytes(report_trace) - _trace_bytes(agent.trace)
+        elif kind == "exit":
+            growth += _exit_bytes(exit_report) - _exit_bytes(agent.exit_report)
+        if growth > 0:
+            reason = self.budget.grant(uid, "receiver", growth)
+            if reason is not None:
+                raise _Rejected(reason)
+        elif growth < 0:
+            self.budget.release(uid, "receiver", -growth)
+        agent.charged += growth
+        if new:
+            self._agents[pid] = agent
+            self._slots_by_uid[uid] = self._slots_by_uid.get(uid, 0) + 1
+        stored: Mapping[str, BufferSize] = _NO_BUFFERS
+        if buffers:
+            names = agent.names
+            for name in added:
+                names[name] = name
             stored = MappingProxyType({names[name]: size for name, size in buffers.items()})
-        self._agents[pid] = agent
         agent.last_seen = now
         # The newest socket it sends from is the one it listens on; a report from an unbound or
         # path-bound socket leaves nowhere to answer.
@@ -426,10 +615,9 @@ class AgentReceiver:
             if agent.finished_at is None:
                 agent.finished_at = now
         elif kind == "trace":
-            assert trace is not None
-            status, why, steps, sites, traceback = trace
-            agent.trace = TraceReport(status, why, steps, sites, traceback, now, step)
-            self._trace_reports[status] += 1
+            assert report_trace is not None
+            agent.trace = report_trace
+            self._trace_reports[report_trace.status] += 1
         else:
             agent.exit_report = exit_report
 
@@ -437,23 +625,79 @@ class AgentReceiver:
         pending = agent.pending
         cost = _cost(point)
         if len(pending) == pending.maxlen:
-            dropped = _cost(pending.popleft())
-            agent.pending_cost -= dropped
-            self._pending_total -= dropped
-        # Over the global cap, the sender's own backlog goes first: a flood costs only the
-        # flooder its history.
-        while pending and self._pending_total + cost > self.max_pending:
-            dropped = _cost(pending.popleft())
-            agent.pending_cost -= dropped
-            self._pending_total -= dropped
+            self._shed(agent)
+        # Over the global cap, a user holding its share of it or more loses its own oldest
+        # points (a flood costs only the flooder its history); a user under its share takes
+        # them from the user holding the most.
+        while self._pending_total + cost > self.max_pending:
+            victim = self._pending_victim(agent, cost)
+            if victim is None:
+                break
+            self._shed(victim)
+        # The same against the memory budget, where a process keeps at least its newest point.
+        nbytes = cost * ENTRY_BYTES
+        while self.budget.grant(agent.uid, "pending", nbytes, force=not pending) is not None:
+            self._shed(agent)
         pending.append(point)
         agent.pending_cost += cost
         self._pending_total += cost
+        self._pending_by_uid[agent.uid] = self._pending_by_uid.get(agent.uid, 0) + cost
 
-    def _discard(self, pid: int) -> None:
+    def _pending_victim(self, sender: _Agent, cost: int) -> Optional[_Agent]:
+        by_uid = self._pending_by_uid
+        users = len(by_uid) + (sender.uid not in by_uid)
+        if by_uid.get(sender.uid, 0) + cost >= self.max_pending // users:
+            return sender if sender.pending else None
+        most = max(by_uid, key=by_uid.__getitem__)
+        victims = [a for a in self._agents.values() if a.uid == most and len(a.pending) > 1]
+        if not victims:
+            return sender if sender.pending else None
+        return max(victims, key=lambda a: a.pending_cost)
+
+    def _shed(self, agent: _Agent) -> None:
+        """Drop the agent's oldest pending point."""
+        dropped = _cost(agent.pending.popleft())
+        agent.pending_cost -= dropped
+        self._pending_total -= dropped
+        self._pending_by_uid[agent.uid] -= dropped
+        if not self._pending_by_uid[agent.uid]:
+            del self._pending_by_uid[agent.uid]
+        self.budget.release(agent.uid, "pending", dropped * ENTRY_BYTES)
+
+    def _discard(self, pid: int) -> int:
+        """Forget a process and give back what it was charged; the bytes."""
         agent = self._agents.pop(pid, None)
-        if agent is not None:
+        if agent is None:
+            return 0
+        uid = agent.uid
+        self._slots_by_uid[uid] -= 1
+        if not self._slots_by_uid[uid]:
+            del self._slots_by_uid[uid]
+        if agent.pending_cost:
             self._pending_total -= agent.pending_cost
+            self._pending_by_uid[uid] -= agent.pending_cost
+            if not self._pending_by_uid[uid]:
+                del self._pending_by_uid[uid]
+        pending_bytes = agent.pending_cost * ENTRY_BYTES
+        self.budget.release(uid, "pending", pending_bytes)
+        self.budget.release(uid, "receiver", agent.charged)
+        return agent.charged + pending_bytes
+
+    def _reclaim(self, uid: int, nbytes: int, reason: str) -> int:
+        """The budget's reclaimer: forget `uid`'s least recently reporting processes until
+        `nbytes` are freed (their next report is a new process, admitted as any other)."""
+        with self._lock:
+            candidates = sorted((pid for pid, a in self._agents.items() if a.uid == uid),
+                                key=lambda pid: self._agents[pid].last_seen)
+            freed = evicted = 0
+            for pid in candidates:
+                if freed >= nbytes:
+                    break
+                freed += self._discard(pid)
+                evicted += 1
+        if evicted:
+            self.budget.evicted("process", reason, evicted)
+        return freed
 
     def _count(self, reason: str) -> None:
         with self._lock:
@@ -475,6 +719,9 @@ class AgentReceiver:
                 agent.pending.clear()
                 agent.pending_cost = 0
             self._pending_total = 0
+            for uid, entries in self._pending_by_uid.items():
+                self.budget.release(uid, "pending", entries * ENTRY_BYTES)
+            self._pending_by_uid.clear()
             return readings
 
     def forget(self, pids: Iterable[int]) -> None:

@@ -2,6 +2,12 @@
 
 Initialises NVML once and reuses it. Every NVML error becomes data: NVML being unavailable is a
 status with a readable reason, one device failing marks that device and the others are still read.
+
+A failing device count is the library failing, whatever the code (a transient UNKNOWN or TIMEOUT
+as much as DRIVER_NOT_LOADED): NVML is shut down and initialised again, at once the first time,
+then with backoff, and the first good read after it reports NVML up again. A process list that
+cannot be read is not an empty one: the holders of the last good read are kept, with their
+figures unknown (see `NvmlSource.carried`).
 """
 
 from __future__ import annotations
@@ -26,9 +32,6 @@ from gpuwatch.model import (
 
 # NVML reports "no MIG instance" as an all-ones 32-bit id.
 _NO_INSTANCE = 0xFFFFFFFF
-# Errors after which the library handle itself is suspect, so the next poll initialises again.
-# UNINITIALIZED, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, LIB_RM_VERSION_MISMATCH
-_REINIT_ERRORS = frozenset({1, 9, 12, 18})
 # One character device per GPU; nvidiactl, nvidia-uvm and nvidia-caps are not GPUs.
 _GPU_DEVICE_FILE = re.compile(r"nvidia[0-9]+")
 
@@ -65,9 +68,11 @@ class _StaticInfo:
 class NvmlSource:
     """Reads NVML through nvidia-ml-py.
 
-    After a failed initialisation the next attempts back off exponentially from `retry_initial`
-    to `retry_max` seconds, so a node without a driver is not hammered; the first `read()` always
-    tries, and a success resets the backoff.
+    After a failed initialisation, or a failed device count (NVML shut down to be initialised
+    again), the next attempts back off exponentially from `retry_initial` to `retry_max` seconds,
+    so a node without a driver is not hammered; the first `read()` always tries, the first count
+    failure after a good read is retried at once (a transient fault then costs no poll), and a
+    good read resets the backoff.
     """
 
     def __init__(self, retry_initial: float = 0.0, retry_max: float = 60.0,
@@ -83,6 +88,13 @@ class NvmlSource:
         self._next_try = 0.0
         self._status = NvmlStatus(available=False, error="not initialised yet")
         self._static: dict[int, _StaticInfo] = {}
+        #: Each GPU's holders at its last good read of both process lists, by index, with the
+        #: GPU's UUID: what a later read that cannot list them carries over.
+        self._holders: dict[int, tuple[Optional[str], tuple[GpuProcessUsage, ...]]] = {}
+        #: PIDs the last read carried over on each GPU whose process lists could not be read:
+        #: listed at its last good read, not listed now because nothing could be. Their figures
+        #: on that GPU are None (unknown).
+        self.carried: dict[int, frozenset[int]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     def _init(self) -> NvmlStatus:
@@ -99,7 +111,6 @@ class NvmlSource:
         except OSError as exc:  # ctypes failing below pynvml's own checks
             return NvmlStatus(available=False, error=str(exc))
         self._initialised = True
-        self._failures = 0
         self._static.clear()
         return NvmlStatus(
             available=True,
@@ -121,40 +132,54 @@ class NvmlSource:
 
     # -- one poll --------------------------------------------------------------------------
     def read(self) -> NvmlReading:
-        if not self._initialised:
-            now = self._clock()
-            if now < self._next_try:
-                return NvmlReading(status=self._status)
-            self._status = self._init()
+        self.carried = {}
+        now = self._clock()
+        if not self._initialised and now < self._next_try:
+            return NvmlReading(status=self._status)
+        errors: list[SourceError] = []
+        # A second attempt only after the first count failure since a good read: initialising
+        # again at once turns a transient fault into one error, not a poll without NVML.
+        for retry in (False, True):
             if not self._initialised:
-                self._status = self._with_device_files(self._status)
-                delay = min(self.retry_max, self.retry_initial * 2 ** min(self._failures, 30))
-                self._failures += 1
-                self._next_try = now + delay
-                return NvmlReading(
-                    status=self._status,
-                    errors=(SourceError("nvml", self._status.message),),
-                )
-        nv = self._nvml
-        try:
-            count = nv.nvmlDeviceGetCount()
-        except nv.NVMLError as exc:
-            return self._lost_library(exc)
+                self._status = self._init()
+                if not self._initialised:
+                    self._status = self._with_device_files(self._status)
+                    errors.append(SourceError("nvml", self._status.message))
+                    self._back_off(now)
+                    return NvmlReading(status=self._status, errors=tuple(errors))
+            nv = self._nvml
+            try:
+                count = nv.nvmlDeviceGetCount()
+            except nv.NVMLError as exc:
+                errors.append(self._lost_library(exc))
+                if not retry and self._failures == 0:
+                    continue
+                self._back_off(now)
+                return NvmlReading(status=self._status, errors=tuple(errors))
+            break
+        self._failures = 0
+        self._next_try = 0.0
         gpus = tuple(self._read_device(i) for i in range(count))
+        for index in [i for i in self._holders if i >= count]:
+            del self._holders[index]
         self._status = _with_count(self._status, count)
-        errors = tuple(
-            SourceError("nvml", f"GPU {g.index}: {e}") for g in gpus for e in g.errors
-        )
-        return NvmlReading(status=self._status, gpus=gpus, errors=errors)
+        errors += [SourceError("nvml", f"GPU {g.index}: {e}") for g in gpus for e in g.errors]
+        return NvmlReading(status=self._status, gpus=gpus, errors=tuple(errors))
 
-    def _lost_library(self, exc: Exception) -> NvmlReading:
+    def _back_off(self, now: float) -> None:
+        delay = min(self.retry_max, self.retry_initial * 2 ** min(self._failures, 30))
+        self._failures += 1
+        self._next_try = now + delay
+
+    def _lost_library(self, exc: Exception) -> SourceError:
+        """The device count failed: whatever the code, the library is suspect. It is shut down,
+        so that the next attempt initialises it again, and NVML is unavailable until then."""
         nv = self._nvml
-        code = _code(exc)
         self._status = self._with_device_files(
-            NvmlStatus(available=False, error=_message(nv, exc), error_code=code))
-        if code in _REINIT_ERRORS:
-            self.close()
-        return NvmlReading(status=self._status, errors=(SourceError("nvml", self._status.message),))
+            NvmlStatus(available=False, error=_message(nv, exc), error_code=_code(exc)))
+        self.close()
+        return SourceError("nvml", f"nvmlDeviceGetCount: {self._status.error} "
+                                   "(NVML shut down to be initialised again)")
 
     def _with_device_files(self, status: NvmlStatus) -> NvmlStatus:
         return replace(status, device_files=count_nvidia_device_files(self.dev_dir))
@@ -191,7 +216,10 @@ class NvmlSource:
         errors: list[NvmlCallError] = []
         info = self._static_info(index, errors)
         if info is None:
-            return GpuDevice(index=index, errors=tuple(errors), lost=_is_lost(nv, errors))
+            # No handle, so no process list either: its last holders are carried, unknown.
+            processes = self._carry(index, None, {}, frozenset({COMPUTE, GRAPHICS}))
+            return GpuDevice(index=index, processes=processes, errors=tuple(errors),
+                             lost=_is_lost(nv, errors))
         handle = info.handle
         memory = self._memory(handle, errors)
         util = _call(nv, errors, "nvmlDeviceGetUtilizationRates",
@@ -239,12 +267,23 @@ class NvmlSource:
 
     def _processes(self, index: int, uuid: Optional[str], handle: Any,
                    errors: list[NvmlCallError]) -> tuple[GpuProcessUsage, ...]:
-        """Compute and graphics lists merged: a PID in both appears once, with both kinds."""
+        """Compute and graphics lists merged: a PID in both appears once, with both kinds.
+
+        When a list cannot be read, the holders of that kind at the GPU's last good read are
+        carried over with unknown figures: an unreadable list says nothing about who holds
+        memory, and must not read as "nobody".
+        """
         nv = self._nvml
         merged: dict[tuple[int, Optional[int], Optional[int]], GpuProcessUsage] = {}
+        unread: set[str] = set()
         for kind, fn_name in ((COMPUTE, "nvmlDeviceGetComputeRunningProcesses"),
                               (GRAPHICS, "nvmlDeviceGetGraphicsRunningProcesses")):
-            listed = _call(nv, errors, fn_name, getattr(nv, fn_name), handle)
+            try:
+                listed = getattr(nv, fn_name)(handle)
+            except _errors(nv) as exc:
+                errors.append(_call_error(nv, fn_name, exc))
+                unread.add(kind)
+                continue
             for p in listed or ():
                 gi = _instance(getattr(p, "gpuInstanceId", None))
                 ci = _instance(getattr(p, "computeInstanceId", None))
@@ -260,11 +299,46 @@ class NvmlSource:
                     merged[key] = GpuProcessUsage(index, uuid, key[0],
                                                   int(used) if used is not None else None,
                                                   frozenset({kind}), gi, ci)
+        if unread:
+            return self._carry(index, uuid, merged, frozenset(unread))
+        found = tuple(sorted(merged.values(), key=lambda u: (u.pid, u.gpu_instance_id or 0)))
+        self._holders[index] = (uuid, found)
+        return found
+
+    def _carry(self, index: int, uuid: Optional[str],
+               merged: dict[tuple[int, Optional[int], Optional[int]], GpuProcessUsage],
+               unread: frozenset[str]) -> tuple[GpuProcessUsage, ...]:
+        """What was listed (`merged`) and, for the kinds of list in `unread`, the holders of the
+        GPU's last good read that are not listed, with unknown figures. Not when the GPU is
+        another one now (its UUID changed): those holders were another GPU's."""
+        last_uuid, last = self._holders.get(index, (None, ()))
+        if uuid is not None and last_uuid is not None and uuid != last_uuid:
+            self._holders.pop(index, None)
+            last = ()
+        carried = set()
+        for u in last:
+            key = (u.pid, u.gpu_instance_id, u.compute_instance_id)
+            if key in merged or not (u.kinds & unread):
+                continue
+            merged[key] = replace(u, memory_bytes=None)
+            carried.add(u.pid)
+        if carried:
+            self.carried[index] = frozenset(carried)
         return tuple(sorted(merged.values(), key=lambda u: (u.pid, u.gpu_instance_id or 0)))
 
 
 # -- helpers ---------------------------------------------------------------------------------
+def _errors(nv: Any) -> tuple[type[Exception], ...]:
+    """What a call of the bindings raises when NVML fails it. For an unversioned process-list
+    call that the library lacks, pynvml raises NVMLLibraryMismatchError, not an NVMLError (an
+    older driver, or NVML_ERROR_FUNCTION_NOT_FOUND): a failed call all the same."""
+    mismatch = getattr(nv, "NVMLLibraryMismatchError", None)
+    return (nv.NVMLError, mismatch) if isinstance(mismatch, type) else (nv.NVMLError,)
+
+
 def _code(exc: Exception) -> int:
+    if type(exc).__name__ == "NVMLLibraryMismatchError":
+        return 13  # NVML_ERROR_FUNCTION_NOT_FOUND, which pynvml turned into this exception
     return int(getattr(exc, "value", -1))
 
 
@@ -283,7 +357,7 @@ def _call(nv: Any, errors: list[NvmlCallError], name: str, fn: Callable[..., Any
           ) -> Any:
     try:
         return fn(*args)
-    except nv.NVMLError as exc:
+    except _errors(nv) as exc:
         errors.append(_call_error(nv, name, exc))
         return None
 
@@ -317,6 +391,13 @@ def _is_lost(nv: Any, errors: list[NvmlCallError]) -> bool:
     """GPU_IS_LOST or RESET_REQUIRED: the device needs a reset; nothing it says is trustworthy."""
     lost_codes = {nv.NVML_ERROR_GPU_IS_LOST, getattr(nv, "NVML_ERROR_RESET_REQUIRED", -1)}
     return any(e.code in lost_codes for e in errors)
+
+
+def holders_unknown(gpu: GpuDevice) -> bool:
+    """Who holds memory on `gpu` is not known: a process list could not be read, the GPU is
+    lost, or not even its handle could be had (so no list was asked for)."""
+    return gpu.holders_unknown or any(e.call.startswith("nvmlDeviceGetHandle")
+                                      for e in gpu.errors)
 
 
 def _with_count(status: NvmlStatus, count: int) -> NvmlStatus:

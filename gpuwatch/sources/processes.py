@@ -19,7 +19,7 @@ import psutil
 
 from gpuwatch.model import GpuProcessUsage, HostProcess, Job, ProcessReading, SourceError
 from gpuwatch.sources.jobs import WORKER_MARKER_KEYS, attribute_job, parse_cgroup, parse_environ
-from gpuwatch.sources.redact import redact_cmdline
+from gpuwatch.sources.redact import redact_cmdline, redact_env
 
 T = TypeVar("T")
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -227,7 +227,10 @@ class ProcessSource:
         if env_raw is None and state != psutil.STATUS_ZOMBIE:
             errors.append("environment not readable (other user's process; run as root)")
         cgroup = parse_cgroup(cgroup_text) if cgroup_text is not None else None
-        launch_env = MappingProxyType(parse_environ(env_raw)) if env_raw else _EMPTY_ENV
+        # Redacted before anything reads it, as the command line is: nothing downstream (the
+        # document, the views, the job id in metric labels) ever sees a secret in MASTER_ADDR.
+        launch_env = (MappingProxyType(redact_env(parse_environ(env_raw))) if env_raw
+                      else _EMPTY_ENV)
         return _Static(
             name=name,
             cmdline=cmdline,

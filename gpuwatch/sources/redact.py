@@ -1,4 +1,6 @@
-"""Secret redaction for the command lines gpuwatch shows (CLI, exporter labels, logs, alerts).
+"""Secret redaction for the command lines gpuwatch shows (CLI, exporter labels, logs, alerts),
+and for the values of the few environment variables it keeps (`redact_env`: MASTER_ADDR may be
+a URL with a password in it).
 
 Command lines on GPU nodes carry credentials more often than one would hope:
 `huggingface-cli login --token hf_...`, `env WANDB_API_KEY=... torchrun ...`,
@@ -24,7 +26,7 @@ password only for a few tools. Those few are handled by program name (_SHORT_FLA
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 MASK = "***"
@@ -373,6 +375,24 @@ def redact_cmdline(argv: Sequence[str]) -> tuple[str, ...]:
 
 
 _PLAIN_PROGRAM = re.compile(r"[A-Za-z0-9_./+\-]+")
+
+
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with secrets in its values replaced by `***`, by the rules for command lines (a URL's
+    password, a token's shape, `--token X` or `API_KEY=X` inside a value); names are kept, and a
+    secret-named variable's whole value is masked. Never raises: a value that cannot be checked
+    is masked whole."""
+    out: dict[str, str] = {}
+    for name, value in env.items():
+        try:
+            text = _as_text(value)
+            if _is_secret_name(name):
+                out[name] = _mask_value(text, shell=False)
+            else:
+                out[name] = _redact_words([text], shell=False)[0]
+        except Exception:
+            out[name] = MASK
+    return out
 
 
 def _as_text(arg: object) -> str:

@@ -26,6 +26,7 @@ from gpuwatch.sinks.status_view import (
     gpu_cell,
     job_cell,
     leak_notes,
+    no_holders_sentence,
     shown_pids,
     walk_trees,
 )
@@ -501,7 +502,8 @@ class TopView:
                    f" {f'{share * 100:3.0f}%' if share is not None else '  ?'}"
                    f"  util {f'{util:3d}%' if util is not None else '   ?'}")
         count = g["process_count"]
-        extra = f"  {count} process{'es' if count != 1 else ''}".ljust(15)
+        extra = ("  ? processes" if g.get("holders_unknown")
+                 else f"  {count} process{'es' if count != 1 else ''}").ljust(15)
         line = Line().add(f"GPU{g['index']:>2} ", TITLE)
         if name_width:
             line.add(cut(clean(g["name"] or "?"), name_width, self.glyphs).ljust(name_width)
@@ -569,9 +571,8 @@ class TopView:
             head.add((name.ljust(widths[i]) + "  ") if i < _COMMAND else name, HEAD)
         lines = [fit(head, width)]
         if not rows:
-            empty = ("no process matches the filter" if state.filter.strip() else
-                     "no process holds GPU memory" if self.doc and self.doc["nvml"]["available"]
-                     else "no process looks like GPU work")
+            empty = ("no process matches the filter" if state.filter.strip() or not self.doc
+                     else no_holders_sentence(self.doc))
             return lines + _pad([Line().add(empty, DIM)], height)
         body = self.body(rows)
         selected = state.index

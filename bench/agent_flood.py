@@ -1,0 +1,297 @@
+"""One local user floods agent.sock; the daemon's memory, /metrics and a second user's leak.
+
+600 real processes of one user (forked from this script: the daemon takes each report's PID and
+UID from the kernel, so 600 reporters must be 600 processes) each send 520 step reports of 64
+buffers, then stay alive. Meanwhile a process of a second user (UID 65534, when this runs as
+root) reports a host-memory leak of 4 MiB a step, 10 steps a second, as the agent would. Prints
+the daemon's RSS before, at its peak and after the flooders exit, what it accepted, rejected and
+evicted, the size of /metrics and how long a scrape takes with the flooders alive, and when the
+second user's leak was found.
+
+    python bench/agent_flood.py [--processes 600] [--reports 520] [--buffers 64] [--rate 0]
+                                [--discovered 0]
+
+--rate paces each flooder (reports a second; 0: as fast as the socket takes them);
+--discovered adds that many discovered containers with fresh 128-character names to each report
+(the most the protocol allows is 8; with --processes 1024, every bound is reached at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from node import (
+    MIB,
+    bench_node,
+    check_room_for,
+    cli_env,
+    free_port,
+    parse_args,
+    rss_bytes,
+    scrape,
+    start_daemon,
+    stop,
+    wait_http,
+    write_figures,
+)
+
+NOBODY = 65534
+LEAK_PER_STEP = 4 * MIB
+VICTIM_STEPS_PER_SECOND = 10
+
+
+def _child(body: Any) -> int:
+    """Fork; the child runs `body()` and exits without running this process's cleanup."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        body()
+    except BaseException:  # a child reports nothing: its exit code says it failed
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _flooder(path: str, index: int, reports: int, buffers: int, discovered: int, rate: float,
+             go: int, done: int) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    # Blocking, with no timeout: a full queue puts the sender to sleep in the kernel. (With a
+    # timeout, Python polls the socket, which an unconnected datagram socket answers as
+    # writable at once: 600 senders would spin on the CPU the daemon needs.)
+    sock.connect(path)
+    names = [f"flood.{index}.buffer_{j}" for j in range(buffers)]
+    os.read(go, 1)
+    started = time.monotonic()
+    for step in range(reports):
+        report: dict[str, Any] = {
+            "v": 1, "kind": "step", "seq": step, "step": step, "rss": 1 << 30,
+            "buffers": {name: {"items": step + j, "bytes": (step + j) << 10}
+                        for j, name in enumerate(names)}}
+        if discovered:  # fresh names each time: every one interned, every one a new series
+            report["discovered"] = {f"flood.{index}.{step}.{j}.".ljust(128, "d"): {
+                "items": step, "bytes": step << 10} for j in range(discovered)}
+        sock.send(json.dumps(report).encode())
+        if rate:
+            time.sleep(max(0.0, started + (step + 1) / rate - time.monotonic()))
+    os.write(done, b"x")
+    signal.pause()  # alive, so that the daemon keeps what it took from this process
+
+
+def _victim(path: str, steps: int, report_to: int) -> None:
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setblocking(False)  # as the agent sends: a full queue drops the report
+    sock.bind("")  # an abstract address, as the agent's
+    sent = dropped = 0
+    started = time.monotonic()
+    for step in range(steps):
+        payload = json.dumps({"v": 1, "kind": "step", "seq": step, "step": step,
+                              "rss": (1 << 30) + step * LEAK_PER_STEP, "buffers": {
+                                  "fetch_buffer": {"items": step, "bytes": step * LEAK_PER_STEP},
+                                  "queue": {"items": 3}}}).encode()
+        try:
+            sock.sendto(payload, path)
+            sent += 1
+        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+            dropped += 1
+        os.write(report_to, f"{step} {sent} {dropped}\n".encode())
+        time.sleep(max(0.0, started + (step + 1) / VICTIM_STEPS_PER_SECOND - time.monotonic()))
+    signal.pause()
+
+
+class Peak(threading.Thread):
+    """The highest RSS of a process, sampled every 50 ms."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.peak = 0
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.wait(0.05):
+            with contextlib.suppress(OSError):
+                self.peak = max(self.peak, rss_bytes(self.pid))
+
+
+def samples(body: bytes) -> dict[str, float]:
+    """{'name{labels}': value} of every sample line."""
+    out = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            key, _, number = line.rpartition(" ")
+            out[key] = float(number)
+    return out
+
+
+def by_label(s: dict[str, float], name: str) -> dict[str, float]:
+    """{label values: value} of one metric family (labels as written)."""
+    return {key[len(name) + 1:-1]: v for key, v in s.items() if key.startswith(name + "{")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--processes", type=int, default=600)
+    parser.add_argument("--reports", type=int, default=520)
+    parser.add_argument("--buffers", type=int, default=64)
+    parser.add_argument("--discovered", type=int, default=0,
+                        help="discovered containers with fresh names in each report (max 8)")
+    parser.add_argument("--rate", type=float, default=0.0)
+    parser.add_argument("--interval", type=float, default=2.0)
+    parser.add_argument("--victim-steps", type=int, default=600)
+    args = parse_args(parser, quick={"processes": 60, "reports": 60})
+    check_room_for(args.processes + 16)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    with bench_node(gpus=2, gpu_procs=4) as b:
+        daemon = start_daemon(b, port, args.interval)
+        children: list[int] = []
+        try:
+            wait_http(url, daemon)
+            os.chmod(b.tmp, 0o711)  # the second user must reach agent.sock inside it
+            path = str(Path(cli_env(b)["GPUWATCH_RUNTIME_DIR"]) / "agent.sock")
+            time.sleep(3 * args.interval)
+            before = rss_bytes(daemon.pid)
+            before_s = samples(scrape(url)[1])
+            peak = Peak(daemon.pid)
+            peak.start()
+
+            go_r, go_w = os.pipe()
+            done_r, done_w = os.pipe()
+            for i in range(args.processes):
+                children.append(_child(lambda i=i: _flooder(
+                    path, i, args.reports, args.buffers, args.discovered, args.rate, go_r,
+                    done_w)))
+            victim_r, victim_w = os.pipe()
+            victim = _child(lambda: _victim(path, args.victim_steps, victim_w))
+            children.append(victim)
+            os.close(victim_w)
+            started = time.monotonic()
+            os.write(go_w, b"g" * args.processes)
+
+            # The second user's leak, found while the flood goes on.
+            found_after: Optional[float] = None
+            found_step: Optional[int] = None
+            victim_line = b""
+            done = 0
+            os.set_blocking(done_r, False)
+            os.set_blocking(victim_r, False)
+            flood_seconds: Optional[float] = None
+            while time.monotonic() - started < 600:
+                with contextlib.suppress(BlockingIOError):
+                    done += len(os.read(done_r, 4096))
+                if done >= args.processes and flood_seconds is None:
+                    flood_seconds = time.monotonic() - started
+                with contextlib.suppress(BlockingIOError):
+                    victim_line = (victim_line + os.read(victim_r, 1 << 16))[-4096:]
+                if found_after is None:
+                    s = samples(scrape(url)[1])
+                    leak = [k for k in by_label(s, "gpuwatch_finding")
+                            if f'pid="{victim}"' in k and 'kind="leak"' in k]
+                    if leak:
+                        found_after = time.monotonic() - started
+                        found_step = int(victim_line.split(b"\n")[-2].split()[0])
+                if flood_seconds is not None and found_after is not None:
+                    break
+                time.sleep(0.25)
+            time.sleep(2 * args.interval)  # the flooders held: what the daemon keeps of them
+
+            held = rss_bytes(daemon.pid)
+            times, body = [], b""
+            for _ in range(5):
+                seconds, body = scrape(url)
+                times.append(seconds)
+            during = samples(body)
+            series = len(during)
+            victim_step = by_label(during, "gpuwatch_agent_step")
+            seen_step = next((v for k, v in victim_step.items() if f'pid="{victim}"' in k), None)
+            with contextlib.suppress(BlockingIOError):
+                victim_line = (victim_line + os.read(victim_r, 1 << 16))[-4096:]
+            v_step, v_sent, v_dropped = (int(x) for x in victim_line.split(b"\n")[-2].split())
+
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for pid in children:
+                os.waitpid(pid, 0)
+            children = []
+            time.sleep(5 * args.interval)
+            after = rss_bytes(daemon.pid)
+            peak.stopping.set()
+            peak.join()
+            after_s = samples(scrape(url)[1])
+        finally:
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for pid in children:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+            stop([daemon])
+
+    def delta(name: str) -> dict[str, float]:
+        was = by_label(before_s, name)
+        return {k: v - was.get(k, 0.0) for k, v in by_label(after_s, name).items()
+                if v - was.get(k, 0.0)}
+
+    accepted = (after_s.get("gpuwatch_agent_reports_total", 0)
+                - before_s.get("gpuwatch_agent_reports_total", 0))
+    rejected = delta("gpuwatch_agent_reports_rejected_total")
+    evicted = delta("gpuwatch_agent_evicted_total")
+    refused = delta("gpuwatch_agent_history_refused_total")
+    memory = by_label(during, "gpuwatch_agent_memory_bytes")
+    budget = during.get("gpuwatch_agent_memory_budget_bytes", 0)
+    mib = 2 ** 20
+    user = "a second user (UID 65534)" if os.geteuid() == 0 else "another process (same UID)"
+    pace = f"{args.rate:g}/s each" if args.rate else "as fast as the socket takes them"
+    more = f" and {args.discovered} new discovered names" if args.discovered else ""
+    print(f"{args.processes} processes of one user x {args.reports} step reports of "
+          f"{args.buffers} buffers{more} ({pace}); "
+          f"{user} leaking {LEAK_PER_STEP // mib} MiB a step, {VICTIM_STEPS_PER_SECOND} steps/s")
+    print(f"daemon RSS: before {before / mib:.0f} MiB, peak {peak.peak / mib:.0f} MiB, "
+          f"flooders alive {held / mib:.0f} MiB, after they exited {after / mib:.0f} MiB")
+    print(f"flood sent in {flood_seconds or float('nan'):.1f} s; reports accepted "
+          f"{accepted:.0f}, rejected {json.dumps(rejected)}")
+    print(f"agent memory (charged): {json.dumps({k: round(v / mib, 1) for k, v in memory.items()})}"
+          f" MiB of a {budget / mib:.0f} MiB budget; evicted {json.dumps(evicted)}, "
+          f"refused {json.dumps(refused)}")
+    print(f"/metrics with the flooders alive: {series} series, {len(body) / 1024:.0f} KiB, "
+          f"scrape {1000 * statistics.median(times):.0f} ms (max {1000 * max(times):.0f} ms); "
+          f"agent series dropped by the per-user cap: "
+          f"{during.get('gpuwatch_agent_series_dropped_total', 0):.0f}")
+    found = (f"found {found_after:.1f} s after it started (its step {found_step})"
+             if found_after is not None else "NOT FOUND")
+    print(f"second user's leak: {found}; it sent {v_sent} reports ({v_dropped} dropped by a "
+          f"full socket queue), the daemon's newest step for it {seen_step} of {v_step}")
+    write_figures(args.figures, {
+        "processes": args.processes, "reports": args.reports, "buffers": args.buffers,
+        "rss_before_mib": before / mib, "rss_peak_mib": peak.peak / mib,
+        "rss_held_mib": held / mib, "rss_after_mib": after / mib,
+        "series": series, "metrics_kib": len(body) / 1024,
+        "scrape_ms": 1000 * statistics.median(times), "scrape_max_ms": 1000 * max(times),
+        "accepted": accepted, "rejected": rejected, "evicted": evicted, "refused": refused,
+        "victim_found_after_s": found_after, "victim_dropped": v_dropped,
+        "flood_seconds": flood_seconds})
+    if found_after is None:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""One memory budget for everything agent reports make the daemon keep, shared fairly by user.
+
+Any local user may report to agent.sock, and what reports create stays in the daemon's memory:
+the receiver's state per reporting process (its slot, the buffer and discovered names it
+interned, its newest point, trace and exit reports), the step points waiting for the next poll,
+and the history's step series behind the leak test. Each part tells this ledger what it adds
+and what it frees, in bytes estimated from what it stores (the `*_BYTES` constants next to each
+structure, measured with tracemalloc), charged to the UID the kernel gave with the report.
+
+The rule (docs/agent-protocol.md, "Daemon side bounds"):
+- while the total stays within `max_bytes`, anything is granted (one user alone may use it
+  all), but for room the last reclaim made for users under their share;
+- past it, a user holding at least its share (`max_bytes` / users holding state) is refused
+  (`user_share`, or `memory_budget` when it is the only user);
+- a user under its share is still granted, up to `ceiling` (a quarter above the budget; past
+  that it is refused as `memory_budget` and what it asked for is remembered), and at the next
+  poll `reclaim()` takes back from the users above their share what brings the total within the
+  budget with room for what was remembered: the largest first, down to their share at most, the
+  history's step series first (those of processes without an open finding, the least recently
+  reporting first), then the receiver's slots (the least recently reporting first). A user
+  under its share never loses anything to another user's growth, and what it was refused fits
+  when it asks again after that poll.
+
+Counters of what was refused and evicted, by what and why, are kept here for the exporter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Callable, Optional
+
+#: Bytes of agent state kept by default: room for about 300 reporting processes with 8 watched
+#: buffers each (~200 KiB a process at most), and for a few with 64.
+DEFAULT_MEMORY_BUDGET = 64 << 20
+
+PARTS = ("receiver", "pending", "history")
+#: What the history can be refused: a process's step history, or one buffer's or discovered
+#: container's series (the receiver's refusals are rejected reports, counted by reason there).
+REFUSED_WHAT = ("history", "series")
+#: What reclaiming can take: a reporting process's slot (with everything the receiver kept for
+#: it), or a process's step history.
+EVICTED_WHAT = ("process", "history")
+#: Why: another user needed the room, or the user alone filled the budget.
+BUDGET_REASONS = ("user_share", "memory_budget")
+
+#: A reclaimer frees up to `nbytes` of `uid`'s state and answers how much it freed.
+Reclaimer = Callable[[int, int, str], int]
+#: Once this much of what was charged has been given back, ask the C allocator to return the
+#: free pages it keeps (series are arrays of over 512 bytes: malloc's, not Python's arenas).
+TRIM_AFTER_BYTES = 16 << 20
+
+
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+class AgentBudget:
+    """Thread-safe: the agent socket's thread and the poll thread both charge it."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MEMORY_BUDGET) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._by_uid: dict[int, int] = {}
+        self._by_part = dict.fromkeys(PARTS, 0)
+        self._total = 0
+        self._refused = {(what, why): 0 for what in REFUSED_WHAT for why in BUDGET_REASONS}
+        self._evicted = {(what, why): 0 for what in EVICTED_WHAT for why in BUDGET_REASONS}
+        self._reclaimers: list[tuple[int, Reclaimer]] = []
+        #: Bytes users under their share were refused since the last reclaim (the ceiling),
+        #: and what the last reclaim freed for them: users above their share may not take it.
+        self._wanted: dict[int, int] = {}
+        self._reserved = 0
+        self._waiting: set[int] = set()
+        #: The highest total since the allocator was last asked to give pages back.
+        self._high_water = 0
+        self._trim = _malloc_trim()
+
+    @property
+    def ceiling(self) -> int:
+        """What users under their share may take the total to before a poll reclaims."""
+        return self.max_bytes + self.max_bytes // 4
+
+    # -- charging ------------------------------------------------------------------------------
+    def grant(self, uid: int, part: str, nbytes: int, force: bool = False) -> Optional[str]:
+        """Charge `nbytes` to `uid` if the rule allows it: None, else the reason it does not.
+        `force` charges whatever the total (what one process keeps at least: its newest
+        point)."""
+        with self._lock:
+            # The common case first, cheaply: it fits, and touches no room kept for others.
+            if (nbytes > 0 and not force
+                    and self._total + nbytes > self.max_bytes - self._reserved):
+                reason = self._refusal(uid, nbytes)
+                if reason is not None:
+                    return reason
+            self._by_uid[uid] = self._by_uid.get(uid, 0) + nbytes
+            self._by_part[part] += nbytes
+            self._total += nbytes
+        return None
+
+    def _refusal(self, uid: int, nbytes: int) -> Optional[str]:
+        after = self._total + nbytes
+        if self._waiting:  # users refused at the last poll count as holders until they fit
+            users = len(self._by_uid.keys() | self._waiting | {uid})
+        else:
+            users = len(self._by_uid) + (uid not in self._by_uid)
+        under = self._by_uid.get(uid, 0) + nbytes <= self.max_bytes // users
+        if under:
+            if after <= self.max_bytes:
+                self._granted_room(uid, nbytes)
+                return None
+        elif after <= self.max_bytes - self._reserved:
+            return None
+        if users == 1:
+            return "memory_budget"
+        if not under:
+            return "user_share"
+        if after <= self.ceiling:
+            self._granted_room(uid, nbytes)
+            return None
+        # Under its share, yet over the ceiling: what it asked for is taken back from the users
+        # above their share at the next poll, and kept for the users under theirs until then.
+        self._wanted[uid] = min(self.max_bytes, self._wanted.get(uid, 0) + nbytes)
+        return "memory_budget"
+
+    def _granted_room(self, uid: int, nbytes: int) -> None:
+        if self._reserved:
+            self._reserved = max(0, self._reserved - nbytes)
+            if not self._reserved:
+                self._waiting.clear()
+        self._waiting.discard(uid)
+
+    def release(self, uid: int, part: str, nbytes: int) -> None:
+        if nbytes:
+            with self._lock:
+                self._add(uid, part, -nbytes)
+
+    def _add(self, uid: int, part: str, nbytes: int) -> None:
+        used = self._by_uid.get(uid, 0) + nbytes
+        if used > 0:
+            self._by_uid[uid] = used
+        else:
+            self._by_uid.pop(uid, None)
+        self._by_part[part] += nbytes
+        self._total += nbytes
+
+    # -- counters ------------------------------------------------------------------------------
+    def refused(self, what: str, reason: str) -> None:
+        with self._lock:
+            self._refused[(what, reason)] += 1
+
+    def evicted(self, what: str, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self._evicted[(what, reason)] += n
+
+    # -- what the exporter reads ---------------------------------------------------------------
+    @property
+    def total(self) -> int:
+        return self._total
+
+    def used(self, uid: int) -> int:
+        return self._by_uid.get(uid, 0)
+
+    def stats(self) -> BudgetStats:
+        with self._lock:
+            return BudgetStats(self.max_bytes, MappingProxyType(dict(self._by_part)),
+                               len(self._by_uid), MappingProxyType(dict(self._refused)),
+                               MappingProxyType(dict(self._evicted)))
+
+    # -- reclaiming ----------------------------------------------------------------------------
+    def add_reclaimer(self, reclaimer: Reclaimer, order: int) -> None:
+        """Reclaimers run in ascending `order` for each user that must give back."""
+        self._reclaimers.append((order, reclaimer))
+        self._reclaimers.sort(key=lambda entry: entry[0])
+
+    def excess(self) -> list[tuple[int, int, str]]:
+        """(uid, bytes, reason) to take back to bring the total within the budget, with room
+        for what users under their share were refused since the last reclaim: from users above
+        their share, the largest first, none below its share."""
+        with self._lock:
+            wanted = sum(self._wanted.values())
+            over = self._total + wanted - self.max_bytes
+            if over <= 0 or not self._by_uid:
+                return []
+            users = len(self._by_uid.keys() | self._wanted.keys())
+            share = self.max_bytes // users
+            reason = "user_share" if users > 1 else "memory_budget"
+            plan = []
+            for uid, used in sorted(self._by_uid.items(), key=lambda kv: -kv[1]):
+                if over <= 0 or used <= share:
+                    break
+                give = min(used - share, over)
+                plan.append((uid, give, reason))
+                over -= give
+            return plan
+
+    def give_pages_back(self) -> bool:
+        """After TRIM_AFTER_BYTES were freed since the last time, return the allocator's free
+        pages to the system (malloc_trim): without it a flood that ended leaves its peak
+        resident. Called by the poll thread; whether it trimmed. Pending points, which come
+        and go at every poll, do not count."""
+        kept = self._total - self._by_part["pending"]  # pending points come and go each poll
+        self._high_water = max(self._high_water, kept)
+        if self._high_water - kept < TRIM_AFTER_BYTES:
+            return False
+        self._high_water = kept
+        if self._trim is not None:
+            self._trim(0)
+        return True
+
+    def reclaim(self) -> int:
+        """Take back what `excess()` says (called by the poll thread, once per poll); the bytes
+        freed. No lock is held while reclaimers run: they charge this ledger themselves."""
+        freed_total = 0
+        plan = self.excess()
+        with self._lock:
+            self._reserved = sum(self._wanted.values())
+            self._waiting = set(self._wanted)
+            self._wanted.clear()
+        for uid, nbytes, reason in plan:
+            freed = 0
+            for _, reclaimer in self._reclaimers:
+                if freed >= nbytes:
+                    break
+                freed += reclaimer(uid, nbytes - freed, reason)
+            freed_total += freed
+        return freed_total
+
+
+class BudgetStats:
+    """A consistent reading of the ledger, for /metrics."""
+
+    __slots__ = ("by_part", "evicted", "max_bytes", "refused", "users")
+
+    def __init__(self, max_bytes: int, by_part: Mapping[str, int], users: int,
+                 refused: Mapping[tuple[str, str], int],
+                 evicted: Mapping[tuple[str, str], int]) -> None:
+        self.max_bytes = max_bytes
+        self.by_part = by_part
+        self.users = users
+        self.refused = refused
+        self.evicted = evicted
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_part.values())

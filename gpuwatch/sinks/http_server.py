@@ -1,0 +1,247 @@
+"""The metrics port: `/metrics` over HTTP, or HTTPS with basic authentication (a web config).
+
+Served by a `Listener` (one thread for every connection, bounded in number and time; see
+listener.py), not by prometheus-client's server, which spends a thread on each connection and
+never times one out. The exposition itself is prometheus-client's: the same text or
+OpenMetrics format by the `Accept` header, gzip when asked, `name[]` filters.
+
+Only `/metrics` serves metrics, `/` a page that links to it; anything else is 404. One request
+per connection (`Connection: close`), as prometheus-client's server does. With basic auth every
+path needs it (401 before 404, so that paths tell nothing).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import gzip
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from gpuwatch import __version__
+from gpuwatch.sinks.listener import (
+    MAX_ANSWERING,
+    MAX_CONNECTIONS,
+    REQUEST_TIMEOUT,
+    RESPONSE_TIMEOUT,
+    Conn,
+    ConnectionStats,
+    Handler,
+    Job,
+    Listener,
+    Outcome,
+)
+
+if TYPE_CHECKING:
+    from gpuwatch.sinks.web_config import WebSettings
+
+MAX_REQUEST = 16 << 10
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+            405: "Method Not Allowed", 429: "Too Many Requests", 431:
+            "Request Header Fields Too Large", 500: "Internal Server Error",
+            505: "HTTP Version Not Supported"}
+_LANDING = (b"<!DOCTYPE html>\n<html><head><title>gpuwatch</title></head><body>"
+            b"<h1>gpuwatch " + __version__.encode() + b"</h1>"
+            b'<p><a href="/metrics">Metrics</a></p></body></html>\n')
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    target: str
+    headers: dict[str, str]  # lower-case names
+
+
+def parse_request(head: bytes) -> Request:
+    """The request line and headers; ValueError for anything that is not HTTP/1.x."""
+    lines = head.decode("latin-1").split("\n")
+    parts = lines[0].rstrip("\r").split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or not parts[0].isalpha():
+        raise ValueError("bad request line")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        line = line.rstrip("\r")
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise ValueError("bad header line")
+        headers[name.lower()] = value.strip()
+    return Request(parts[0], parts[1], headers)
+
+
+def basic_credentials(header: Optional[str]) -> Optional[tuple[str, bytes]]:
+    """(user, password) from an `Authorization: Basic ...` header, or None."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(token.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    user, sep, password = decoded.partition(b":")
+    if not sep:
+        return None
+    return user.decode("utf-8", "replace"), password
+
+
+class MetricsHandler(Handler):
+    max_request = MAX_REQUEST
+
+    def __init__(self, registry: CollectorRegistry, stats: ConnectionStats,
+                 web: Optional[WebSettings] = None) -> None:
+        self.registry = registry
+        self.stats = stats
+        self.web = web
+
+    def request_end(self, buf: bytearray) -> int:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            return end + 4
+        end = buf.find(b"\n\n")
+        return end + 2 if end >= 0 else -1
+
+    def after_handshake(self, sock: object) -> Optional[str]:
+        return self.web.refuse_peer(sock) if self.web is not None else None  # type: ignore[arg-type]
+
+    def failure(self) -> bytes:
+        return self._simple(500)
+
+    def dispatch(self, request: Optional[bytes], conn: Conn) -> Outcome:
+        if request is None:
+            return self._simple(431)
+        try:
+            req = parse_request(request)
+        except ValueError:
+            return self._simple(400)
+        web = self.web
+        if web is not None:
+            web.refresh()  # users and headers too, with or without TLS
+            if not web.allow():
+                return self._simple(429)
+            if web.users:
+                creds = basic_credentials(req.headers.get("authorization"))
+                if creds is None:
+                    return self._unauthorized()
+                verdict = web.known(*creds)
+                if verdict is None:
+                    def checked() -> Outcome:
+                        return self._route(req) if web.check(*creds) else self._unauthorized()
+                    return Job("auth", checked)
+                if not verdict:
+                    return self._unauthorized()
+        return self._route(req)
+
+    def _route(self, req: Request) -> Outcome:
+        if req.method not in ("GET", "HEAD"):
+            return self._response(405, b"Method not allowed: use GET or HEAD.\n",
+                                  extra=(("Allow", "GET, HEAD"),))
+        target = urlsplit(req.target)
+        head = req.method == "HEAD"
+        if target.path == "/metrics":
+            return Job("render", lambda: self._metrics(req, target.query, head))
+        if target.path == "/":
+            return self._response(200, _LANDING, "text/html; charset=utf-8", head=head)
+        return self._response(404, b"Not found: metrics are at /metrics.\n", head=head)
+
+    def _metrics(self, req: Request, query: str, head: bool) -> bytes:
+        encoder, content_type = choose_encoder(req.headers.get("accept", ""))
+        registry = self.registry
+        names = parse_qs(query).get("name[]")
+        if names:
+            registry = registry.restricted_registry(names)  # type: ignore[assignment]
+        body = encoder(registry)
+        extra: tuple[tuple[str, str], ...] = ()
+        if _accepts_gzip(req.headers.get("accept-encoding", "")):
+            body = gzip.compress(body, compresslevel=6)
+            extra = (("Content-Encoding", "gzip"),)
+        return self._response(200, body, content_type, extra=extra, head=head)
+
+    def _unauthorized(self) -> bytes:
+        return self._response(401, b"Unauthorized\n",
+                              extra=(("WWW-Authenticate", 'Basic realm="gpuwatch"'),))
+
+    def _simple(self, code: int) -> bytes:
+        return self._response(code, f"{_REASONS[code]}\n".encode())
+
+    def _response(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
+                  extra: tuple[tuple[str, str], ...] = (), head: bool = False) -> bytes:
+        self.stats.response(code)
+        lines = [f"HTTP/1.1 {code} {_REASONS[code]}", f"Content-Type: {content_type}",
+                 f"Content-Length: {len(body)}", "Connection: close", *(
+                     f"{k}: {v}" for k, v in extra)]
+        if self.web is not None:
+            lines.extend(f"{k}: {v}" for k, v in self.web.config.headers)
+        head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        return head_bytes if head else head_bytes + body
+
+
+def _accepts_gzip(header: str) -> bool:
+    for item in header.split(","):
+        name, _, params = item.partition(";")
+        if name.strip().lower() == "gzip":
+            return params.replace(" ", "") not in ("q=0", "q=0.0", "q=0.00", "q=0.000")
+    return False
+
+
+def bind_tcp(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A listening socket on HOST:PORT ('' or '0.0.0.0': every IPv4 interface; '::' every
+    interface); raises OSError (EADDRINUSE, EACCES, EADDRNOTAVAIL) for the caller to explain."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if host and ":" not in host:
+        # A name resolves to its first address, as prometheus-client's server did.
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        family = infos[0][0]
+        host = str(infos[0][4][0])
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host or "0.0.0.0", port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class MetricsServer:
+    """/metrics on a bound socket; `web` adds TLS and basic auth."""
+
+    def __init__(self, sock: socket.socket, registry: CollectorRegistry,
+                 stats: Optional[ConnectionStats] = None, web: Optional[WebSettings] = None,
+                 *, max_connections: int = MAX_CONNECTIONS, max_answering: int = MAX_ANSWERING,
+                 request_timeout: float = REQUEST_TIMEOUT,
+                 response_timeout: float = RESPONSE_TIMEOUT) -> None:
+        self.stats = stats if stats is not None else ConnectionStats()
+        self.web = web
+        tls: Optional[Callable[[], object]] = None
+        if web is not None and web.tls:
+            tls = web.tls_context
+        self.listener = Listener(
+            sock, "metrics", MetricsHandler(registry, self.stats, web), self.stats,
+            tls,  # type: ignore[arg-type]
+            max_connections=max_connections, max_answering=max_answering,
+            request_timeout=request_timeout, response_timeout=response_timeout)
+        self.server_address = sock.getsockname()
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.web is not None and self.web.tls else "http"
+
+    def start(self) -> None:
+        self.listener.start()
+
+    def stop(self) -> None:
+        self.listener.stop()

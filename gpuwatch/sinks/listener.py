@@ -1,0 +1,574 @@
+"""Serving a listening socket without a thread per connection.
+
+One thread runs a `selectors` loop over the listening socket and every open connection: it
+accepts, completes TLS handshakes, reads requests and writes answers, all without blocking, so an
+idle or slow client costs a file descriptor and a few hundred bytes, never a thread. Work that
+may take time (rendering /metrics or the status document, checking a bcrypt password) runs on
+small pools of one thread each, created when first used.
+
+What a client can hold is bounded:
+
+- `max_connections` open at once. A connection beyond it closes the oldest one that has not yet
+  sent its whole request ("evicted"), or, if every open one already has, is closed at once
+  ("refused"). A scraper sends its request as soon as it connects, so a flood of idle
+  connections evicts its own members, not the scrape.
+- `request_timeout`, from accept to the end of the request (TLS handshake included): a
+  connection that sends nothing, or a byte now and then, is closed when it runs out.
+- `response_timeout`, from the end of the request to the last byte handed to the kernel: a
+  client that stops reading is closed, quietly (one debug line and a count).
+- `max_answering` answers in flight (rendered or being written) at once: the memory held for
+  clients that do not read is at most that many bodies. Further requests wait their turn.
+
+Each connection ends with one result, counted per socket in `ConnectionStats`: `answered`,
+`refused`, `evicted`, `timed_out` or `failed` (reset or closed by the client before the answer,
+a failed TLS handshake).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import logging
+import queue
+import selectors
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT = 10.0
+RESPONSE_TIMEOUT = 10.0
+MAX_CONNECTIONS = 256
+MAX_ANSWERING = 16
+
+RESULTS = ("answered", "refused", "evicted", "timed_out", "failed")
+SOCKETS = ("metrics", "state")
+#: HTTP status codes present at 0 from the start, so that `increase()` sees the first of each.
+COMMON_CODES = ("200", "401", "404")
+
+_ACCEPT_BATCH = 64
+_SEND_CHUNK = 256 << 10
+_RECV_CHUNK = 64 << 10
+_EXPIRY_CHECK = 0.1
+_NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+# Connection states.
+_HANDSHAKE = "handshake"
+_READING = "reading"
+_WAITING = "waiting"  # request complete, waiting for an answering slot
+_WORKING = "working"  # its answer is being prepared on a pool
+_WRITING = "writing"
+_BUSY = (_WORKING, _WRITING)
+
+
+class ConnectionStats:
+    """What the listeners of one daemon did with their connections; read by the collector."""
+
+    def __init__(self, sockets: Iterable[str] = SOCKETS) -> None:
+        self._lock = threading.Lock()
+        self.results: dict[tuple[str, str], int] = {
+            (s, r): 0 for s in sockets for r in RESULTS}
+        self.open: dict[str, int] = dict.fromkeys(sockets, 0)
+        self.responses: dict[str, int] = dict.fromkeys(COMMON_CODES, 0)
+
+    def ended(self, sock: str, result: str) -> None:
+        with self._lock:
+            self.results[(sock, result)] = self.results.get((sock, result), 0) + 1
+
+    def set_open(self, sock: str, n: int) -> None:
+        self.open[sock] = n
+
+    def response(self, code: int) -> None:
+        with self._lock:
+            self.responses[str(code)] = self.responses.get(str(code), 0) + 1
+
+    def result(self, sock: str, result: str) -> int:
+        return self.results.get((sock, result), 0)
+
+
+class ConnectionCollector:
+    """`gpuwatch_connections_total`, `gpuwatch_connections_open` and
+    `gpuwatch_http_responses_total`, from a `ConnectionStats`."""
+
+    def __init__(self, stats: ConnectionStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats
+        with s._lock:
+            results = sorted(s.results.items())
+            responses = sorted(s.responses.items())
+        ended = CounterMetricFamily(
+            "gpuwatch_connections", "Connections to /metrics and state.sock, by how they ended: "
+            "answered, refused (over the cap), evicted (idle, closed for a newer one), "
+            "timed_out (too slow to send its request or to read the answer), failed.",
+            labels=["socket", "result"])
+        for (sock, result), n in results:
+            ended.add_metric([sock, result], n)
+        yield ended
+        opened = GaugeMetricFamily("gpuwatch_connections_open",
+                                   "Connections open now, by socket.", labels=["socket"])
+        for sock, n in sorted(s.open.items()):
+            opened.add_metric([sock], n)
+        yield opened
+        codes = CounterMetricFamily("gpuwatch_http_responses",
+                                    "HTTP responses sent on the metrics port, by status code.",
+                                    labels=["code"])
+        for code, n in responses:
+            codes.add_metric([code], n)
+        yield codes
+
+
+@dataclass(frozen=True)
+class Job:
+    """Work for a pool: `run()` returns the answer's bytes, or another Job."""
+
+    pool: str
+    run: Callable[[], Union[bytes, Job]]
+
+
+Outcome = Union[bytes, Job]
+
+
+class Handler:
+    """What a listener asks of its protocol. `dispatch` runs on the loop thread and must be
+    quick: whatever may take time goes in a Job."""
+
+    def request_end(self, buf: bytearray) -> int:
+        """The length of the complete request at the start of `buf`, or -1."""
+        raise NotImplementedError
+
+    max_request = 8192
+    #: whether a client closing its side after part of a request ends the request
+    eof_ends_request = False
+
+    def dispatch(self, request: Optional[bytes], conn: Conn) -> Outcome:
+        """The answer to `request` (None: it was larger than `max_request`)."""
+        raise NotImplementedError
+
+    def failure(self) -> bytes:
+        """The answer when preparing one raised."""
+        raise NotImplementedError
+
+    def after_handshake(self, sock: ssl.SSLSocket) -> Optional[str]:
+        """A reason to refuse the TLS peer, or None."""
+        return None
+
+
+class Conn:
+    __slots__ = ("born", "buf", "deadline", "events", "id", "off", "out", "peer", "sock",
+                 "state")
+
+    def __init__(self, cid: int, sock: socket.socket, peer: Any, state: str,
+                 deadline: float) -> None:
+        self.id = cid
+        self.sock = sock
+        self.peer = peer
+        self.state = state
+        self.deadline = deadline
+        self.born = time.monotonic()
+        self.buf = bytearray()
+        self.out: Optional[memoryview] = None
+        self.off = 0
+        self.events = 0
+
+
+class _Pool:
+    """One worker thread fed by a queue; started when first used."""
+
+    def __init__(self, name: str, done: Callable[[int, Any], None]) -> None:
+        self._name = name
+        self._done = done
+        self._queue: queue.SimpleQueue[Optional[tuple[int, Callable[[], Any]]]] = \
+            queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, cid: int, fn: Callable[[], Any]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+            self._thread.start()
+        self._queue.put((cid, fn))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            cid, fn = item
+            try:
+                result: Any = fn()
+            except BaseException as exc:
+                result = exc
+            self._done(cid, result)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(5)
+
+
+class Listener:
+    """Serves `sock` (bound and listening) with `handler` from one thread; see the module."""
+
+    def __init__(self, sock: socket.socket, name: str, handler: Handler,
+                 stats: Optional[ConnectionStats] = None,
+                 tls: Optional[Callable[[], Optional[ssl.SSLContext]]] = None, *,
+                 max_connections: int = MAX_CONNECTIONS, max_answering: int = MAX_ANSWERING,
+                 request_timeout: float = REQUEST_TIMEOUT,
+                 response_timeout: float = RESPONSE_TIMEOUT) -> None:
+        self.sock = sock
+        self.name = name
+        self.handler = handler
+        self.stats = stats if stats is not None else ConnectionStats((name,))
+        self._tls = tls
+        self.max_connections = max_connections
+        self.max_answering = max_answering
+        self.request_timeout = request_timeout
+        self.response_timeout = response_timeout
+        self._conns: dict[int, Conn] = {}
+        self._waiting: collections.deque[tuple[int, Job]] = collections.deque()
+        self._busy = 0
+        self._next_id = 0
+        self._pools: dict[str, _Pool] = {}
+        self._results: collections.deque[tuple[int, Any]] = collections.deque()
+        self._stopping = False
+        self._accept_paused_until: Optional[float] = None
+        self._next_expiry = 0.0
+        self._thread: Optional[threading.Thread] = None
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (self._wake_r, self._wake_w, sock):
+            s.setblocking(False)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._sel.register(self.sock, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-listener",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close every connection and the listening socket; return once the loop has ended."""
+        self._stopping = True
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+        else:
+            self._close_everything()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                timeout = max(0.0, min(self._next_expiry - now, 1.0))
+                if self._accept_paused_until is not None:
+                    timeout = min(timeout, max(0.0, self._accept_paused_until - now))
+                for key, _ in self._sel.select(timeout):
+                    if key.data is None:
+                        self._accept()
+                    elif key.data is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        self._service(key.data)
+                self._take_results()
+                self._expire()
+                self._resume_accepting()
+                self.stats.set_open(self.name, len(self._conns))
+        except Exception:  # a bug: log it, and leave the socket closed rather than half-served
+            log.exception("%s listener failed; it no longer accepts connections", self.name)
+        finally:
+            self._close_everything()
+
+    def _close_everything(self) -> None:
+        for conn in list(self._conns.values()):
+            self._forget(conn)
+        self.stats.set_open(self.name, 0)
+        for pool in self._pools.values():
+            pool.stop()
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(self.sock)
+        self._sel.close()
+        for s in (self.sock, self._wake_r, self._wake_w):
+            s.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: the loop is awake already
+            self._wake_w.send(b"\0")
+
+    # -- accepting ---------------------------------------------------------------------------
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                sock, peer = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _NO_DESCRIPTORS:
+                    # No descriptor to accept with: free the oldest idle one, and stop accepting
+                    # for a moment instead of spinning on a listening socket that stays readable.
+                    if not self._evict_one():
+                        self._pause_accepting()
+                    log.debug("%s: cannot accept: %s", self.name, exc.strerror)
+                    return
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue
+                log.warning("%s: cannot accept connections: %s", self.name, exc)
+                self._pause_accepting()
+                return
+            if len(self._conns) >= self.max_connections and not self._evict_one():
+                self.stats.ended(self.name, "refused")
+                sock.close()
+                continue
+            self._open(sock, peer)
+
+    def _open(self, sock: socket.socket, peer: Any) -> None:
+        sock.setblocking(False)
+        deadline = time.monotonic() + self.request_timeout
+        state = _READING
+        context = self._tls() if self._tls is not None else None
+        if context is not None:
+            try:
+                sock = context.wrap_socket(sock, server_side=True,
+                                           do_handshake_on_connect=False)
+            except OSError:
+                sock.close()
+                self.stats.ended(self.name, "failed")
+                return
+            state = _HANDSHAKE
+        self._next_id += 1
+        conn = Conn(self._next_id, sock, peer, state, deadline)
+        self._conns[conn.id] = conn
+        self._want(conn, selectors.EVENT_READ)
+        self._next_expiry = min(self._next_expiry, deadline)
+
+    def _pause_accepting(self) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(self.sock)
+        self._accept_paused_until = time.monotonic() + 0.1
+
+    def _resume_accepting(self) -> None:
+        if self._accept_paused_until is not None and time.monotonic() >= \
+                self._accept_paused_until:
+            self._accept_paused_until = None
+            self._sel.register(self.sock, selectors.EVENT_READ, None)
+
+    def _evict_one(self) -> bool:
+        """Close the oldest connection still short of a complete request."""
+        for conn in self._conns.values():  # insertion order: oldest first
+            if conn.state in (_HANDSHAKE, _READING):
+                self._end(conn, "evicted")
+                return True
+        return False
+
+    # -- serving one connection ---------------------------------------------------------------
+    def _service(self, conn: Conn) -> None:
+        try:
+            if conn.state == _HANDSHAKE:
+                self._handshake(conn)
+            elif conn.state == _READING:
+                self._read(conn)
+            elif conn.state == _WRITING:
+                self._write(conn)
+        except OSError as exc:  # reset, broken pipe, TLS alert: the client's doing
+            self._end(conn, "failed", exc)
+        except Exception:  # a bug: it ends this connection, not the listener
+            log.exception("%s: serving a connection failed", self.name)
+            self._end(conn, "failed")
+
+    def _handshake(self, conn: Conn) -> None:
+        sock = conn.sock
+        assert isinstance(sock, ssl.SSLSocket)
+        try:
+            sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._want(conn, selectors.EVENT_READ)
+            return
+        except ssl.SSLWantWriteError:
+            self._want(conn, selectors.EVENT_WRITE)
+            return
+        refusal = self.handler.after_handshake(sock)
+        if refusal is not None:
+            self._end(conn, "failed", refusal)
+            return
+        conn.state = _READING
+        self._want(conn, selectors.EVENT_READ)
+        self._read(conn)
+
+    def _read(self, conn: Conn) -> None:
+        while True:
+            try:
+                data = conn.sock.recv(_RECV_CHUNK)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                self._want(conn, selectors.EVENT_READ)
+                return
+            except ssl.SSLWantWriteError:
+                self._want(conn, selectors.EVENT_WRITE)
+                return
+            except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
+                data = b""
+            if not data:
+                if conn.buf and self.handler.eof_ends_request:
+                    self._request(conn, bytes(conn.buf))
+                else:
+                    self._end(conn, "failed", "closed before its request was complete")
+                return
+            conn.buf += data
+            end = self.handler.request_end(conn.buf)
+            if end >= 0:
+                self._request(conn, bytes(conn.buf[:end]))
+                return
+            if len(conn.buf) > self.handler.max_request:
+                self._request(conn, None)
+                return
+
+    def _request(self, conn: Conn, request: Optional[bytes]) -> None:
+        conn.buf = bytearray()
+        conn.deadline = time.monotonic() + self.response_timeout
+        self._next_expiry = min(self._next_expiry, conn.deadline)
+        self._want(conn, 0)
+        try:
+            outcome = self.handler.dispatch(request, conn)
+        except Exception:
+            log.exception("%s: answering a request failed", self.name)
+            outcome = self.handler.failure()
+        self._proceed(conn, outcome)
+
+    def _proceed(self, conn: Conn, outcome: Outcome) -> None:
+        if isinstance(outcome, Job):
+            if conn.state in _BUSY or self._busy < self.max_answering:
+                self._set_state(conn, _WORKING)
+                self._pool(outcome.pool).submit(conn.id, outcome.run)
+            else:
+                self._set_state(conn, _WAITING)
+                self._waiting.append((conn.id, outcome))
+            return
+        self._set_state(conn, _WRITING)
+        conn.out = memoryview(outcome)
+        conn.off = 0
+        self._write(conn)
+
+    def _write(self, conn: Conn) -> None:
+        out = conn.out
+        assert out is not None
+        while conn.off < len(out):
+            try:
+                conn.off += conn.sock.send(out[conn.off:conn.off + _SEND_CHUNK])
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
+                self._want(conn, selectors.EVENT_WRITE)
+                return
+            except ssl.SSLWantReadError:
+                self._want(conn, selectors.EVENT_READ)
+                return
+            except OSError as exc:  # the client reset or went away before the end
+                self._end(conn, "failed", exc)
+                return
+        self._end(conn, "answered")
+
+    # -- pools -------------------------------------------------------------------------------
+    def _pool(self, name: str) -> _Pool:
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = _Pool(f"{self.name}-{name}", self._done)
+        return pool
+
+    def _done(self, cid: int, result: Any) -> None:  # on a pool's thread
+        self._results.append((cid, result))
+        self._wake()
+
+    def _take_results(self) -> None:
+        while self._results:
+            cid, result = self._results.popleft()
+            conn = self._conns.get(cid)
+            if conn is None:
+                continue  # closed meanwhile (timed out)
+            if isinstance(result, BaseException):
+                log.error("%s: answering a request failed", self.name, exc_info=result)
+                result = self.handler.failure()
+            try:
+                self._proceed(conn, result)
+            except Exception:
+                log.exception("%s: serving a connection failed", self.name)
+                self._end(conn, "failed")
+
+    def _start_waiting(self) -> None:
+        while self._waiting and self._busy < self.max_answering:
+            cid, job = self._waiting.popleft()
+            conn = self._conns.get(cid)
+            if conn is not None and conn.state == _WAITING:
+                self._proceed(conn, job)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _set_state(self, conn: Conn, state: str) -> None:
+        self._busy += (state in _BUSY) - (conn.state in _BUSY)
+        conn.state = state
+
+    def _want(self, conn: Conn, events: int) -> None:
+        if events == conn.events:
+            return
+        if conn.events == 0:
+            self._sel.register(conn.sock, events, conn)
+        elif events == 0:
+            self._sel.unregister(conn.sock)
+        else:
+            self._sel.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        soonest = now + 1.0
+        for conn in list(self._conns.values()):
+            if conn.deadline <= now:
+                self._end(conn, "timed_out", f"no complete {_phase(conn)} in time")
+            else:
+                soonest = min(soonest, conn.deadline)
+        self._next_expiry = max(soonest, now + _EXPIRY_CHECK)
+
+    def _end(self, conn: Conn, result: str, why: Any = None) -> None:
+        if conn.id not in self._conns:
+            return
+        if result == "answered":
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_WR)
+        self._forget(conn)
+        self.stats.ended(self.name, result)
+        if why is not None:
+            log.debug("%s: connection from %s %s: %s", self.name, conn.peer or "a local client",
+                      result.replace("_", " "), why)
+        self._start_waiting()
+
+    def _forget(self, conn: Conn) -> None:
+        del self._conns[conn.id]
+        self._set_state(conn, "closed")
+        if conn.events:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(conn.sock)
+            conn.events = 0
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+        conn.out = None
+
+
+def _phase(conn: Conn) -> str:
+    if conn.state == _HANDSHAKE:
+        return "TLS handshake"
+    if conn.state == _READING:
+        return "request"
+    return "answer read by the client"

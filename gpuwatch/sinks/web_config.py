@@ -1,0 +1,443 @@
+"""The web configuration file: TLS and basic authentication for /metrics.
+
+The format is the one of Prometheus's exporter-toolkit, which node_exporter and the other
+official exporters read with `--web.config.file`, so one file can serve every exporter on a
+node:
+
+    tls_server_config:
+      cert_file: server.crt          # relative paths are relative to this file
+      key_file: server.key
+      client_ca_file: clients-ca.crt # with client_auth_type: RequireAndVerifyClientCert
+    basic_auth_users:
+      prometheus: $2y$10$...         # bcrypt hashes (htpasswd -nBC 10 "" | tr -d ':\\n')
+
+Unknown keys are errors, as there. The file, and the certificate, key and CA files it names, are
+re-read when they change (checked at most once a second, when a connection arrives), so renewed
+certificates are picked up without a restart; a changed file with an error is refused with a log
+line and the running settings kept. PyYAML and bcrypt are imported only when a file is given.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import ipaddress
+import logging
+import re
+import ssl
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from gpuwatch.config import ConfigError
+from gpuwatch.units import parse_duration
+
+log = logging.getLogger(__name__)
+
+#: exporter-toolkit's names for Go's client authentication policies, and Python's equivalents.
+#: Go's RequestClientCert and RequireAnyClientCert accept certificates nobody verified; OpenSSL
+#: as Python drives it cannot, and a certificate nobody checks proves nothing.
+CLIENT_AUTH = {
+    "NoClientCert": ssl.CERT_NONE,
+    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+}
+_UNVERIFIED_CLIENT_AUTH = ("RequestClientCert", "RequireAnyClientCert", "RequireClientCert")
+TLS_VERSIONS = {
+    "TLS10": ssl.TLSVersion.TLSv1,
+    "TLS11": ssl.TLSVersion.TLSv1_1,
+    "TLS12": ssl.TLSVersion.TLSv1_2,
+    "TLS13": ssl.TLSVersion.TLSv1_3,
+}
+#: The response headers the file may set, with the values allowed where the toolkit limits them.
+HEADERS: dict[str, tuple[str, ...]] = {
+    "Strict-Transport-Security": (),
+    "X-Content-Type-Options": ("nosniff",),
+    "X-Frame-Options": ("deny", "sameorigin"),
+    "X-XSS-Protection": (),
+    "Content-Security-Policy": (),
+}
+_TLS_KEYS = ("cert_file", "key_file", "client_ca_file", "client_ca", "client_auth_type",
+             "client_allowed_sans", "min_version", "max_version", "prefer_server_cipher_suites",
+             "cert", "key", "cipher_suites", "curve_preferences")
+_BCRYPT = re.compile(r"\$2[aby]?\$(\d\d)\$[./A-Za-z0-9]{53}")
+#: Compared against when the user is unknown, so that timing does not tell which users exist.
+_DECOY_HASH = b"$2b$10$rxLw5QyE9ktJuecC2GwUdOnKvu4/g0ZuKdNrb07CfWew5nNGdc//e"
+_CHECK_EVERY = 1.0
+_CACHE_GOOD = 16
+_CACHE_BAD = 256
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    cert_file: Path
+    key_file: Path
+    client_auth_type: str = "NoClientCert"
+    client_ca_file: Optional[Path] = None
+    client_ca: Optional[str] = None
+    client_allowed_sans: tuple[str, ...] = ()
+    min_version: str = "TLS12"
+    max_version: str = "TLS13"
+    prefer_server_cipher_suites: bool = True
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    path: Path
+    tls: Optional[TlsSettings] = None
+    users: Mapping[str, bytes] = field(default_factory=dict)
+    headers: tuple[tuple[str, str], ...] = ()
+    #: (seconds between requests, burst), or None
+    rate_limit: Optional[tuple[float, int]] = None
+
+    def files(self) -> tuple[Path, ...]:
+        """The file itself and the files it names: a change to any is a reload."""
+        named = () if self.tls is None else tuple(
+            p for p in (self.tls.cert_file, self.tls.key_file, self.tls.client_ca_file)
+            if p is not None)
+        return (self.path, *named)
+
+
+def load_web_config(path: Path) -> WebConfig:
+    """Read and check the file; raises ConfigError naming the key."""
+    import yaml
+
+    where = f"daemon.web_config {path}"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not valid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    doc = _mapping(raw, where, "the file")
+    _known(doc, ("tls_server_config", "http_server_config", "basic_auth_users", "rate_limit"),
+           where, "")
+    base = path.parent
+    tls = _tls(doc.get("tls_server_config"), base, where)
+    users: dict[str, bytes] = {}
+    for name, hashed in _mapping(doc.get("basic_auth_users") or {}, where,
+                                 "basic_auth_users").items():
+        key = f"basic_auth_users.{name}"
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: basic_auth_users: user names must be strings, "
+                              f"got {name!r}")
+        if not isinstance(hashed, str) or not _BCRYPT.fullmatch(hashed) or \
+                not 4 <= int(hashed.split("$")[2]) <= 31:
+            raise ConfigError(f"{where}: {key}: expected a bcrypt hash ($2y$10$ and 53 more "
+                              "characters: htpasswd -nBC 10 \"\" | tr -d ':\\n'), not a "
+                              "password")
+        users[name] = hashed.encode()
+    headers = []
+    http = _mapping(doc.get("http_server_config") or {}, where, "http_server_config")
+    _known(http, ("http2", "headers"), where, "http_server_config.")
+    if not isinstance(http.get("http2", True), bool):
+        raise ConfigError(f"{where}: http_server_config.http2: expected true or false")
+    for name, value in _mapping(http.get("headers") or {}, where,
+                                "http_server_config.headers").items():
+        key = f"http_server_config.headers.{name}"
+        if name not in HEADERS:
+            raise ConfigError(f"{where}: {key}: this header cannot be set; the ones that can: "
+                              + ", ".join(HEADERS))
+        if not isinstance(value, str) or "\n" in value or "\r" in value:
+            raise ConfigError(f"{where}: {key}: expected a one-line string")
+        if HEADERS[name] and value not in HEADERS[name]:
+            raise ConfigError(f"{where}: {key}: expected one of {', '.join(HEADERS[name])}, "
+                              f"got {value!r}")
+        if value:
+            headers.append((name, value))
+    return WebConfig(path=path, tls=tls, users=users, headers=tuple(headers),
+                     rate_limit=_rate_limit(doc.get("rate_limit"), where))
+
+
+def _mapping(value: Any, where: str, key: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: {key}: expected a mapping of keys to values")
+    return value
+
+
+def _known(doc: Mapping[Any, Any], keys: tuple[str, ...], where: str, prefix: str) -> None:
+    for key in doc:
+        if key not in keys:
+            raise ConfigError(f"{where}: {prefix}{key}: unknown key; known: "
+                              + ", ".join(keys))
+
+
+def _tls(raw: Any, base: Path, where: str) -> Optional[TlsSettings]:
+    if raw is None:
+        return None
+    doc = _mapping(raw, where, "tls_server_config")
+    _known(doc, _TLS_KEYS, where, "tls_server_config.")
+    if not doc:
+        return None
+
+    def key(k: str) -> str:
+        return f"{where}: tls_server_config.{k}"
+
+    for inline in ("cert", "key"):
+        if inline in doc:
+            raise ConfigError(f"{key(inline)}: inline certificates and keys are not supported; "
+                              f"name a file with {inline}_file")
+    for go_only in ("cipher_suites", "curve_preferences"):
+        if doc.get(go_only):
+            raise ConfigError(f"{key(go_only)}: not supported (the names are Go's); gpuwatch "
+                              "uses OpenSSL's defaults, which min_version narrows")
+
+    def path(k: str) -> Optional[Path]:
+        v = doc.get(k)
+        if v is None or v == "":
+            return None
+        if not isinstance(v, str):
+            raise ConfigError(f"{key(k)}: expected a file name")
+        return base / v  # an absolute path stays as it is
+
+    cert, private = path("cert_file"), path("key_file")
+    if cert is None or private is None:
+        raise ConfigError(f"{key('cert_file' if cert is None else 'key_file')}: required "
+                          "(with cert_file or key_file, both are)")
+    auth = doc.get("client_auth_type") or "NoClientCert"
+    if auth in _UNVERIFIED_CLIENT_AUTH:
+        raise ConfigError(f"{key('client_auth_type')}: {auth} accepts client certificates "
+                          "nobody verified and is not supported; use "
+                          "RequireAndVerifyClientCert with client_ca_file")
+    if auth not in CLIENT_AUTH:
+        raise ConfigError(f"{key('client_auth_type')}: expected one of "
+                          f"{', '.join(CLIENT_AUTH)}, got {auth!r}")
+    ca_file, ca_text = path("client_ca_file"), doc.get("client_ca")
+    if ca_text is not None and not isinstance(ca_text, str):
+        raise ConfigError(f"{key('client_ca')}: expected PEM text")
+    has_ca = ca_file is not None or bool(ca_text)
+    if has_ca and auth == "NoClientCert":
+        raise ConfigError(f"{key('client_ca_file')}: a client CA without a client_auth_type "
+                          "(RequireAndVerifyClientCert, or VerifyClientCertIfGiven)")
+    if not has_ca and auth != "NoClientCert":
+        raise ConfigError(f"{key('client_auth_type')}: {auth} needs client_ca_file, the CA "
+                          "that signs client certificates")
+    sans = doc.get("client_allowed_sans") or []
+    if not isinstance(sans, list) or not all(isinstance(s, str) for s in sans):
+        raise ConfigError(f"{key('client_allowed_sans')}: expected a list of names")
+    if sans and auth != "RequireAndVerifyClientCert":
+        raise ConfigError(f"{key('client_allowed_sans')}: needs client_auth_type "
+                          "RequireAndVerifyClientCert")
+    versions = {}
+    for k, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
+        v = doc.get(k) or default
+        if v not in TLS_VERSIONS:
+            raise ConfigError(f"{key(k)}: expected one of {', '.join(TLS_VERSIONS)}, got {v!r}")
+        versions[k] = v
+    if TLS_VERSIONS[versions["min_version"]] > TLS_VERSIONS[versions["max_version"]]:
+        raise ConfigError(f"{key('min_version')}: above max_version")
+    prefer = doc.get("prefer_server_cipher_suites", True)
+    if not isinstance(prefer, bool):
+        raise ConfigError(f"{key('prefer_server_cipher_suites')}: expected true or false")
+    return TlsSettings(cert_file=cert, key_file=private, client_auth_type=auth,
+                       client_ca_file=ca_file, client_ca=ca_text or None,
+                       client_allowed_sans=tuple(_normal_san(s) for s in sans),
+                       min_version=versions["min_version"],
+                       max_version=versions["max_version"],
+                       prefer_server_cipher_suites=prefer)
+
+
+def _rate_limit(raw: Any, where: str) -> Optional[tuple[float, int]]:
+    if raw is None:
+        return None
+    doc = _mapping(raw, where, "rate_limit")
+    _known(doc, ("interval", "burst"), where, "rate_limit.")
+    interval = doc.get("interval", 0)
+    try:
+        seconds = parse_duration(interval) if isinstance(interval, str) else float(interval)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if isinstance(interval, bool) or not 0 <= seconds < float("inf"):
+        raise ConfigError(f"{where}: rate_limit.interval: expected a duration (\"1s\", "
+                          "\"100ms\"; 0 turns the limit off)")
+    burst = doc.get("burst", 0)
+    if seconds > 0 and (isinstance(burst, bool) or not isinstance(burst, int) or burst < 1):
+        raise ConfigError(f"{where}: rate_limit.burst: expected an integer >= 1 (with 0, "
+                          "every request would be refused)")
+    return (seconds, burst) if seconds > 0 else None
+
+
+def ssl_context(tls: TlsSettings, where: str = "daemon.web_config") -> ssl.SSLContext:
+    """A server-side context for `tls`; raises ConfigError when a file will not load."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = TLS_VERSIONS[tls.min_version]
+    ctx.maximum_version = TLS_VERSIONS[tls.max_version]
+    if not tls.prefer_server_cipher_suites:
+        ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
+    # HTTP/1.1 only: a client offering HTTP/2 (Go's, Prometheus's) settles on 1.1.
+    ctx.set_alpn_protocols(["http/1.1"])
+    try:
+        ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"{where}: tls_server_config: cannot load cert_file {tls.cert_file} "
+                          f"with key_file {tls.key_file}: {_reason(exc)}") from None
+    if tls.client_ca_file is not None or tls.client_ca:
+        try:
+            ctx.load_verify_locations(
+                cafile=str(tls.client_ca_file) if tls.client_ca_file else None,
+                cadata=tls.client_ca or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"{where}: tls_server_config: cannot load the client CA: "
+                              f"{_reason(exc)}") from None
+    ctx.verify_mode = CLIENT_AUTH[tls.client_auth_type]
+    return ctx
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or str(exc)
+    return getattr(exc, "strerror", None) or str(exc)
+
+
+def _normal_san(value: str) -> str:
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.ip_address(value))
+    return value
+
+
+class WebSettings:
+    """The web configuration in force for one listener: TLS context, users, headers, rate."""
+
+    def __init__(self, path: Path) -> None:
+        path = path.absolute()  # what the log names, and what a reload reads, whatever the cwd
+        self.path = path
+        self.config = load_web_config(path)
+        self._context = ssl_context(self.config.tls) if self.config.tls else None
+        self._signature = _signature(self.config.files())
+        self._checked = time.monotonic()
+        self._refused: Optional[tuple[Any, ...]] = None
+        self._lock = threading.Lock()
+        self._good: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
+        self._bad: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
+        self._bcrypt = threading.Lock()
+        self._tokens = 0.0
+        self._filled = time.monotonic()
+        if self.config.rate_limit is not None:
+            self._tokens = float(self.config.rate_limit[1])
+
+    @property
+    def tls(self) -> bool:
+        """Fixed for the listener's life: switching between http and https takes a restart."""
+        return self._context is not None
+
+    # -- reloading ---------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-read the file if it or a file it names changed (at most once a second)."""
+        now = time.monotonic()
+        if now - self._checked < _CHECK_EVERY:
+            return
+        self._checked = now
+        signature = _signature(self.config.files())
+        if signature == self._signature or signature == self._refused:
+            return
+        try:
+            config = load_web_config(self.path)
+            context = ssl_context(config.tls) if config.tls else None
+            if (context is None) != (self._context is None):
+                raise ConfigError(f"daemon.web_config {self.path}: tls_server_config was "
+                                  f"{'removed' if self._context else 'added'}; switching "
+                                  "between http and https takes a restart")
+        except ConfigError as exc:
+            if signature != self._refused:
+                log.error("web configuration change refused, keeping the running one: %s", exc)
+            self._refused = signature
+            return
+        with self._lock:
+            self.config, self._context = config, context
+            self._good.clear()
+            self._bad.clear()
+        # What the new file names may differ: compare against its own files from now on.
+        self._signature = _signature(config.files())
+        self._refused = None
+        log.info("web configuration reloaded from %s", self.path)
+
+    def tls_context(self) -> Optional[ssl.SSLContext]:
+        self.refresh()
+        return self._context
+
+    # -- TLS peers ---------------------------------------------------------------------------
+    def refuse_peer(self, sock: ssl.SSLSocket) -> Optional[str]:
+        """Why the client certificate is not accepted (client_allowed_sans), or None."""
+        tls = self.config.tls
+        if tls is None or not tls.client_allowed_sans:
+            return None
+        cert = sock.getpeercert() or {}
+        names = {_normal_san(str(v)) for _, v in cert.get("subjectAltName", ())}
+        if names & set(tls.client_allowed_sans):
+            return None
+        return f"client certificate names none of client_allowed_sans ({sorted(names)})"
+
+    # -- basic auth --------------------------------------------------------------------------
+    @property
+    def users(self) -> Mapping[str, bytes]:
+        return self.config.users
+
+    def _key(self, user: str, password: bytes) -> tuple[bytes, bytes]:
+        hashed = self.config.users.get(user, _DECOY_HASH)
+        key = hashlib.sha256(b"\0".join((user.encode(), hashed, password))).digest()
+        return key, hashed
+
+    def known(self, user: str, password: bytes) -> Optional[bool]:
+        """The cached verdict for these credentials, or None if bcrypt must decide."""
+        key, _ = self._key(user, password)
+        with self._lock:
+            if key in self._good:
+                self._good.move_to_end(key)
+                return True
+            if key in self._bad:
+                return False
+        return None
+
+    def check(self, user: str, password: bytes) -> bool:
+        """bcrypt decides, one check at a time (tens of ms of CPU each); the verdict is cached.
+
+        Failures have their own cache: a flood of wrong passwords evicts only other wrong
+        passwords, never the scraper's good one."""
+        import bcrypt
+
+        key, hashed = self._key(user, password)
+        with self._bcrypt:
+            try:
+                good = bcrypt.checkpw(password, hashed) and user in self.config.users
+            except ValueError:
+                good = False
+        with self._lock:
+            cache, size = (self._good, _CACHE_GOOD) if good else (self._bad, _CACHE_BAD)
+            cache[key] = good
+            while len(cache) > size:
+                cache.popitem(last=False)
+        return good
+
+    # -- rate limit --------------------------------------------------------------------------
+    def allow(self) -> bool:
+        """A token bucket, as the toolkit's `rate_limit` (interval between requests, burst)."""
+        limit = self.config.rate_limit
+        if limit is None:
+            return True
+        interval, burst = limit
+        now = time.monotonic()
+        self._tokens = min(float(burst), self._tokens + (now - self._filled) / interval)
+        self._filled = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return True
+        return False
+
+
+def _signature(files: tuple[Path, ...]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for path in files:
+        try:
+            st = path.stat()
+            out.append((str(path), st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError as exc:
+            out.append((str(path), exc.errno))
+    return tuple(out)

@@ -696,66 +696,11 @@ def _service_main(a: argparse.Namespace) -> int:
 
 
 def _storm_main(a: argparse.Namespace) -> int:
-    """Spawn `rate` short-lived processes a second as `uid`, at most `max_live` alive; print
-    soak.StormFeed's lines (S PID, H PID DEVICE BYTES, R PID). At SIGTERM, write how many were
-    spawned and how many ended by a signal nobody here sent (a wrong signal)."""
+    """soak.storm as `uid`, at most `max_live` alive. At SIGTERM, writes how many were spawned
+    and how many ended by a signal nobody here sent (a wrong signal)."""
     _become(a.uid)
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    rng = random.Random(a.seed)
-    env = {"PATH": "/usr/bin:/bin"}
-    live: dict[int, bool] = {}
-    spawned = holders = failed = capped = max_live = 0
-    signalled: Counter[str] = Counter()
-    out = sys.stdout
-    pacer = soak._Pacer(a.rate, stopping)
-    began = last_turn = time.monotonic()
-    max_stall = 0.0
-    while not stopping.is_set():
-        now = time.monotonic()
-        max_stall, last_turn = max(max_stall, now - last_turn), now
-        for _ in range(pacer.due()):
-            if len(live) >= a.max_live:
-                capped += 1
-                continue
-            holder = rng.random() < a.gpu_share
-            lifetime = rng.uniform(0.5, 2.0) if holder else rng.uniform(0.02, 0.5)
-            try:
-                pid = os.posix_spawn("/bin/sleep", ["sleep", f"{lifetime:.3f}"], env)
-            except OSError:
-                failed += 1
-                continue
-            spawned += 1
-            live[pid] = holder
-            max_live = max(max_live, len(live))
-            if holder:
-                holders += 1
-                out.write(f"H {pid} {rng.randrange(a.gpus)} {rng.randrange(1, 8) * GIB}\n")
-            else:
-                out.write(f"S {pid}\n")
-        while live:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            if os.WIFSIGNALED(status):
-                signalled[signal.Signals(os.WTERMSIG(status)).name] += 1
-            if live.pop(pid, False):
-                out.write(f"R {pid}\n")
-        out.flush()
-        pacer.wait()
-    for pid in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in live:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-    _write_json(Path(a.report), {"seconds": time.monotonic() - began, "max_stall": max_stall,
-                                 "spawned": spawned, "holders": holders,
-                                 "spawn_failed": failed, "capped": capped,
-                                 "max_live": max_live, "signalled": dict(signalled)})
+    _write_json(Path(a.report), soak.storm(a.rate, a.gpu_share, a.gpus, a.seed,
+                                           max_live=a.max_live, env={"PATH": "/usr/bin:/bin"}))
     return 0
 
 

@@ -1068,27 +1068,41 @@ class _Pacer:
         self.stopping.wait(max(0.0, min(0.01, self.next_at - time.monotonic())))
 
 
-def _storm_main(rate: float, gpu_share: float, gpus: int, seed: int, report: Path) -> int:
-    """Spawn `rate` short-lived processes a second; print `S PID` for each, `H PID DEVICE BYTES`
-    for the GPU holders and `R PID` once a holder has exited, for the soak to tell the driver."""
+def storm(rate: float, gpu_share: float, gpus: int, seed: int,
+          max_live: Optional[int] = None, env: Optional[dict[str, str]] = None
+          ) -> dict[str, Any]:
+    """Spawn `rate` short-lived processes a second (at most `max_live` alive) until SIGTERM;
+    print `S PID` for each, `H PID DEVICE BYTES` for the GPU holders and `R PID` once a holder
+    has exited, for the caller to tell the driver. Returns what it did, with how many children
+    ended by a signal nobody here sent and its longest stall between turns."""
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     rng = random.Random(seed)
     live: dict[int, bool] = {}
-    spawned = holders = failed = 0
+    spawned = holders = failed = capped = most_alive = 0
+    signalled: dict[str, int] = {}
     out = sys.stdout
     pacer = _Pacer(rate, stopping)
+    began = last_turn = time.monotonic()
+    max_stall = 0.0
     while not stopping.is_set():
+        now = time.monotonic()
+        max_stall, last_turn = max(max_stall, now - last_turn), now
         for _ in range(pacer.due()):
+            if max_live is not None and len(live) >= max_live:
+                capped += 1
+                continue
             holder = rng.random() < gpu_share
             lifetime = rng.uniform(0.5, 2.0) if holder else rng.uniform(0.02, 0.5)
             try:
-                pid = os.posix_spawn("/bin/sleep", ["sleep", f"{lifetime:.3f}"], os.environ)
+                pid = os.posix_spawn("/bin/sleep", ["sleep", f"{lifetime:.3f}"],
+                                     os.environ if env is None else env)
             except OSError:
                 failed += 1
                 continue
             spawned += 1
             live[pid] = holder
+            most_alive = max(most_alive, len(live))
             if holder:
                 holders += 1
                 out.write(f"H {pid} {rng.randrange(gpus)} {rng.randrange(1, 8) * GIB}\n")
@@ -1096,11 +1110,14 @@ def _storm_main(rate: float, gpu_share: float, gpus: int, seed: int, report: Pat
                 out.write(f"S {pid}\n")
         while live:
             try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
+            if os.WIFSIGNALED(status):
+                name = signal.Signals(os.WTERMSIG(status)).name
+                signalled[name] = signalled.get(name, 0) + 1
             if live.pop(pid, False):
                 out.write(f"R {pid}\n")
         out.flush()
@@ -1111,8 +1128,13 @@ def _storm_main(rate: float, gpu_share: float, gpus: int, seed: int, report: Pat
     for pid in live:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
-    report.write_text(json.dumps({"spawned": spawned, "holders": holders,
-                                  "spawn_failed": failed}))
+    return {"seconds": time.monotonic() - began, "max_stall": max_stall, "spawned": spawned,
+            "holders": holders, "spawn_failed": failed, "capped": capped,
+            "max_live": most_alive, "signalled": signalled}
+
+
+def _storm_main(rate: float, gpu_share: float, gpus: int, seed: int, report: Path) -> int:
+    report.write_text(json.dumps(storm(rate, gpu_share, gpus, seed)))
     return 0
 
 

@@ -13,28 +13,11 @@ Skipped where the bench cannot run (not root, no setpriv, no memory and pids cgr
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
-CHAOS_SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "chaos.py"
+from tests.benchscripts import load_bench_script
 
-
-def _load_chaos() -> ModuleType:
-    # bench/ holds scripts, not a package: load the file itself, registered before it runs so
-    # that its dataclasses can resolve their own module.
-    spec = importlib.util.spec_from_file_location("gpuwatch_bench_chaos", CHAOS_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-chaos = _load_chaos()
+chaos = load_bench_script("chaos")
 
 
 def test_short_chaos_meets_the_hard_goals(capsys: pytest.CaptureFixture[str]) -> None:

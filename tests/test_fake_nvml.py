@@ -447,6 +447,31 @@ def test_a_zombie_leader_with_live_threads_keeps_its_memory(
 # ---- changes while a client runs -----------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def asking_client(script: str, node: FakeNode) -> Iterator[Callable[[], dict[str, Any]]]:
+    """A long-lived NVML client (`script`) that prints one JSON line per line it reads; yields
+    `ask()`, which asks once and returns its answer."""
+    child = subprocess.Popen([sys.executable, "-c", script], env=node.env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    stdin, stdout = child.stdin, child.stdout
+    sel = selectors.DefaultSelector()
+    sel.register(stdout, selectors.EVENT_READ)
+
+    def ask() -> dict[str, Any]:
+        stdin.write("\n")
+        stdin.flush()
+        assert sel.select(timeout=30), "the client did not answer"
+        return dict(json.loads(stdout.readline()))
+
+    try:
+        yield ask
+    finally:
+        stdin.close()
+        child.wait(timeout=30)
+        sel.close()
+
+
 def test_state_changes_are_seen_without_reinit(fake_node: FakeNode) -> None:
     script = PRELUDE + textwrap.dedent(
         """
@@ -461,24 +486,7 @@ def test_state_changes_are_seen_without_reinit(fake_node: FakeNode) -> None:
             }), flush=True)
         """
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", script],
-        env=fake_node.env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None and child.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(child.stdout, selectors.EVENT_READ)
-
-    def ask() -> dict[str, Any]:
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert sel.select(timeout=30), "the client did not answer"
-        return json.loads(child.stdout.readline())
-
-    try:
+    with asking_client(script, fake_node) as ask:
         me = os.getpid()
         assert ask() == {"count": 2, "util": 0, "pids": [], "mem": 0}
         fake_node.hold(me, 0, GiB)
@@ -498,10 +506,6 @@ def test_state_changes_are_seen_without_reinit(fake_node: FakeNode) -> None:
         # A vanished state file leaves the last state in force.
         fake_node.state_path.unlink()
         assert ask()["count"] == 3
-    finally:
-        child.stdin.close()
-        child.wait(timeout=30)
-        sel.close()
 
 
 # ---- failures ------------------------------------------------------------------------------------
@@ -594,19 +598,7 @@ def test_a_counted_failure_fails_only_its_first_calls_and_a_rewrite_does_not_rea
             }), flush=True)
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", script], env=fake_node.env(),
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert child.stdin is not None and child.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(child.stdout, selectors.EVENT_READ)
-
-    def ask() -> dict[str, Any]:
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert sel.select(timeout=30), "the client did not answer"
-        return json.loads(child.stdout.readline())
-
-    try:
+    with asking_client(script, fake_node) as ask:
         assert ask() == {"count": [0, 0, 0], "procs": [0, 0]}
         fake_node.fail("nvmlDeviceGetCount*", UNKNOWN, times=2)
         fake_node.fail("nvmlDeviceGetComputeRunningProcesses*", TIMEOUT, device=0, times=1)
@@ -618,10 +610,6 @@ def test_a_counted_failure_fails_only_its_first_calls_and_a_rewrite_does_not_rea
         fake_node.clear_failures()
         fake_node.fail("nvmlDeviceGetCount*", UNKNOWN, times=1)  # removed and added: armed
         assert ask()["count"] == [UNKNOWN, 0, 0]
-    finally:
-        child.stdin.close()
-        child.wait(timeout=30)
-        sel.close()
     assert "times=1" in fake_node.render()
     with pytest.raises(ValueError):
         fake_node.fail("nvmlDeviceGetCount", UNKNOWN, times=0)

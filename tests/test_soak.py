@@ -8,28 +8,13 @@ job. The figures are printed whether the test passes or not; nothing here assert
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-SOAK_SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
+from tests.benchscripts import load_bench_script
 
-
-def _load_soak() -> ModuleType:
-    # bench/ holds scripts, not a package: load the file itself, registered before it runs so
-    # that its dataclasses can resolve their own module.
-    spec = importlib.util.spec_from_file_location("gpuwatch_bench_soak", SOAK_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_soak()
+soak = load_bench_script("soak")
 
 # The script's sustained run holds RSS to 5% between the minute after a 150 s warm-up and the
 # last minute. Forty seconds are all warm-up: the daemon's bounded memory of exited processes

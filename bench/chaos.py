@@ -55,11 +55,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import errno
 import http.client
 import json
-import mmap
 import os
 import pwd
 import random
@@ -88,6 +86,7 @@ sys.path.insert(0, str(HERE.parent))  # soak.py and node.py, imported as modules
 import node  # noqa: E402
 import soak  # noqa: E402
 
+from gpuwatch.simulate.clockjump import ClockJump  # noqa: E402
 from gpuwatch.simulate.fakenvml import (  # noqa: E402
     DRIVER_NOT_LOADED,
     STATE_ENV,
@@ -1641,19 +1640,7 @@ class Chaos:
         self.node = FakeNode(self.work / "nvml.state", lib, gpus=opts.gpus)
         self.node.write()
         self.shared = ChaosNode(self.node)
-        self.clock_file = self.work / "clock-offset"
-        self.clock_file.write_bytes(struct.pack("=q", 0))
-        fd = os.open(self.clock_file, os.O_RDWR)
-        try:
-            self.clock_map = mmap.mmap(fd, 8)
-        finally:
-            os.close(fd)
-        self.clock = ctypes.c_int64.from_buffer(self.clock_map)
-        self.stack.callback(self._close_clock)
-        shim = self.work / "libclockjump.so"
-        subprocess.run([*_find_compiler(), "-O2", "-shared", "-fPIC", "-o", str(shim),
-                        str(ROOT / "gpuwatch" / "simulate" / "clockjump.c"), "-ldl"],
-                       check=True, capture_output=True, timeout=120)
+        self.clock = self.stack.enter_context(ClockJump(self.work))
 
         # Runtime and state directories, the daemon's own; the state directory a small tmpfs.
         self.run_dir = self.work / "run"
@@ -1706,8 +1693,7 @@ class Chaos:
                 "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
         self.daemon_env = {**base, "HOME": str(self.work),
                            "LD_LIBRARY_PATH": str(lib), STATE_ENV: str(self.node.state_path),
-                           "LD_PRELOAD": str(shim),
-                           "GPUWATCH_CLOCK_OFFSET_FILE": str(self.clock_file)}
+                           **self.clock.env()}
         self.actor_env = {**base, "GPUWATCH_RUNTIME_DIR": str(self.run_dir)}
         self.result.limits = (
             f"uid {DAEMON_UID}, capabilities {', '.join(CAPABILITIES)} (ambient, bounding set, "
@@ -1927,14 +1913,14 @@ class Chaos:
         """The daemon's wall clock steps by an hour, stays there a few seconds, steps back."""
         jump = direction * self.opts.clock_jump
         e = self._episode("clock jump", f"{jump:+g} s for {self.opts.clock_hold:g} s, then back")
-        self.clock.value = int(jump * 1e9)
+        self.clock.set(jump)
         self.stop.wait(self.opts.clock_hold)
         # However busy the machine, the jump stays until the daemon has shown it (20 s at most).
         with contextlib.suppress(TimeoutError):
             _wait("the jump seen", lambda: self.scraper.clock_offset_near(e.started, jump), 20,
                   step=0.1)
         e.seen = self.scraper.clock_offset_near(e.started, jump)
-        self.clock.value = 0
+        self.clock.set(0)
         e.seconds = time.monotonic() - e.started
         self.stop.wait(1.0)
         self.say(f"clock jump {jump:+g} s: seen by the daemon {e.seen}")
@@ -2071,11 +2057,6 @@ class Chaos:
             "memory_limit_hits": self.cgroups.memory_limit_hits(),
             "tasks_limit_hits": self.cgroups.tasks_limit_hits()}
         self.result.problems += self.cgroups.remove()
-
-    def _close_clock(self) -> None:
-        del self.clock
-        with contextlib.suppress(BufferError):
-            self.clock_map.close()
 
 
 def _file_text(path: Path) -> str:

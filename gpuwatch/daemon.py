@@ -79,14 +79,16 @@ class Daemon:
         self._overrides = dict(overrides or {})
         d = config.daemon
         a = config.agent
-        # One memory budget for what agent reports create, the receiver's and the history's.
-        self.agents = AgentReceiver(d.runtime_dir / AGENT_SOCKET_NAME,
-                                    max_processes=a.max_processes,
-                                    budget=AgentBudget(a.memory_budget),
-                                    max_reports_per_second=a.max_reports_per_second)
         self.poller = poller or Poller(nvml=NvmlSource(retry_initial=1.0,
                                                        retry_max=d.nvml_retry_max),
                                        hostname=d.node_name or None)
+        # One memory budget for what agent reports create, the receiver's and the history's;
+        # one clock for the times of polls and reports, which detectors compare.
+        self.agents = AgentReceiver(d.runtime_dir / AGENT_SOCKET_NAME,
+                                    max_processes=a.max_processes,
+                                    budget=AgentBudget(a.memory_budget),
+                                    max_reports_per_second=a.max_reports_per_second,
+                                    clock=self.poller.clock)
         if self.poller.agents is None:
             self.poller.agents = self.agents
         self.trace_requests = TraceRequests(self.agents, config.agent)
@@ -359,8 +361,12 @@ class Daemon:
         """The daemon's own reaping: only the configured kinds, only findings open long enough,
         at a bounded rate, one batch at a time, with every check the CLI makes. A plan it
         refuses is recorded once per process and reason, not at every poll."""
-        if self._reaping is not None and self._reaping.is_alive():
-            return
+        if self._reaping is not None:
+            if self._reaping.is_alive():
+                return
+            # Its last results may have been written since the log was read this poll.
+            self._reaping = None
+            self._count_reaps()
         policy = self.config.reaper
         now = time.monotonic()
         while self._auto_reaps and now - self._auto_reaps[0] > 60:
@@ -375,6 +381,7 @@ class Daemon:
         planned = reaper.plan(doc, filters)
         actions = [a for a in planned if a.action in (TERMINATE, VIA_PARENT)]
         if self._audit is not None:
+            actions = self._audit.not_ended_yet(actions)
             refused = self._audit.refusals_to_audit(
                 [a for a in planned if a.action not in (TERMINATE, VIA_PARENT)])
             try:

@@ -362,6 +362,7 @@ class ProcessReading:
 
 @dataclass(frozen=True)
 class NodeSnapshot:
+    #: When it was taken, on the daemon's steady clock (gpuwatch.clock), as every time in it is.
     taken_at: float
     hostname: str
     nvml: NvmlStatus
@@ -388,6 +389,14 @@ class NodeSnapshot:
     #: Processes asked to trace their allocations that have not answered yet: PID -> the steps
     #: asked for (gpuwatch.actions.trace_requests).
     traces_pending: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: How far the wall clock had stepped from the steady clock when this was taken (an NTP
+    #: step, a VM resumed): 0 until somebody sets the clock.
+    clock_step: float = 0.0
+
+    def wall(self, t: float) -> float:
+        """A time of this snapshot's (`taken_at`, a start time, a `since`) on the wall clock:
+        what sinks show. Detectors compare times as they are."""
+        return t + self.clock_step
 
     @property
     def gpu_holders(self) -> list[HostProcess]:

@@ -19,8 +19,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Callable, Optional, Protocol
+from typing import Optional, Protocol
 
+from gpuwatch.clock import SteadyClock
 from gpuwatch.jobtree import job_root, job_roots
 from gpuwatch.model import AgentReading, GpuDevice, GpuProcessUsage, HostProcess, NodeSnapshot
 from gpuwatch.sources.jobs import run_supervisor
@@ -42,20 +43,22 @@ class Poller:
     def __init__(self, nvml: Optional[NvmlSource] = None,
                  processes: Optional[ProcessSource] = None,
                  hostname: Optional[str] = None,
-                 clock: Callable[[], float] = time.time,
+                 clock: Optional[SteadyClock] = None,
                  agents: Optional[AgentSource] = None) -> None:
         self.nvml = nvml or NvmlSource()
         self.processes = processes or ProcessSource()
         self.agents = agents
         self.cgroup_memory = CgroupMemory()
         self.hostname = hostname or socket.gethostname()
-        self._clock = clock
+        #: Every time in a snapshot is on this clock (gpuwatch.clock): the agent receiver that
+        #: feeds this poller must stamp its reports on the same one.
+        self.clock = clock or SteadyClock()
         #: PIDs NVML listed at the last poll that /proc did not have.
         self._unlisted: set[int] = set()
 
     def poll(self, watch: Iterable[int] = ()) -> NodeSnapshot:
         started = time.perf_counter()
-        taken_at = self._clock()
+        taken_at = self.clock()
         reading = self.nvml.read()
         # (An NVML stand-in without `carried` never carries holders over.)
         gpus = self._without_exited(reading.gpus, getattr(self.nvml, "carried", {}))
@@ -82,6 +85,7 @@ class Poller:
         self._unlisted = {pid for pid, p in processes.items() if p.holds_gpu and not p.in_procfs}
         return NodeSnapshot(
             taken_at=taken_at,
+            clock_step=self.clock.step(),
             hostname=self.hostname,
             nvml=reading.status,
             gpus=gpus,

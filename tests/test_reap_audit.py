@@ -554,3 +554,30 @@ def test_root_without_cap_kill_refuses_another_users_orphan_and_records_it_once(
         assert running(worker)
         (refused,) = entries(states, worker, "executed")
         assert (refused["actor"], refused["result"], sent(refused)) == ("cli", "refused", [])
+
+
+def test_a_process_the_log_records_as_ended_is_not_planned_again(tmp_path: Path) -> None:
+    """An exited orphan stays a finding until its new parent collects it, and a daemon started
+    again after a reap recovered its actions: neither ends the process a second time, nor counts
+    it twice in gpuwatch_reaped_total."""
+    from gpuwatch.actions.reaper import TERMINATE, Action, AuditFollower, AuditWriter
+
+    path = tmp_path / "reap.jsonl"
+    writer = AuditWriter(path, "daemon", os.geteuid())
+
+    def action(pid: int, start: float) -> Action:
+        return Action(kind="orphan", action=TERMINATE, reason="r", pid=pid, start_time=start,
+                      target=pid, target_start_time=start)
+
+    ended, killed, refused = action(4001, 100.25), action(4002, 100.5), action(4003, 101.0)
+    writer.write([writer.entry(Result(ended, "exited", "on SIGTERM"), "executed"),
+                  writer.entry(Result(refused, "refused", "another user's"), "executed")])
+    earlier = AuditFollower(path, writer)  # a daemon started after those lines
+    earlier.poll()
+    later = [ended, action(4001, 200.0), killed, refused]  # 4001 again: its PID reused
+    assert earlier.not_ended_yet(later) == [action(4001, 200.0), killed, refused]
+
+    writer.write([writer.entry(Result(killed, "killed", "after SIGKILL"), "executed")])
+    news = earlier.poll()
+    assert news.counts == {("orphan", "killed"): 1}
+    assert earlier.not_ended_yet(later) == [action(4001, 200.0), refused]

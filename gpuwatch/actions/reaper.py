@@ -63,6 +63,9 @@ REAPABLE_KINDS = frozenset({"orphan", "leftover", "zombie"})
 OUTCOMES = ("exited", "killed", "reaped", "gone", "identity-changed", "refused", "unkillable",
             "still-running", "failed")
 
+#: The outcomes after which the process no longer holds anything.
+FREED = frozenset({"exited", "killed", "reaped", "gone"})
+
 TERMINATE = "terminate"
 VIA_PARENT = "reap-via-parent"
 REPORT = "report"
@@ -125,7 +128,7 @@ class Result:
 
     @property
     def freed(self) -> bool:
-        return self.result in ("exited", "killed", "reaped", "gone")
+        return self.result in FREED
 
     def as_json(self) -> dict[str, Any]:
         return {**self.action.as_json(), "result": self.result, "detail": self.detail}
@@ -475,6 +478,8 @@ class AuditFollower:
         self._pending: dict[str, dict[str, Any]] = {}
         #: (pid, start_time, action, refused) of the refused auto-reap plans recorded.
         self._refusals: set[tuple[Any, ...]] = set()
+        #: (pid, start_time) of the processes the log records as ended, newest last.
+        self._ended: dict[tuple[Any, Any], None] = {}
         self._started = False
         self._failing: Optional[str] = None
 
@@ -521,6 +526,18 @@ class AuditFollower:
         new = [a for key, a in keys.items() if key not in self._refusals]
         self._refusals = set(keys)
         return new
+
+    def not_ended_yet(self, actions: list[Action]) -> list[Action]:
+        """`actions` less those about a process the log already records as ended: an exited
+        process stays a finding until its new parent collects it, and a daemon started again
+        after a reap recovered it; neither is ended a second time (nor counted twice)."""
+        return [a for a in actions if (a.pid, a.start_time) not in self._ended]
+
+    def _note_ended(self, entry: dict[str, Any]) -> None:
+        if entry.get("result") in FREED:
+            self._ended[(entry.get("pid"), entry.get("start_time"))] = None
+            while len(self._ended) > 10_000:  # bounded whatever a log holds
+                self._ended.pop(next(iter(self._ended)))
 
     @staticmethod
     def _refusal_key(a: Any) -> tuple[Any, ...]:
@@ -575,6 +592,7 @@ class AuditFollower:
             elif phase in (EXECUTED, RECOVERED):
                 key = (str(entry.get("kind")), str(entry.get("result")))
                 news.counts[key] = news.counts.get(key, 0) + 1
+                self._note_ended(entry)
                 if action_id is not None:
                     self._pending.pop(action_id, None)
             elif phase == PLANNED and not entry.get("dry_run"):
@@ -604,6 +622,8 @@ class AuditFollower:
                           f"action(s) in {self.path}: {exc.strerror or exc}")
             return
         news.recovered.extend(recovered)
+        for entry in recovered:
+            self._note_ended(entry)
 
     def _became(self, e: dict[str, Any]) -> tuple[str, str]:
         """What became of the process an action was about, looked at now."""

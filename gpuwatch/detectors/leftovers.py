@@ -36,9 +36,9 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             label = f" of job {job.label}" if job.label else ""
             if p.pid == trainer_pid:
                 reason = (f"`{command(p)}`{label} told the agent it finished after "
-                          f"{clock_time(job.finished_at)} but still runs")
+                          f"{clock_time(snapshot.wall(job.finished_at))} but still runs")
             else:
                 reason = (f"`{command(p)}`{label} still runs; its trainer "
                           f"{named(trainer_pid, trainer_name)} ended after "
-                          f"{clock_time(job.finished_at)}")
+                          f"{clock_time(snapshot.wall(job.finished_at))}")
             yield finding("leftover", "warning", p, reason)

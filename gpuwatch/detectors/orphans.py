@@ -70,9 +70,9 @@ def _lineage_reason(p: HostProcess, parent_pid: int, parent_start: float | None,
     unreaped = history.get((parent_pid, parent_start))
     when = ""
     if gone is not None:
-        when = f" after {clock_time(gone.last_seen)}"
+        when = f" after {clock_time(snapshot.wall(gone.last_seen))}"
     elif unreaped is not None and unreaped.zombie_since is not None:
-        when = f" before {clock_time(unreaped.zombie_since)} (not reaped yet)"
+        when = f" before {clock_time(snapshot.wall(unreaped.zombie_since))} (not reaped yet)"
     adopter = snapshot.processes.get(p.ppid) if p.ppid else None
     return (f"parent {named(parent_pid, parent_name)} exited{when}; "
             f"now under {named(p.ppid, adopter.name if adopter else None)}")

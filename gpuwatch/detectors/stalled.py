@@ -28,4 +28,5 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             continue
         yield finding("stalled", "warning", p,
                       f"step {agent.step} has not advanced since "
-                      f"{clock_time(agent.step_changed_at)} while holding GPU memory")
+                      f"{clock_time(snapshot.wall(agent.step_changed_at))} "
+                      "while holding GPU memory")

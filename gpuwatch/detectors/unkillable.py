@@ -30,7 +30,8 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             continue
         if snapshot.taken_at - h.disk_sleep_since < config.unkillable_after:
             continue
-        since = f"in uninterruptible sleep (D) since {clock_time(h.disk_sleep_since)}"
+        since = ("in uninterruptible sleep (D) since "
+                 f"{clock_time(snapshot.wall(h.disk_sleep_since))}")
         if p.waits_in_gpu_driver:
             severity = "critical"
             where = f"waits in the NVIDIA driver ({_where(p)})"

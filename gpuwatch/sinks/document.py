@@ -7,7 +7,7 @@ every field; bump SCHEMA_VERSION on any incompatible change.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Optional
 
 from gpuwatch import __version__
@@ -34,13 +34,15 @@ def status_document(report: NodeReport, source: str = SOURCE_POLL,
     snapshot = report.snapshot
     nvml = snapshot.nvml
     blind = {g.index for g in snapshot.gpus if holders_unknown(g)}
+    # Every time on the wall clock (NodeSnapshot.wall), as a process reading /proc now sees it.
+    wall = snapshot.wall
     return {
         "schema": SCHEMA_VERSION,
         "gpuwatch_version": __version__,
         "source": source,
         "source_detail": source_detail,
         "node": snapshot.hostname,
-        "taken_at": round(snapshot.taken_at, 3),
+        "taken_at": round(wall(snapshot.taken_at), 3),
         "poll_duration_seconds": round(snapshot.poll_duration_seconds, 6),
         "nvml": {
             "available": nvml.available,
@@ -53,9 +55,9 @@ def status_document(report: NodeReport, source: str = SOURCE_POLL,
         },
         "gpus": [_gpu(g) for g in snapshot.gpus],
         "processes": [_process(p, report.job_of(p), snapshot.job_roots.get(p.pid),
-                               snapshot.agents.get(p.pid), blind)
+                               snapshot.agents.get(p.pid), blind, wall)
                       for p in sorted(snapshot.processes.values(), key=lambda p: p.pid)],
-        "findings": [_finding(f) for f in report.findings],
+        "findings": [_finding(f, wall) for f in report.findings],
         "errors": [{"source": e.source, "message": e.message} for e in snapshot.errors],
     }
 
@@ -92,19 +94,19 @@ def _usage(u: GpuProcessUsage) -> dict[str, Any]:
     }
 
 
-def _finding(f: Finding) -> dict[str, Any]:
+def _finding(f: Finding, wall: Callable[[float], float]) -> dict[str, Any]:
     return {
         "kind": f.kind,
         "severity": f.severity,
         "pid": f.pid,
-        "start_time": f.start_time,
+        "start_time": _at(f.start_time, wall, 2),
         "name": f.name,
         "user": f.user,
         "job": _job(f.job),
         "gpus": list(f.gpus),
         "gpu_memory_bytes": f.gpu_memory_bytes,
         "reason": f.reason,
-        "since": round(f.since, 3),
+        "since": round(wall(f.since), 3),
         "details": _plain(f.details),
     }
 
@@ -119,16 +121,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _agent(a: Optional[AgentReading]) -> Optional[dict[str, Any]]:
+def _at(t: Optional[float], wall: Callable[[float], float], digits: int = 3
+        ) -> Optional[float]:
+    return round(wall(t), digits) if t is not None else None
+
+
+def _agent(a: Optional[AgentReading], wall: Callable[[float], float]
+           ) -> Optional[dict[str, Any]]:
     if a is None:
         return None
     latest = a.latest
     return {
         "step": a.step,
-        "step_changed_at": a.step_changed_at,
-        "first_seen": a.first_seen,
-        "last_seen": a.last_seen,
-        "finished_at": a.finished_at,
+        "step_changed_at": _at(a.step_changed_at, wall),
+        "first_seen": _at(a.first_seen, wall),
+        "last_seen": _at(a.last_seen, wall),
+        "finished_at": _at(a.finished_at, wall),
         "rss_bytes": latest.rss_bytes if latest else None,
         "cuda_allocated_bytes": latest.cuda_allocated_bytes if latest else None,
         "cuda_reserved_bytes": latest.cuda_reserved_bytes if latest else None,
@@ -165,14 +173,16 @@ def _gpu_memory(p: HostProcess, blind: Collection[int]) -> Optional[int]:
 
 
 def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
-             agent: Optional[AgentReading], blind: Collection[int] = ()) -> dict[str, Any]:
+             agent: Optional[AgentReading], blind: Collection[int],
+             wall: Callable[[float], float]) -> dict[str, Any]:
     return {
         "pid": p.pid,
         "ppid": p.ppid,
         "pgid": p.pgid,
         "sid": p.sid,
         "job_root": job_root,
-        "start_time": p.start_time,
+        # Two decimals, as /proc's clock ticks give it: compared for a process's identity.
+        "start_time": _at(p.start_time, wall, 2),
         "name": p.name,
         "user": p.user,
         "uid": p.uid,
@@ -190,5 +200,5 @@ def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
         "read_errors": list(p.read_errors),
         "wchan": p.wchan,
         "kernel_stack": list(p.kernel_stack),
-        "agent": _agent(agent),
+        "agent": _agent(agent, wall),
     }

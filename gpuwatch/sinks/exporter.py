@@ -190,7 +190,11 @@ class ReportCollector(Collector):
             yield info
         yield _gauge("gpuwatch_last_poll_timestamp_seconds",
                      "When the snapshot being served was taken (seconds since the epoch).",
-                     [], [([], s.taken_at)])
+                     [], [([], s.wall(s.taken_at))])
+        yield _gauge("gpuwatch_clock_step_seconds",
+                     "How far the wall clock has stepped since the daemon started (an NTP step, "
+                     "a VM resumed): durations are timed on a clock that does not step, and "
+                     "times shown are corrected by this.", [], [([], round(s.clock_step, 3))])
         yield _gauge("gpuwatch_last_poll_duration_seconds",
                      "Wall time of the poll that produced the snapshot being served.",
                      [], [([], s.poll_duration_seconds)])
@@ -245,7 +249,7 @@ class ReportCollector(Collector):
             if agent is not None and agent.step is not None:
                 steps.append((base, float(agent.step)))
                 if agent.step_changed_at is not None:
-                    step_at.append((base, agent.step_changed_at))
+                    step_at.append((base, report.snapshot.wall(agent.step_changed_at)))
             if agent is not None and agent.latest is not None:
                 for name, size in islice(agent.latest.buffers.items(), fit):
                     if size.items is not None:
@@ -259,7 +263,7 @@ class ReportCollector(Collector):
             if p.rss_bytes is not None:
                 rss.append((base, float(p.rss_bytes)))
             if p.start_time is not None:
-                start.append((base, p.start_time))
+                start.append((base, report.snapshot.wall(p.start_time)))
         yield _gauge("gpuwatch_process_gpu_memory_bytes",
                      "GPU memory a process holds on one GPU, as NVML reports it.",
                      gpu_labels, gpu_mem)
@@ -344,7 +348,8 @@ class ReportCollector(Collector):
             if "growth_bytes_per_second" in d:
                 per_second.append((key, float(d["growth_bytes_per_second"])))
             if "projected_oom_in_seconds" in d:
-                oom_at.append((key, report.snapshot.taken_at + d["projected_oom_in_seconds"]))
+                oom_at.append((key, report.snapshot.wall(report.snapshot.taken_at)
+                               + d["projected_oom_in_seconds"]))
             if culprit and d.get("culprit_bytes_per_step") is not None:
                 culprit_bytes.append((key, float(d["culprit_bytes_per_step"])))
             if culprit and d.get("culprit_items_per_step") is not None:

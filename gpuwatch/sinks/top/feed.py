@@ -115,7 +115,8 @@ class Samples:
         taken_at = doc["taken_at"]
         # A daemon polling slower than top refreshes answers the same snapshot twice: one
         # sample per snapshot, or a flat line would stand for time that was never measured.
-        if self._last_taken_at is not None and taken_at <= self._last_taken_at:
+        # (An earlier time is a new snapshot too: the wall clock was set back.)
+        if taken_at == self._last_taken_at:
             return
         self._last_taken_at = taken_at
         rings: dict[int, tuple[Optional[float], deque[Sample]]] = {}

@@ -189,11 +189,14 @@ class HostProcess:
 
     @property
     def gpu_memory_bytes(self) -> Optional[int]:
-        """Total GPU memory over all devices; None when holding GPUs but every figure is unknown."""
-        known = [u.memory_bytes for u in self.gpu_usage if u.memory_bytes is not None]
-        if not known:
-            return None if self.gpu_usage else 0
-        return sum(known)
+        """Total GPU memory over all devices; None when any figure is unknown: the sum of the
+        rest would read as the whole (and as a drop, in a leak's history)."""
+        total = 0
+        for u in self.gpu_usage:
+            if u.memory_bytes is None:
+                return None
+            total += u.memory_bytes
+        return total
 
     @property
     def identity(self) -> tuple[int, Optional[float]]:

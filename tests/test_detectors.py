@@ -407,6 +407,18 @@ def test_a_live_supervisor_outside_the_tree_is_read_on_its_pid() -> None:
         assert kinds(run(History(), snap)) == []
 
 
+def test_a_supervisor_started_after_a_clock_step_is_read_with_the_step() -> None:
+    """The supervisor read the boot time after the wall clock stepped an hour forward; the
+    daemon read it before: their start times differ by the step, which the snapshot knows."""
+    stray = supervised(60, 1, gpu=GIB, supervisor_start=3650.0)
+    stepped = replace(snapshot(100.0, stray), clock_step=3600.004)
+    assert kinds(run(History(), with_supervisors(stepped, pid_40=50.0))) == []
+    # Without the step, or with another one, it is another process on that PID.
+    for step in (0.0, -3600.0):
+        snap = with_supervisors(replace(stepped, clock_step=step), pid_40=50.0)
+        assert kinds(run(History(), snap)) == [("orphan", 60)]
+
+
 def test_nothing_is_concluded_about_a_supervisor_that_could_not_be_read() -> None:
     worker = supervised(42, 1, gpu=GIB)
     assert kinds(run(History(), snapshot(100.0, worker))) == []  # its PID not read

@@ -12,6 +12,7 @@ from gpuwatch.model import (
     NO_DISCOVERY,
     BufferSize,
     Finding,
+    GpuProcessUsage,
     HostProcess,
     NodeSnapshot,
     NvmlStatus,
@@ -42,6 +43,18 @@ def test_unknown_figures_stay_unknown() -> None:
     history = History()
     history.record(_snapshot(1.0, _proc(10, 1.0, rss=None)))
     assert next(history.get((10, 1.0)).samples()).rss_bytes is None  # type: ignore[union-attr]
+
+
+def test_gpu_memory_with_one_device_unreadable_is_a_gap_not_a_drop() -> None:
+    gib = 1 << 30
+    both = (GpuProcessUsage(0, "GPU-0", 10, 4 * gib), GpuProcessUsage(1, "GPU-1", 10, 4 * gib))
+    one_unknown = (both[0], replace(both[1], memory_bytes=None))
+    history = History()
+    for t, usage in enumerate((both, one_unknown, both)):
+        history.record(_snapshot(float(t), replace(_proc(10, 1.0), gpu_usage=usage)))
+    h = history.get((10, 1.0))
+    assert h is not None
+    assert [s.gpu_memory_bytes for s in h.samples()] == [8 * gib, None, 8 * gib]
 
 
 def test_a_process_absent_from_a_poll_is_forgotten() -> None:

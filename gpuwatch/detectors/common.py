@@ -93,7 +93,7 @@ def supervisor_gone(p: HostProcess, snapshot: NodeSnapshot) -> Optional[str]:
     if ref.pid not in snapshot.run_supervisors:
         return None  # its PID could not be read
     now = snapshot.run_supervisors[ref.pid]
-    if now is not None and _same_start(now, ref.start_time):
+    if now is not None and _same_start(now, ref.start_time, snapshot.clock_step):
         return None  # it runs, though not above this process
     run_id = p.launch_env.get(RUN_ID_KEY, "").strip()
     of_job = f" of job {Job(run_id, 'run')}" if run_id else ""
@@ -103,6 +103,11 @@ def supervisor_gone(p: HostProcess, snapshot: NodeSnapshot) -> Optional[str]:
     return f"its supervisor `gpuwatch run` (PID {ref.pid}){of_job} is gone{reused}"
 
 
-def _same_start(seen: float, given: float) -> bool:
+def _same_start(seen: float, given: float, clock_step: float) -> bool:
+    """`clock_step`: a supervisor started after the wall clock stepped read a boot time moved
+    by the step (the kernel keeps boot time = wall clock - time since boot); the daemon read its
+    own before."""
     offset = seen - given
-    return abs(offset - round(offset)) < 0.005 and abs(round(offset)) <= _BOOT_TIME_STEPS
+    if abs(offset - round(offset)) >= 0.005:
+        return False
+    return any(abs(round(offset) - moved) <= _BOOT_TIME_STEPS for moved in (0, -round(clock_step)))

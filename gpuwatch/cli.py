@@ -213,11 +213,12 @@ def daemon(
 
 REAP_EXIT_CODES = f"""\b
 Exit codes:
-  {EXIT_OK}  everything planned was reaped (or, with --dry-run, there is a plan)
+  {EXIT_OK}  no GPU memory the plan named is still held (or, with --dry-run, there is a plan)
   {EXIT_ERROR}  gpuwatch itself failed
   {EXIT_USAGE}  bad usage, or no --yes where there is no terminal to confirm on
   {EXIT_NOTHING_TO_DO}  nothing to do
-  {EXIT_NOT_ALL_REAPED}  some could not be reaped (refused, identity changed, unkillable, survived)
+  {EXIT_NOT_ALL_REAPED}  GPU memory the plan named is still held (a process not ended holds it,
+     or NVML still lists an ended one's; NVML unreadable and a process not ended)
   {EXIT_CONFIG} bad configuration
 """
 
@@ -256,7 +257,7 @@ def reap(
     every signal. Every action goes to the audit log (reap.jsonl in the state directory).
     """
     from gpuwatch.actions.reaper import AUDIT_NAME, REAPABLE_KINDS, Filters, Reaper
-    from gpuwatch.actions.release import holders, nvml_after
+    from gpuwatch.actions.release import holders, nvml_after, still_held
     from gpuwatch.detectors import KINDS
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
     from gpuwatch.sinks.reap_view import render_reap
@@ -290,21 +291,27 @@ def reap(
             raise typer.Exit(EXIT_NOTHING_TO_DO)
     results = reaper.execute(actions, grace=grace)
     reading = nvml_after({r.action.pid for r in results if r.freed and r.action.pid})
-    still_held = holders(reading) if reading.status.available else None
-    rows = [(r.action, r.result, r.detail + _released(r, still_held)) for r in results]
-    _print_reap(as_json, doc, rows, False, render_reap)
-    raise typer.Exit(EXIT_OK if all(r.freed for r in results) else EXIT_NOT_ALL_REAPED)
+    listed = holders(reading) if reading.status.available else None
+    held = still_held(results, reading)
+    rows = [(r.action, r.result, r.detail + _released(r, listed)) for r in results]
+    _print_reap(as_json, doc, rows, False, render_reap, held)
+    # What an epilog decides on: whether the next job would find GPU memory taken, not whether
+    # every line of the plan was carried out (a PID reused before the signal freed nothing, but
+    # what it was planned for holds nothing either).
+    raise typer.Exit(EXIT_NOT_ALL_REAPED if held else EXIT_OK)
 
 
 def _print_reap(as_json: bool, doc: dict[str, Any], rows: list[Any], dry_run: bool,
-                render: Any) -> None:
+                render: Any, held: Optional[list[int]] = None) -> None:
     if as_json:
         json.dump({"schema": 1, "source": doc["source"], "dry_run": dry_run,
                    "actions": [{**a.as_json(), "result": result, "detail": detail}
-                               for a, result, detail in rows]}, sys.stdout, indent=2)
+                               for a, result, detail in rows],
+                   "still_held": None if dry_run else sorted(held or ())},
+                  sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render(doc, rows, dry_run))
+        sys.stdout.write(render(doc, rows, dry_run, held))
 
 
 def _released(r: Any, still_held: Optional[set[int]]) -> str:

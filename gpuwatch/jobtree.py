@@ -21,12 +21,49 @@ SUPERVISORS = frozenset({
     "containerd-shim-runc-v2", "conmon", "crun", "runc",
 })
 SHELLS = frozenset({"bash", "sh", "zsh", "fish", "dash", "ksh", "tcsh", "csh"})
+#: Programs that start the ranks of a distributed job themselves, by program name (the kernel's
+#: name for a script run through its #! line is the script's) or by the Python module run with
+#: `-m`. A worker directly under one of these may be under its own, live launcher.
+LAUNCHERS = frozenset({
+    "torchrun", "mpirun", "mpiexec", "mpiexec.hydra", "orterun", "prterun", "prte", "orted",
+    "prted", "hydra_pmi_proxy", "horovodrun", "deepspeed", "accelerate", "srun", "slurmstepd",
+    "raylet",
+})
+LAUNCHER_MODULES = frozenset({
+    "torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher.launch",
+    "deepspeed.launcher.runner", "accelerate.commands.launch", "accelerate.commands.accelerate_cli",
+})
 # Guards the climb against a corrupt or cyclic parent chain.
 _MAX_DEPTH = 64
 
 
 def is_supervisor(p: HostProcess) -> bool:
     return p.pid == 1 or (p.name or "") in SUPERVISORS
+
+
+def is_launcher(p: HostProcess) -> bool:
+    """Whether `p` runs a distributed launcher (LAUNCHERS, LAUNCHER_MODULES)."""
+    args = p.cmdline
+    programs = {p.name or "", *(_base(a) for a in args[:2])}
+    if programs & LAUNCHERS:
+        return True
+    for i, arg in enumerate(args[:-1]):
+        if arg == "-m":
+            return args[i + 1] in LAUNCHER_MODULES
+    return False
+
+
+def is_namespace_init(p: HostProcess, of: HostProcess) -> bool:
+    """Whether `p` is PID 1 of the PID namespace `of` lives in: the process the kernel gives a
+    process of that namespace when its parent exits and no subreaper is in between. NSpid says
+    it: `p` is as deep in nested namespaces as `of`, and its innermost PID is 1 (a parent lives
+    in its child's namespace or an outer one, so as deep means the same one)."""
+    return (bool(p.namespace_pids) and p.namespace_pids[-1] == 1
+            and len(p.namespace_pids) == len(of.namespace_pids))
+
+
+def _base(program: str) -> str:
+    return program.rsplit("/", 1)[-1]
 
 
 def is_login_shell(p: HostProcess) -> bool:

@@ -182,6 +182,10 @@ class HostProcess:
     #: (/proc/PID/wchan) and, where readable (root), its kernel stack. Read for D state only.
     wchan: Optional[str] = None
     kernel_stack: tuple[str, ...] = ()
+    #: For a GPU holder in a process group another process leads: whether that leader has exited
+    #: (no such PID, or a zombie). The group outlives its leader, so this shows a launcher that
+    #: led its workers' group is gone, without any history. None where not read.
+    group_leader_gone: Optional[bool] = None
 
     @property
     def holds_gpu(self) -> bool:

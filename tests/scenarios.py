@@ -53,7 +53,9 @@ LAUNCH_VARIABLES = frozenset({
 LAUNCH_VARIABLE_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_", "SLURM_", "OMPI_", "PMI_",
                             "PMIX_", "HOROVOD_", "I_MPI_", "MV2_", "MPI_", "LSB_", "PBS_")
 
-VIAS = (None, "subreaper", "shell", "subreaper-shell")
+VIAS = (None, "subreaper", "shell", "subreaper-shell", "container", "entrypoint")
+#: The ways of starting a job whose launcher runs in a PID namespace of its own.
+_IN_NAMESPACE = ("shell", "container")
 
 
 # ---- reading /proc -------------------------------------------------------------------------------
@@ -348,6 +350,16 @@ def _host_pids(inside_of: int, ns_pids: Iterable[int]) -> Optional[dict[int, int
     return found if set(found) == wanted else None
 
 
+ENTRYPOINT = """\
+import subprocess, sys
+from gpuwatch.simulate.job import become_subreaper, reap_children_forever
+become_subreaper()
+subprocess.Popen([sys.executable, "-m", "gpuwatch.simulate.job", *sys.argv[1:]],
+                 start_new_session=True)
+reap_children_forever()
+"""
+
+
 def _launcher_args(ready: Path, workers: int, helpers: Sequence[str],
                    trainer_exit_after: Optional[float], launcher_waits_for: str,
                    stubborn_rank: Optional[int], sigint_grace: float,
@@ -396,6 +408,18 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
         The same shell and job, but the shell made a child subreaper before it is exec'd (the
         flag survives exec) instead of a namespace's init: the nearest stand-in where PID
         namespaces are refused. The shell is not PID 1 then.
+    "container"
+        `unshare --pid --fork --mount-proc bash -c 'LAUNCHER; sleep 600'`: a container whose
+        command is a script around the launcher. Without job control the launcher runs in the
+        group the shell was started in (`JobPids.group`, the `unshare` process's), and the
+        workers with it; when the launcher dies the kernel gives them to the namespace's init,
+        the shell (`JobPids.shell`), and nothing in their process group shows it. Skipped where
+        `unshare --pid` is refused.
+    "entrypoint"
+        `entrypoint-x`, a small program that makes itself a child subreaper (prctl through
+        ctypes), starts the launcher in a session of its own as a supervisor starts a service,
+        and reaps whatever exits: a subreaper by what it does, under a name no list holds
+        (`JobPids.subreaper`).
 
     `cgroup` (with `via` None): a cgroup directory the launcher joins before it starts, as a
     scheduler places a job's first process; everything it starts inherits the cgroup.
@@ -404,8 +428,8 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
     """
     if via not in VIAS:
         raise ValueError(f"via must be one of {VIAS}, not {via!r}")
-    if via == "shell" and (why := pid_namespaces()) is not None:
-        pytest.skip(f"via='shell' needs a PID namespace: {why}")
+    if via in _IN_NAMESPACE and (why := pid_namespaces()) is not None:
+        pytest.skip(f"via={via!r} needs a PID namespace: {why}")
     ready = _unique(tmp_path, "job", ".json")
     launcher_cmd = [sys.executable, "-m", "gpuwatch.simulate.job",
                     *_launcher_args(ready, workers, helpers, trainer_exit_after,
@@ -428,6 +452,18 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
         top = subprocess.Popen([shutil.which("unshare") or "unshare", "--pid", "--fork",
                                 "--kill-child", bash, "-c", script],
                                env=full_env, stdin=subprocess.PIPE, start_new_session=True)
+    elif via == "container":
+        around = f"{shlex.join(launcher_cmd)} </dev/null; sleep 600"
+        top = subprocess.Popen([shutil.which("unshare") or "unshare", "--pid", "--fork",
+                                "--mount-proc", "--kill-child", bash, "-c", around],
+                               env=full_env, stdin=subprocess.DEVNULL, start_new_session=True)
+    elif via == "entrypoint":
+        entrypoint = _unique(tmp_path, "entrypoint") / "entrypoint-x"
+        entrypoint.parent.mkdir()
+        entrypoint.write_text(f"#!{sys.executable}\n{ENTRYPOINT}")
+        entrypoint.chmod(0o755)
+        top = subprocess.Popen([str(entrypoint), *launcher_cmd[3:]], env=full_env,
+                               start_new_session=True)
     else:
         become = ("import os, sys\n"
                   "from gpuwatch.simulate.job import become_subreaper\n"
@@ -440,7 +476,7 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
     job: Optional[JobPids] = None
     shell: Optional[int] = None
     try:
-        if via == "shell":
+        if via in _IN_NAMESPACE:
             shell = wait_for("the shell in its PID namespace",
                              lambda: (_children(top.pid) or [None])[0], START_TIMEOUT, alive=top)
         elif via == "subreaper-shell":
@@ -448,7 +484,7 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
         info = wait_for("the job to start", lambda: read_json(ready), START_TIMEOUT, alive=top)
         pids = {"launcher": int(info["launcher"]), "workers": [int(p) for p in info["workers"]],
                 "helpers": {str(r): int(p) for r, p in info["helpers"].items()}}
-        if via == "shell":
+        if via in _IN_NAMESPACE:
             assert shell is not None
             inside = [pids["launcher"], *pids["workers"], *pids["helpers"].values()]
             host = wait_for("the job's host PIDs", lambda: _host_pids(shell, inside),
@@ -458,14 +494,75 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
                     "helpers": {r: host[p] for r, p in pids["helpers"].items()}}
         job = JobPids(launcher=pids["launcher"], workers=pids["workers"],
                       helpers=pids["helpers"], run_id=str(info["run_id"]),
-                      group=pids["launcher"], via=via,
-                      subreaper=top.pid if via == "subreaper" else None, shell=shell,
-                      _launcher_proc=top if via is None else None)
-        assert process_group(job.launcher) == job.launcher, "the launcher leads its group"
+                      group=top.pid if via == "container" else pids["launcher"], via=via,
+                      subreaper=top.pid if via in ("subreaper", "entrypoint") else None,
+                      shell=shell, _launcher_proc=top if via is None else None)
+        assert process_group(job.launcher) == job.group, "the job's group is as documented"
         yield job
     finally:
         _end_job(top, job.group if job is not None else (top.pid if via is None else None),
                  job.pids if job is not None else [], "the job's processes")
+
+
+@contextlib.contextmanager
+def launcher_as_container_init(tmp_path: Path, workers: int = 2) -> Iterator[JobPids]:
+    """A container whose command is the launcher itself (`docker run IMAGE torchrun ...`): a
+    launcher named `torchrun` (gpuwatch.simulate.job under that name, as the demo runs it) that
+    is PID 1 of its own PID namespace, its workers its children. Healthy: their parent is their
+    launcher, though it is a namespace's init. Skipped where `unshare --pid` is refused."""
+    if (why := pid_namespaces()) is not None:
+        pytest.skip(f"a launcher as a container's init needs a PID namespace: {why}")
+    torchrun = _unique(tmp_path, "bin") / "torchrun"
+    torchrun.parent.mkdir()
+    torchrun.write_text(f"#!{sys.executable}\nimport sys\n"
+                        "from gpuwatch.simulate.job import main\nsys.exit(main())\n")
+    torchrun.chmod(0o755)
+    ready = _unique(tmp_path, "job", ".json")
+    top = subprocess.Popen([shutil.which("unshare") or "unshare", "--pid", "--fork",
+                            "--mount-proc", "--kill-child", str(torchrun), "--workers",
+                            str(workers), "--ready", str(ready)],
+                           stdin=subprocess.DEVNULL, start_new_session=True)
+    job: Optional[JobPids] = None
+    try:
+        init = wait_for("the launcher in its PID namespace",
+                        lambda: (_children(top.pid) or [None])[0], START_TIMEOUT, alive=top)
+        info = wait_for("the job to start", lambda: read_json(ready), START_TIMEOUT, alive=top)
+        inside = [int(info["launcher"]), *(int(w) for w in info["workers"])]
+        host = wait_for("the job's host PIDs", lambda: _host_pids(init, inside), START_TIMEOUT)
+        job = JobPids(launcher=host[inside[0]], workers=[host[w] for w in inside[1:]],
+                      helpers={}, run_id=str(info["run_id"]), group=top.pid, via="container")
+        assert job.launcher == init and comm(init) == "torchrun"
+        yield job
+    finally:
+        _end_job(top, top.pid, job.pids if job is not None else [], "the container's job")
+
+
+@contextlib.contextmanager
+def shell_loop_as_container_init(ranks: int = 2) -> Iterator[JobPids]:
+    """A container whose init starts the ranks itself: `bash -c 'for r in ...; do RANK=$r
+    LOCAL_RANK=$r ... python ... & done; wait'` as PID 1 of its PID namespace, the ranks its
+    children with rank variables a shell sets and none a launcher sets. Healthy. Skipped where
+    `unshare --pid` is refused."""
+    if (why := pid_namespaces()) is not None:
+        pytest.skip(f"a shell loop as a container's init needs a PID namespace: {why}")
+    rank = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(600)'"
+    loop = (f"for r in $(seq 0 {ranks - 1}); do RANK=$r LOCAL_RANK=$r WORLD_SIZE={ranks} "
+            f"MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 {rank} & done; wait")
+    top = subprocess.Popen([shutil.which("unshare") or "unshare", "--pid", "--fork",
+                            "--mount-proc", "--kill-child", "bash", "-c", loop],
+                           stdin=subprocess.DEVNULL, start_new_session=True)
+    job: Optional[JobPids] = None
+    try:
+        init = wait_for("the shell in its PID namespace",
+                        lambda: (_children(top.pid) or [None])[0], START_TIMEOUT, alive=top)
+        workers = wait_for("its ranks", lambda: (
+            found if len(found := [c for c in _children(init) if "RANK" in environ(c)]) == ranks
+            else None), START_TIMEOUT, alive=top)
+        job = JobPids(launcher=init, workers=sorted(workers), helpers={}, run_id="",
+                      group=top.pid, via="container")
+        yield job
+    finally:
+        _end_job(top, top.pid, job.pids if job is not None else [], "the container's ranks")
 
 
 def _end_job(top: subprocess.Popen[Any], group: Optional[int], pids: Iterable[int],
@@ -516,8 +613,8 @@ def sigkill_launcher(job: JobPids) -> None:
 # ---- a job under `gpuwatch run` ------------------------------------------------------------------
 
 STAND_IN_SUPERVISOR = """\
-import os, signal, subprocess, sys
-from gpuwatch.simulate.job import become_subreaper
+import os, subprocess, sys
+from gpuwatch.simulate.job import become_subreaper, reap_children_forever
 from gpuwatch.sources.processes import ProcessSource
 
 run_id, ready, *launcher_args = sys.argv[1:]
@@ -527,14 +624,7 @@ env = {**os.environ, "GPUWATCH_RUN_ID": run_id,
        "GPUWATCH_RUN_SUPERVISOR": f"{os.getpid()}:{start!r}"}
 subprocess.Popen([sys.executable, "-m", "gpuwatch.simulate.job", "--ready", ready,
                   *launcher_args], env=env, start_new_session=True)
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-while True:
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0] != 0:
-            pass
-    except ChildProcessError:
-        pass
-    signal.sigwait({signal.SIGCHLD})
+reap_children_forever()
 """
 
 

@@ -6,6 +6,7 @@ tests/scenarios.md tabulates every scenario's expected findings.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -18,15 +19,18 @@ import pytest
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import WatchedNode, by_pid, running_daemon
-from tests.realprocs import GIB, processes_by_pid, status_json
+from tests.realprocs import GIB, gpuwatch, processes_by_pid, status_json
 from tests.scenarios import (
     ctrl_c,
     free_pid,
     job_with_processes_in_d_state,
+    launcher_as_container_init,
     orphaned_worker_under_pid1,
+    parent,
     pid_namespaces,
     plain_service,
     process_on_pid,
+    shell_loop_as_container_init,
     sigkill_launcher,
     torchrun_job,
     unreaped_child,
@@ -198,6 +202,90 @@ def test_7_started_after_the_orphaning_a_ranked_worker_under_pid_1_is_an_orphan_
         _, one_shot = status_json(cli_env)
         assert one_shot["source"] == "poll"
         assert [(f["kind"], f["pid"]) for f in findings(one_shot)] == [("orphan", worker)]
+
+
+# -- 7b -----------------------------------------------------------------------------------------
+def one_look(env: dict[str, str]) -> dict[str, Any]:
+    """`gpuwatch status --poll --json`: one poll, no daemon, no history."""
+    result = gpuwatch(["status", "--poll", "--json"], env)
+    assert result.stdout, result.stderr
+    doc: dict[str, Any] = json.loads(result.stdout)
+    assert doc["source"] == "poll"
+    return doc
+
+
+def dry_run_plan(env: dict[str, str]) -> tuple[int, list[dict[str, Any]]]:
+    """`gpuwatch reap --dry-run --poll --json`: its exit status and its actions."""
+    result = gpuwatch(["reap", "--dry-run", "--poll", "--json"], env)
+    assert result.stdout, f"exit {result.returncode}: {result.stderr}"
+    return result.returncode, json.loads(result.stdout)["actions"]
+
+
+@pytest.mark.parametrize("via", ["container", "entrypoint"])
+def test_7b_without_history_workers_adopted_by_a_container_init_or_any_subreaper_are_orphans(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path, via: str) -> None:
+    """`container`: `unshare --pid --fork --mount-proc bash -c 'LAUNCHER; sleep 600'`, the
+    workers go to the shell, PID 1 of their namespace. `entrypoint`: a child subreaper named
+    `entrypoint-x` started the launcher; the workers go to it. Neither is a name gpuwatch knows,
+    and nothing here has seen the launcher."""
+    with torchrun_job(tmp_path, workers=2, via=via) as job:
+        for rank, pid in enumerate(job.workers):
+            fake_node.hold(pid, device=rank, used=8 * GIB)
+        healthy = one_look(cli_env)
+        assert set(job.workers) <= {p["pid"] for p in healthy["processes"] if p["holds_gpu"]}
+        assert findings(healthy) == []
+        assert dry_run_plan(cli_env) == (3, [])
+
+        sigkill_launcher(job)
+        assert {parent(w) for w in job.workers} == {job.adopter} and job.adopter != 1
+        doc = one_look(cli_env)
+        orphans = by_pid(doc, "orphan")
+        assert set(orphans) == set(job.workers) and len(findings(doc)) == 2
+        for f in orphans.values():
+            assert f["severity"] == "critical" and f["gpu_memory_bytes"] == 8 * GIB
+            assert f["reason"].startswith(f"reparented to {job.adopter} (")
+            assert "LOCAL_RANK=" in f["reason"] and "TORCHELASTIC_RUN_ID" in f["reason"]
+            if via == "container":
+                assert "PID 1 of its PID namespace" in f["reason"]
+            else:
+                assert f"{job.adopter} (entrypoint-x)" in f["reason"]
+                assert f"its process group, {job.launcher}, has exited" in f["reason"]
+
+        code, actions = dry_run_plan(cli_env)
+        assert code == 0
+        assert {(a["pid"], a["kind"], a["action"], a["result"]) for a in actions} == {
+            (pid, "orphan", "terminate", "planned") for pid in job.workers}
+        assert all(a["refused"] is None for a in actions)
+
+
+def test_7c_workers_under_a_launcher_that_is_its_container_init_are_no_orphans(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """`docker run IMAGE torchrun ...`: the workers' parent is PID 1 of their namespace, and it
+    is their launcher, alive."""
+    with launcher_as_container_init(tmp_path, workers=2) as job:
+        for rank, pid in enumerate(job.workers):
+            fake_node.hold(pid, device=rank, used=GIB)
+        doc = one_look(cli_env)
+        assert set(job.workers) <= {p["pid"] for p in doc["processes"] if p["holds_gpu"]}
+        assert {parent(w) for w in job.workers} == {job.launcher}
+        assert findings(doc) == []
+        assert dry_run_plan(cli_env) == (3, [])
+
+
+def test_7d_ranks_a_container_init_started_itself_are_no_orphans_though_it_is_an_init(
+        fake_node: FakeNode, cli_env: dict[str, str]) -> None:
+    """A shell loop as the container's command: from one look it may be the ranks' launcher (no
+    variable says another process started them), so it is taken to be."""
+    with shell_loop_as_container_init(ranks=2) as job:
+        for rank, pid in enumerate(job.workers):
+            fake_node.hold(pid, device=rank, used=GIB)
+        doc = one_look(cli_env)
+        held = {p["pid"]: p for p in doc["processes"] if p["holds_gpu"]}
+        assert set(job.workers) <= set(held)
+        assert all(held[w]["ppid"] == job.launcher for w in job.workers)
+        assert all("LOCAL_RANK" in held[w]["launch_env"] for w in job.workers)
+        assert findings(doc) == []
+        assert dry_run_plan(cli_env) == (3, [])
 
 
 # -- 8 ------------------------------------------------------------------------------------------

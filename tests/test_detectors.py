@@ -170,6 +170,78 @@ def test_without_history_a_ranked_gpu_worker_under_a_subreaper_is_an_orphan_only
     assert report.findings[0].reason.startswith("reparented to 50 (tini); environment has ")
 
 
+def test_without_history_a_worker_under_its_namespace_init_is_an_orphan_unless_init_launched_it(
+        ) -> None:
+    env = MappingProxyType({"LOCAL_RANK": "1", "WORLD_SIZE": "2"})
+    elastic = MappingProxyType({**env, "TORCHELASTIC_RUN_ID": "r1"})
+    unshare = proc(30, 1, name="unshare")
+    script = proc(40, 30, name="bash", pgid=30, namespace_pids=(1,),
+                  cmdline=("bash", "-c", "torchrun train.py; cleanup"))
+
+    def worker(pid: int, parent: int, **kw: Any) -> HostProcess:
+        fields: dict[str, Any] = {"pgid": 30, "launch_env": elastic,
+                                  "namespace_pids": (pid - 30,),
+                                  "cmdline": ("python", "-u", "train.py"), "start": 0.0}
+        fields.update(kw)
+        return proc(pid, parent, gpu=GIB, **fields)
+
+    adopted = worker(41, 40)
+    report = run(History(), snapshot(100.0, unshare, script, adopted))
+    assert kinds(report) == [("orphan", 41)]
+    assert report.findings[0].reason.startswith(
+        "reparented to 40 (bash), PID 1 of its PID namespace; environment has LOCAL_RANK=1")
+    # Ranks a shell loop started itself, with no launcher's variable: healthy, whatever runs
+    # them (`bash -c 'for r in 0 1; do RANK=$r LOCAL_RANK=$r python train.py & done; wait'`).
+    assert kinds(run(History(), snapshot(100.0, unshare, script,
+                                         worker(41, 40, launch_env=env)))) == []
+    # Leading its own group: the container's command, started on purpose by its init, unless
+    # a torchrun agent (the only one that sets its run id) started it.
+    assert kinds(run(History(), snapshot(100.0, unshare, script,
+                                         worker(42, 40, pgid=42, launch_env=env)))) == []
+    assert kinds(run(History(), snapshot(100.0, unshare, script,
+                                         worker(43, 40, pgid=43, launch_env=elastic)))) == [
+        ("orphan", 43)]
+    # In a namespace nested deeper, the shell is not its init.
+    assert kinds(run(History(), snapshot(100.0, unshare, script,
+                                         worker(44, 40, namespace_pids=(9, 3))))) == []
+
+    # Inits that may be the worker's own launcher, alive: `docker run IMAGE torchrun ...`, a
+    # rank that starts ranks, a program whose fork or multiprocessing child the worker is.
+    for init in (proc(40, 30, name="torchrun", pgid=30, namespace_pids=(1,)),
+                 proc(40, 30, name="python", pgid=30, namespace_pids=(1,),
+                      cmdline=("python", "-m", "torch.distributed.run", "train.py")),
+                 proc(40, 30, name="python", pgid=30, namespace_pids=(1,), gpu=GIB),
+                 proc(40, 30, name="python", pgid=30, namespace_pids=(1,),
+                      launch_env=MappingProxyType({"MASTER_ADDR": "10.0.0.1"})),
+                 proc(40, 30, name="python", pgid=30, namespace_pids=(1,),
+                      cmdline=("python", "-u", "train.py"))):
+        assert kinds(run(History(), snapshot(100.0, unshare, init, worker(41, 40)))) == [], init
+    spawned = worker(41, 40, cmdline=("python", "-c", "from multiprocessing.spawn import "
+                                      "spawn_main; spawn_main()", "--multiprocessing-fork"))
+    assert kinds(run(History(), snapshot(100.0, unshare, script, spawned))) == []
+
+
+def test_without_history_a_ranked_worker_whose_group_leader_exited_is_an_orphan_of_any_subreaper(
+        ) -> None:
+    env = MappingProxyType({"RANK": "0", "TORCHELASTIC_RUN_ID": "r2"})
+    entrypoint = proc(60, 1, name="entrypoint-x", cmdline=("python", "/srv/entrypoint-x"))
+    adopted = proc(62, 60, gpu=GIB, pgid=61, launch_env=env, start=0.0, group_leader_gone=True)
+    report = run(History(), snapshot(100.0, entrypoint, adopted))
+    assert kinds(report) == [("orphan", 62)]
+    assert report.findings[0].reason.startswith(
+        "reparented to 60 (entrypoint-x); the leader of its process group, 61, has exited; "
+        "environment has RANK=0, TORCHELASTIC_RUN_ID")
+    # The leader still runs; or the parent is in that group itself (a launcher daemonized by a
+    # double fork: the process that made the group exited, the launcher did not).
+    alive = replace(adopted, group_leader_gone=False)
+    assert kinds(run(History(), snapshot(100.0, entrypoint, alive))) == []
+    daemonized = replace(entrypoint, pgid=61)
+    assert kinds(run(History(), snapshot(100.0, daemonized, adopted))) == []
+    # Ranks with no launcher's variable: a script's own, whoever started them.
+    scripted = replace(adopted, launch_env=MappingProxyType({"RANK": "0", "WORLD_SIZE": "2"}))
+    assert kinds(run(History(), snapshot(100.0, entrypoint, scripted))) == []
+
+
 def test_without_history_a_young_worker_waits_for_min_age_and_a_plain_service_never_counts(
         ) -> None:
     env = MappingProxyType({"RANK": "0", "MASTER_ADDR": "10.0.0.1"})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,10 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import WatchedNode, running_daemon
 from tests.realprocs import GIB
 from tests.scenarios import (
+    process_on_pid,
+    running,
     sigkill_launcher,
     slurm_job_cgroup,
     torchrun_job,
@@ -162,10 +166,44 @@ def test_the_epilog_drains_the_node_when_gpu_memory_cannot_be_freed(
 
         done = epilog.run("7373")
         assert done.returncode == 0, done.stdout + done.stderr
+        assert f"GPU memory still held by PID {parent}" in done.stdout, done.stdout
         (call,) = epilog.scontrol_calls()
         hostname = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout
         assert call == (f"update nodename={hostname.strip()} state=drain "
                         "reason=gpuwatch: GPU memory not freed")
+
+
+def test_the_epilog_does_not_drain_a_clean_node_when_an_orphan_s_pid_was_reused(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """The daemon's findings name an orphan that has exited since, its memory freed, and whose
+    PID the next process (holding GPU memory of its own) took before the epilog ran. The reaper
+    sends nothing to the newcomer (`identity-changed`); nothing the plan named holds GPU memory,
+    so the node stays in service."""
+    epilog = Epilog(tmp_path, cli_env)
+    with torchrun_job(tmp_path, workers=1, env={"SLURM_JOB_ID": "8484"}) as job:
+        (worker,) = job.workers
+        fake_node.hold(worker, device=0, used=4 * GIB)
+        sigkill_launcher(job)
+        # A daemon that polls seldom: its findings stay those of before the PID changed hands.
+        with running_daemon(cli_env, tmp_path, config=DETECTORS,
+                            args=("--interval", "600")) as daemon:
+            watched = WatchedNode(fake_node, cli_env, daemon)
+            watched.findings_of("orphan", [worker])
+            os.kill(worker, signal.SIGKILL)
+            # Free once reaped: its adopter may reap lazily (PID 1 here does).
+            wait_for(f"PID {worker} to be released",
+                     lambda: True if not Path(f"/proc/{worker}").exists() else None, 60)
+            fake_node.release(worker)  # the driver frees what the orphan held
+            with process_on_pid(worker, [sys.executable, "-c",
+                                         "import time; time.sleep(600)"]) as newcomer:
+                fake_node.hold(worker, device=0, used=2 * GIB)  # the newcomer's own memory
+
+                done = epilog.run("8484")
+                assert done.returncode == 0, done.stdout + done.stderr
+                assert "identity-changed" in done.stdout, done.stdout
+                assert "no GPU memory the plan named is still held" in done.stdout
+                assert epilog.scontrol_calls() == []
+                assert newcomer.poll() is None and running(worker)
 
 
 def _used(watched: WatchedNode) -> int:

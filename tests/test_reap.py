@@ -717,3 +717,43 @@ def test_job_reaps_only_that_jobs_leftovers_and_then_has_nothing_to_do(
             assert {(e["pid"], e["kind"], e["result"]) for e in done} == {
                 (pid, "leftover", "exited") for pid in mine}
 
+
+
+# ---- what the exit code says -------------------------------------------------------------------
+def test_still_held_counts_memory_the_plan_named_not_lines_of_the_plan_left_undone() -> None:
+    """release.still_held, on NVML readings as `nvml_after` returns them and real PIDs: this
+    process stands for one still running, and for a newcomer on a reused PID."""
+    from gpuwatch.actions.reaper import Action, Result
+    from gpuwatch.actions.release import still_held
+    from gpuwatch.model import GpuDevice, GpuProcessUsage, NvmlReading, NvmlStatus
+    from gpuwatch.sources.processes import ProcessSource
+
+    me = os.getpid()
+    stat = ProcessSource().stat(me)
+    assert stat is not None
+    gone = free_pid()
+
+    def result(pid: int, outcome: str, start: Optional[float] = 1.0,
+               target: Optional[int] = None) -> Result:
+        return Result(Action(kind="orphan", action="terminate", reason="", pid=pid,
+                             start_time=start, target=target if target is not None else pid),
+                      outcome)
+
+    def listing(*pids: int) -> NvmlReading:
+        usage = tuple(GpuProcessUsage(0, "GPU-0", pid, GIB) for pid in pids)
+        return NvmlReading(NvmlStatus(available=True), (GpuDevice(0, processes=usage),))
+
+    blind = NvmlReading(NvmlStatus(available=False, error="process list unreadable on GPU 0"))
+    # A PID reused before any signal: what it was planned for had exited, whatever NVML lists.
+    assert still_held([result(me, "identity-changed")], listing(me)) == []
+    # Ended: held only while the driver lists the PID and no other process has it.
+    assert still_held([result(gone, "killed")], listing()) == []
+    assert still_held([result(gone, "killed")], listing(gone)) == [gone]
+    assert still_held([result(me, "gone")], listing(me)) == []  # the newcomer's, not ours
+    assert still_held([result(me, "exited", start=stat.start_time)], listing(me)) == [me]
+    # Not ended: held when NVML lists it, or the process signalled for it (a zombie's parent).
+    assert still_held([result(me, "refused")], listing()) == []
+    assert still_held([result(me, "still-running")], listing(me)) == [me]
+    assert still_held([result(gone, "failed", target=me)], listing(me)) == [me]
+    # NVML unreadable afterwards: ended counts as freed, anything else as holding.
+    assert still_held([result(gone, "killed"), result(me, "refused")], blind) == [me]

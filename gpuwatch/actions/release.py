@@ -11,11 +11,16 @@ False, with the reason) when it stays unreadable.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import replace
+from typing import TYPE_CHECKING, Optional
 
 from gpuwatch.model import NvmlReading
 from gpuwatch.sources.nvml import NvmlSource, holders_unknown
+from gpuwatch.sources.processes import ProcessSource
+
+if TYPE_CHECKING:
+    from gpuwatch.actions.reaper import Result
 
 #: How long the driver gets to release an ended process's memory before it counts as held.
 RELEASE_WAIT = 3.0
@@ -58,3 +63,42 @@ def unreadable(reading: NvmlReading) -> list[int]:
     """The GPUs whose holders are unknown (a process list, or the GPU itself, could not be
     read)."""
     return [g.index for g in reading.gpus if holders_unknown(g)]
+
+
+def still_held(results: Iterable[Result], reading: NvmlReading,
+               procs: Optional[ProcessSource] = None) -> list[int]:
+    """The PIDs of the plan whose GPU memory is still held after acting, by NVML's `reading`
+    (`nvml_after`): what the next job on these GPUs would find taken.
+
+    A process that ended (`FREED`) holds nothing of its own: its memory counts as held only while
+    the driver still lists its PID and no other process has that PID now (a newcomer's memory is
+    not the plan's). A PID found reused before any signal (`identity-changed`) means the process
+    planned for had exited already: nothing of it is held. A process not ended (still running,
+    unkillable, refused, failed) holds memory when NVML lists it or the process signalled for it
+    (a zombie's parent). Where NVML cannot say (`status.available` False), an ended process
+    counts as freed and any other as holding: unknown is not free.
+    """
+    from gpuwatch.actions.reaper import FREED
+
+    source = procs or ProcessSource()
+    listed = holders(reading) if reading.status.available else None
+    held: list[int] = []
+    for r in results:
+        a = r.action
+        pid = a.pid if a.pid is not None else a.target
+        if pid is None or r.result == "identity-changed":
+            continue
+        if r.result in FREED:
+            if listed is not None and pid in listed and not _reused(source, pid, a.start_time):
+                held.append(pid)
+        elif listed is None:
+            held.append(pid)
+        else:
+            held += [q for q in (a.pid, a.target) if q is not None and q in listed]
+    return sorted(set(held))
+
+
+def _reused(source: ProcessSource, pid: int, start_time: Optional[float]) -> bool:
+    """Whether `pid` belongs to another process than the one that started at `start_time`."""
+    now = source.stat(pid)
+    return now is not None and start_time is not None and now.start_time != start_time

@@ -7,10 +7,15 @@ With history: the parent recorded when the process was first seen is gone. Repar
 only when a parent exits, so a changed parent PID is the evidence, whoever adopted the process
 (PID 1, a subreaper such as systemd --user or a container init, the launching shell).
 
-Without history (the daemon started later, or a one-shot status): the process holds GPU memory,
-sits under PID 1 or a subreaper, and its environment marks it a distributed worker. Under a
-subreaper other than PID 1 it must also not lead its own process group: what a supervisor starts
-on purpose leads its group, a worker orphaned from torchrun still belongs to torchrun's.
+Without history (the daemon started later, or a one-shot status), or with a history that saw no
+other parent: the process holds GPU memory, is older than `min_age`, its environment marks it a
+distributed worker, and its parent shows it adopted it (`_adopter`): PID 1; a supervisor known
+by name; or, for a worker whose environment only a launcher's agent can have set, PID 1 of the
+process's own PID namespace (a container's init: `bash -c "torchrun ...; cleanup"`, `sleep`, an
+entrypoint) or a parent outside the process group whose leader has exited (the launcher led it:
+a subreaper of any name). Except under PID 1, the process must not
+lead its own group (what an init or a supervisor starts on purpose does) unless a torchrun agent
+started it, and the parent must not be one that may be its live launcher (`_may_have_launched`).
 
 Under `gpuwatch run`, with or without history: the process names its supervisor (PID and start
 time, GPUWATCH_RUN_SUPERVISOR) and that process no longer runs (common.supervisor_gone). Its
@@ -30,9 +35,13 @@ from gpuwatch.detectors.common import (
     worker_evidence,
 )
 from gpuwatch.history import History
-from gpuwatch.jobtree import is_supervisor
+from gpuwatch.jobtree import is_launcher, is_namespace_init, is_supervisor
 from gpuwatch.model import Finding, HostProcess, NodeSnapshot
+from gpuwatch.sources.jobs import LAUNCHER_SET_KEYS
 from gpuwatch.units import clock_time
+
+#: Set only by a torchrun agent, for the workers it starts (each in a session of its own).
+_TORCHELASTIC_KEY = "TORCHELASTIC_RUN_ID"
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
@@ -81,14 +90,55 @@ def _lineage_reason(p: HostProcess, parent_pid: int, parent_start: float | None,
 def _environment_reason(p: HostProcess, snapshot: NodeSnapshot, config: DetectorConfig
                         ) -> str | None:
     parent = snapshot.processes.get(p.ppid) if p.ppid else None
-    if parent is None or not is_supervisor(parent):
+    if parent is None or not parent.in_procfs:
         return None
-    if parent.pid != 1 and p.pgid == p.pid:
-        return None  # started on purpose by its supervisor: it leads its own group
     if p.start_time is not None and snapshot.taken_at - p.start_time < config.min_age:
         return None
     evidence = worker_evidence(p)
     if evidence is None:
         return None  # a service under PID 1 (persistenced, a notebook server) is no orphan
-    under = "PID 1" if parent.pid == 1 else named(parent.pid, parent.name)
-    return f"reparented to {under}; environment has {evidence}"
+    adopter = _adopter(p, parent)
+    if adopter is None:
+        return None
+    return f"reparented to {adopter}; environment has {evidence}"
+
+
+def _adopter(p: HostProcess, parent: HostProcess) -> str | None:
+    """The parent in words when it shows that it adopted `p` rather than started it, else None.
+
+    The kernel gives an orphan to the nearest child subreaper above it, else to PID 1 of its PID
+    namespace. The subreaper flag is not shown in /proc, so a subreaper is known by its name
+    (SUPERVISORS), or by the process group its exited launcher led, which outlives it.
+    """
+    if parent.pid == 1:
+        return "PID 1"  # the host's init never launches ranks
+    if is_supervisor(parent):
+        adopter = named(parent.pid, parent.name)
+    elif not p.launch_env.keys() & LAUNCHER_SET_KEYS:
+        # A container's init or an entrypoint may start ranks itself (a shell loop setting RANK
+        # and LOCAL_RANK): only a variable a launcher sets says another process started it.
+        return None
+    elif is_namespace_init(parent, p):
+        adopter = f"{named(parent.pid, parent.name)}, PID 1 of its PID namespace"
+    elif p.group_leader_gone and p.pgid is not None and parent.pgid != p.pgid:
+        adopter = (f"{named(parent.pid, parent.name)}; the leader of its process group, "
+                   f"{p.pgid}, has exited")
+    else:
+        return None
+    if p.pgid == p.pid and _TORCHELASTIC_KEY not in p.launch_env:
+        # What an init or a supervisor starts on purpose (the container's command) leads its
+        # own group. torchrun's workers do too, but only a torchrun agent sets its run id.
+        return None
+    if _may_have_launched(parent, p):
+        return None
+    return adopter
+
+
+def _may_have_launched(parent: HostProcess, p: HostProcess) -> bool:
+    """Whether `parent` may be `p`'s own launcher, still running: a distributed launcher, a rank
+    that starts ranks (it holds GPU memory or has rank variables itself, as Lightning's rank 0
+    does), or a program whose copy `p` is (forked without exec, or multiprocessing's child)."""
+    if is_launcher(parent) or parent.holds_gpu or worker_evidence(parent) is not None:
+        return True
+    return bool(p.cmdline) and (p.cmdline == parent.cmdline
+                                or "--multiprocessing-fork" in p.cmdline)

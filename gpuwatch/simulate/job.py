@@ -60,7 +60,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -248,10 +248,15 @@ def run_subreaper(ready: Path, launcher_args: list[str]) -> int:
     # must not reach the subreaper.
     launcher = subprocess.Popen([sys.executable, "-m", "gpuwatch.simulate.job", *launcher_args],
                                 start_new_session=True)
-    # Blocked only after the launcher is started, so that it does not inherit the mask; what
-    # exited before this is reaped by the first pass below.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     _write_atomically(ready, {"subreaper": os.getpid(), "launcher": launcher.pid})
+    reap_children_forever()
+
+
+def reap_children_forever() -> NoReturn:
+    """Collect every child that exits, as an init or a subreaper does. Called once the children
+    are started, so that they do not inherit the blocked SIGCHLD; what exited before is
+    collected by the first pass."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     while True:
         _reap_all()
         signal.sigwait({signal.SIGCHLD})

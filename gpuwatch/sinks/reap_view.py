@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Any
+from typing import Any, Optional
 
 from gpuwatch.sinks.status_view import columns
 from gpuwatch.units import human_bytes
 
 
-def render_reap(doc: dict[str, Any], rows: list[tuple[Any, str, str]], dry_run: bool) -> str:
+def render_reap(doc: dict[str, Any], rows: list[tuple[Any, str, str]], dry_run: bool,
+                held: Optional[list[int]] = None) -> str:
+    """The plan (`dry_run`) or its results; `held`: the PIDs whose GPU memory the plan named is
+    still held after acting (release.still_held)."""
     when = _dt.datetime.fromtimestamp(doc["taken_at"], tz=_dt.timezone.utc)
     via = "from the running daemon" if doc["source"] == "daemon" else "one poll"
     head = (f"gpuwatch reap · node {doc['node']} · findings of {when:%H:%M:%S}Z, {via}"
@@ -29,5 +32,8 @@ def render_reap(doc: dict[str, Any], rows: list[tuple[Any, str, str]], dry_run: 
                 if result in ("planned", "exited", "killed", "reaped", "gone")
                 and a.action != "refuse")
     verb = "would free" if dry_run else "freed"
-    return "\n".join([head, "", *columns(table), "",
-                      f"{verb} up to {human_bytes(freed)} of GPU memory"]) + "\n"
+    lines = [head, "", *columns(table), "", f"{verb} up to {human_bytes(freed)} of GPU memory"]
+    if not dry_run:
+        lines.append("GPU memory still held by PID " + ", ".join(map(str, sorted(held)))
+                     if held else "no GPU memory the plan named is still held")
+    return "\n".join(lines) + "\n"

@@ -350,6 +350,18 @@ WORKER_MARKER_KEYS: frozenset[str] = frozenset({
     "JAX_COORDINATOR_ADDRESS",
 })
 
+#: Of those, the ones only a launcher's own agent sets for each rank it starts (torchrun, Open
+#: MPI's orted, a PMI or PMIx process manager, MVAPICH): a process with one was started by such a
+#: launcher, not by a shell loop or an entrypoint script that sets RANK and LOCAL_RANK itself.
+LAUNCHER_SET_KEYS: frozenset[str] = frozenset({
+    "TORCHELASTIC_RUN_ID",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "PMIX_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_RANK",
+})
+
 _WANTED_KEYS = frozenset(LAUNCH_ENV_KEYS)
 # Longer than any real value (eight MIG UUIDs in CUDA_VISIBLE_DEVICES are ~330 characters), short
 # enough that a process cannot push megabytes into every snapshot through one variable.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import pwd
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Callable, NamedTuple, Optional, TypeVar, Union
 
@@ -87,7 +87,20 @@ class ProcessSource:
                 found[current] = proc
                 depth += 1
                 current = proc.ppid if depth < _MAX_DEPTH else None
+        for pid in usage.keys() - (known or {}).keys():
+            proc = found.get(pid)
+            if proc is not None and proc.in_procfs and proc.pgid and proc.pgid != pid:
+                found[pid] = replace(proc, group_leader_gone=self._gone(proc.pgid, found))
         return ProcessReading(processes=MappingProxyType(found), errors=tuple(errors))
+
+    def _gone(self, pid: int, found: Mapping[int, HostProcess]) -> bool:
+        """Whether `pid` no longer runs: absent from /proc, or a zombie. Its number cannot have
+        been given to another process while a group or session it led lives on."""
+        seen = found.get(pid)
+        if seen is not None and seen.in_procfs:
+            return seen.state in ("zombie", "dead")
+        now = self.stat(pid)
+        return now is None or now.state in ("zombie", "dead")
 
     def forget_others(self, processes: Iterable[HostProcess]) -> None:
         """Drop what is cached about every identity but these (the ones still seen)."""

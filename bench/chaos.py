@@ -315,6 +315,15 @@ def uids_in_use() -> Optional[str]:
     return None
 
 
+def uids_in_use_after(seconds: float) -> Optional[str]:
+    """uids_in_use(), given `seconds` for the processes of a run that just ended to go: the
+    kernel takes a moment to tear down what a cgroup's kill ended."""
+    deadline = time.monotonic() + seconds
+    while (why := uids_in_use()) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return why
+
+
 def cannot_run() -> Optional[str]:
     """Why the bench cannot run on this machine (None: it can)."""
     if os.geteuid() != 0:
@@ -2470,7 +2479,7 @@ def run_chaos(opts: ChaosOptions) -> ChaosResult:
     why = cannot_run()
     if why is None:
         clean_stale(opts.log)
-        why = uids_in_use()
+        why = uids_in_use_after(30.0)
     if why is not None:
         result.skipped = why
         return result
@@ -2492,6 +2501,8 @@ def run_chaos(opts: ChaosOptions) -> ChaosResult:
                                             in c.innocents.items()}
                 c.snapshot()
                 stack.close()
+                # Gone when the bench returns, so that a run right after it finds its uids free.
+                uids_in_use_after(30.0)
             finally:
                 if threading.current_thread() is threading.main_thread():
                     for s, handler in previous.items():
@@ -2507,6 +2518,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             return ""
         return f"{'met' if r['met'] else 'MISSED'} ({r['goal']})"
 
+    if not rows:
+        return "(no figures)"
     w1 = max(len(r["figure"]) for r in rows)
     w2 = max(len(verdict(r)) for r in rows)
     lines = [f"{'figure':<{w1}}  {'goal':<{w2}}  value"]

@@ -33,6 +33,7 @@ def test_short_chaos_meets_the_hard_goals(capsys: pytest.CaptureFixture[str]) ->
         auto_after=1.0, grace=2.0,
         log=lines.append)
     result = chaos.run_chaos(opts)
+    assert not result.skipped, result.skipped
     with capsys.disabled():  # CI prints the figures of every run
         print("\nshort chaos:\n" + chaos.format_rows(result.rows))
     assert not result.skipped, result.skipped

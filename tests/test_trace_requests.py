@@ -16,6 +16,7 @@ from typing import Optional
 import pytest
 
 from gpuwatch.actions.trace_requests import RESULTS, TraceRequests
+from gpuwatch.clock import SteadyClock
 from gpuwatch.config import AgentConfig, load_config
 from gpuwatch.daemon import Daemon
 from gpuwatch.jobtree import job_roots
@@ -312,6 +313,7 @@ class LeakingNode(Poller):
 
     def __init__(self) -> None:  # no NVML, no /proc: only what poll() makes up
         self.agents = None
+        self.clock = SteadyClock()
         self.step = 0
 
     def poll(self, watch: Iterable[int] = ()) -> NodeSnapshot:

@@ -2,8 +2,13 @@
 
 Both watch 8 fake GPUs with 64, then 512, real processes holding memory, collecting at the same
 interval. Figures: CPU per collection (process CPU time over a window / collections in it), RSS,
-and /metrics scrape latency (scrapes alternate between the two), with the number of per-process
-series each exposes. Ratios are the headline; absolute times depend on the machine.
+and /metrics scrape latency (scrapes alternate between the two, plain and gzipped as Prometheus
+asks), with the size of what each serves and the number of per-process series in it. The daemon
+renders /metrics once per poll and serves those bytes; nvitop-exporter (prometheus-client's
+server) renders for each scrape: the daemon's render is in its CPU per poll. The bodies differ
+in size (gpuwatch serves job trees and findings, nvitop-exporter ~22 gauges per GPU and host
+figures), so scrape time per KB is given beside scrape time. Ratios are the headline; absolute
+times depend on the machine.
 
     python bench/exporter_vs_nvitop.py [--interval 0.5] [--window 40] [--scrapes 50]
                                        [--gpu-procs 64,512]
@@ -41,6 +46,11 @@ def per_process_series(body: bytes) -> int:
                if not line.startswith(b"#") and b'pid="' in line)
 
 
+def per_kb(f: dict[str, Any]) -> float:
+    """Microseconds of scrape per KB served (plain)."""
+    return 1e3 * f["scrape_ms"] / (f["bytes"] / 1024)
+
+
 def compare(args: argparse.Namespace, gpu_procs: int) -> dict[str, Any]:
     nvitop_exporter = console_script("nvitop-exporter")
     with bench_node(args.gpus, gpu_procs) as b:
@@ -68,13 +78,17 @@ def compare(args: argparse.Namespace, gpu_procs: int) -> dict[str, Any]:
             if nv_cpu > args.interval:
                 print(f"note: nvitop-exporter needs {nv_cpu:.3f} s a collection, more than the "
                       "interval: it is saturated and the figure is a lower bound")
-            gw_lat, nv_lat = [], []
-            gw_body = nv_body = b""
+            gw_lat, nv_lat, gw_zlat, nv_zlat = [], [], [], []
+            gw_body = nv_body = gw_zbody = nv_zbody = b""
             for _ in range(args.scrapes):
                 latency, gw_body = scrape(gw_url)
                 gw_lat.append(latency)
                 latency, nv_body = scrape(nv_url)
                 nv_lat.append(latency)
+                latency, gw_zbody = scrape(gw_url, gzipped=True)
+                gw_zlat.append(latency)
+                latency, nv_zbody = scrape(nv_url, gzipped=True)
+                nv_zlat.append(latency)
             gw_rss, nv_rss = rss_bytes(gw.pid), rss_bytes(nv.pid)
         finally:
             stop([gw, nv])
@@ -82,10 +96,12 @@ def compare(args: argparse.Namespace, gpu_procs: int) -> dict[str, Any]:
         "gpu_procs": gpu_procs,
         "gpuwatch": {"cpu_ms": gw_cpu * 1e3, "rss_mib": gw_rss / 2**20,
                      "scrape_ms": statistics.median(gw_lat) * 1e3, "bytes": len(gw_body),
-                     "series": per_process_series(gw_body)},
+                     "gzip_scrape_ms": statistics.median(gw_zlat) * 1e3,
+                     "gzip_bytes": len(gw_zbody), "series": per_process_series(gw_body)},
         "nvitop-exporter": {"cpu_ms": nv_cpu * 1e3, "rss_mib": nv_rss / 2**20,
                             "scrape_ms": statistics.median(nv_lat) * 1e3, "bytes": len(nv_body),
-                            "series": per_process_series(nv_body),
+                            "gzip_scrape_ms": statistics.median(nv_zlat) * 1e3,
+                            "gzip_bytes": len(nv_zbody), "series": per_process_series(nv_body),
                             "saturated": nv_cpu > args.interval},
     }
 
@@ -107,10 +123,12 @@ def main() -> None:
         print(f"exporters on {args.gpus} fake GPUs x {n} real GPU processes, interval "
               f"{args.interval:g} s, {args.window:g} s window, {args.scrapes} scrapes each")
         print(f"{'':<18}{'CPU ms/collection':>18}{'RSS MiB':>9}{'scrape ms (median)':>20}"
-              f"{'/metrics bytes':>16}{'PID series':>12}")
+              f"{'/metrics bytes':>16}{'us/KB':>7}{'gzip ms':>9}{'gzip bytes':>12}"
+              f"{'PID series':>12}")
         for name, f in (("gpuwatch daemon", gw), ("nvitop-exporter", nv)):
             print(f"{name:<18}{f['cpu_ms']:>18.2f}{f['rss_mib']:>9.1f}{f['scrape_ms']:>20.2f}"
-                  f"{f['bytes']:>16}{f['series']:>12}")
+                  f"{f['bytes']:>16}{per_kb(f):>7.1f}{f['gzip_scrape_ms']:>9.2f}"
+                  f"{f['gzip_bytes']:>12}{f['series']:>12}")
         print(f"ratio gpuwatch/nvitop-exporter: CPU {gw['cpu_ms'] / nv['cpu_ms']:.2f}x, "
               f"RSS {gw['rss_mib'] / nv['rss_mib']:.2f}x, "
               f"scrape {gw['scrape_ms'] / nv['scrape_ms']:.2f}x (goal: CPU <= 0.33x, RSS <= 1x)\n",

@@ -149,9 +149,11 @@ def rss_bytes(pid: int) -> int:
         return int(f.read().split()[1]) * PAGE_SIZE
 
 
-def scrape(url: str) -> tuple[float, bytes]:
+def scrape(url: str, gzipped: bool = False) -> tuple[float, bytes]:
+    """(seconds, body as sent: compressed where `gzipped` asked for it and it was)."""
+    headers = {"Accept-Encoding": "gzip"} if gzipped else {}
     started = time.perf_counter()
-    with urllib.request.urlopen(url, timeout=30) as r:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as r:
         body = r.read()
     return time.perf_counter() - started, body
 

@@ -88,6 +88,10 @@ def poll_rows(f: Figures) -> list[Row]:
     return rows
 
 
+def _us_per_kb(f: Figures) -> float:
+    return 1e3 * f["scrape_ms"] / (f["bytes"] / 1024)
+
+
 def exporter_rows(f: Figures) -> list[Row]:
     rows = []
     for n, r in f["by_gpu_procs"].items():
@@ -104,7 +108,14 @@ def exporter_rows(f: Figures) -> list[Row]:
                         "<= 1x", rss <= 1))
         rows.append(Row(f"/metrics scrape, {at} ({gw['series']} / {nv['series']} PID series)",
                         f"{_ms(gw['scrape_ms'])} / {_ms(nv['scrape_ms'])} = "
-                        f"{gw['scrape_ms'] / nv['scrape_ms']:.2f}x"))
+                        f"{gw['scrape_ms'] / nv['scrape_ms']:.2f}x",
+                        "< 1 ms (served bytes)" if n == "512" else "",
+                        gw["scrape_ms"] < 1 if n == "512" else None))
+        if "gzip_bytes" in gw:
+            rows.append(Row(f"/metrics scrape per KB served; gzipped scrape, {at}",
+                            f"{_us_per_kb(gw):.1f} / {_us_per_kb(nv):.1f} us/KB; gzipped "
+                            f"{_ms(gw['gzip_scrape_ms'])} ({gw['gzip_bytes'] / 1024:.0f} KiB) / "
+                            f"{_ms(nv['gzip_scrape_ms'])} ({nv['gzip_bytes'] / 1024:.0f} KiB)"))
     return rows
 
 

@@ -59,6 +59,7 @@ from gpuwatch.runtime_dir import (
 )
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
 from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
+from gpuwatch.sinks.exposition import RenderedMetrics
 from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
 from gpuwatch.sinks.listener import ConnectionCollector, ConnectionStats
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
@@ -106,6 +107,7 @@ class Daemon:
         # `_created` series double every counter for no use on a node exporter.
         disable_created_metrics()
         self.registry = CollectorRegistry()
+        self.rendered = RenderedMetrics(self.registry)
         self.collector = ReportCollector(
             lambda: self._latest, config.exporter.max_process_series,
             agent_counts=lambda: (self.agents.accepted, self.agents.rejected),
@@ -250,7 +252,8 @@ class Daemon:
                               "of this machine has that address; check --listen HOST:PORT"
                               ) from None
             raise
-        server = MetricsServer(sock, self.registry, self.connections, web)
+        server = MetricsServer(sock, self.registry, self.connections, web,
+                               rendered=self.rendered)
         server.start()
         if web is not None and web.users and not web.tls:
             log.warning("%s: basic_auth_users without tls_server_config: passwords cross the "
@@ -282,6 +285,7 @@ class Daemon:
             if self._reload_requested:
                 self._reload_requested = False
                 self.reload()
+                self._render_for_scrapes()  # the reload's outcome, counted, shows at once
             if now >= next_poll:
                 self.poll_once()
                 # Catch up by skipping, not by polling back to back after a slow poll.
@@ -297,6 +301,21 @@ class Daemon:
             self._wake.clear()
 
     def poll_once(self) -> None:
+        """One poll and what follows it; then /metrics is rendered for the scrapes to come."""
+        try:
+            self._poll()
+        finally:
+            self._render_for_scrapes()
+
+    def _render_for_scrapes(self) -> None:
+        try:
+            self.rendered.refresh()
+        except Exception:
+            # A scrape renders what failed here again, and answers 500 if it fails again.
+            log.exception("rendering /metrics failed")
+            self.poll_errors.labels("poll").inc()
+
+    def _poll(self) -> None:
         try:
             snapshot = self.poller.poll(watch=self.history.watch_pids())
             snapshot = self.trace_requests.before_assess(snapshot)

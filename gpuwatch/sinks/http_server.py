@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import gzip
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
@@ -24,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from gpuwatch import __version__
+from gpuwatch.sinks.exposition import RenderedMetrics, render
 from gpuwatch.sinks.listener import (
     MAX_ANSWERING,
     MAX_CONNECTIONS,
@@ -96,10 +96,12 @@ class MetricsHandler(Handler):
     max_request = MAX_REQUEST
 
     def __init__(self, registry: CollectorRegistry, stats: ConnectionStats,
-                 web: Optional[WebSettings] = None) -> None:
+                 web: Optional[WebSettings] = None,
+                 rendered: Optional[RenderedMetrics] = None) -> None:
         self.registry = registry
         self.stats = stats
         self.web = web
+        self.rendered = rendered
 
     def request_end(self, buf: bytearray) -> int:
         end = buf.find(b"\r\n\r\n")
@@ -146,23 +148,28 @@ class MetricsHandler(Handler):
         target = urlsplit(req.target)
         head = req.method == "HEAD"
         if target.path == "/metrics":
-            return Job("render", lambda: self._metrics(req, target.query, head))
+            encoder, content_type = choose_encoder(req.headers.get("accept", ""))
+            gzipped = _accepts_gzip(req.headers.get("accept-encoding", ""))
+            names = parse_qs(target.query).get("name[]")
+
+            def respond(body: bytes) -> bytes:
+                extra = (("Content-Encoding", "gzip"),) if gzipped else ()
+                return self._response(200, body, content_type, extra=extra, head=head)
+
+            if self.rendered is not None and not names:
+                # Bytes rendered after the last poll are sent from here; only a render takes a
+                # worker thread.
+                rendered = self.rendered
+                kept = rendered.kept(encoder, gzipped)
+                if kept is not None:
+                    return respond(kept)
+                return Job("render", lambda: respond(rendered.body(encoder, gzipped)))
+            registry = (self.registry.restricted_registry(names) if names
+                        else self.registry)
+            return Job("render", lambda: respond(render(encoder, registry, gzipped)))
         if target.path == "/":
             return self._response(200, _LANDING, "text/html; charset=utf-8", head=head)
         return self._response(404, b"Not found: metrics are at /metrics.\n", head=head)
-
-    def _metrics(self, req: Request, query: str, head: bool) -> bytes:
-        encoder, content_type = choose_encoder(req.headers.get("accept", ""))
-        registry = self.registry
-        names = parse_qs(query).get("name[]")
-        if names:
-            registry = registry.restricted_registry(names)  # type: ignore[assignment]
-        body = encoder(registry)
-        extra: tuple[tuple[str, str], ...] = ()
-        if _accepts_gzip(req.headers.get("accept-encoding", "")):
-            body = gzip.compress(body, compresslevel=6)
-            extra = (("Content-Encoding", "gzip"),)
-        return self._response(200, body, content_type, extra=extra, head=head)
 
     def _unauthorized(self) -> bytes:
         return self._response(401, b"Unauthorized\n",
@@ -213,11 +220,13 @@ def bind_tcp(host: str, port: int, backlog: int = 128) -> socket.socket:
 
 
 class MetricsServer:
-    """/metrics on a bound socket; `web` adds TLS and basic auth."""
+    """/metrics on a bound socket; `web` adds TLS and basic auth; `rendered` serves what was
+    rendered after the last poll (the registry is rendered for each scrape without it)."""
 
     def __init__(self, sock: socket.socket, registry: CollectorRegistry,
                  stats: Optional[ConnectionStats] = None, web: Optional[WebSettings] = None,
-                 *, max_connections: int = MAX_CONNECTIONS, max_answering: int = MAX_ANSWERING,
+                 *, rendered: Optional[RenderedMetrics] = None,
+                 max_connections: int = MAX_CONNECTIONS, max_answering: int = MAX_ANSWERING,
                  request_timeout: float = REQUEST_TIMEOUT,
                  response_timeout: float = RESPONSE_TIMEOUT) -> None:
         self.stats = stats if stats is not None else ConnectionStats()
@@ -226,7 +235,7 @@ class MetricsServer:
         if web is not None and web.tls:
             tls = web.tls_context
         self.listener = Listener(
-            sock, "metrics", MetricsHandler(registry, self.stats, web), self.stats,
+            sock, "metrics", MetricsHandler(registry, self.stats, web, rendered), self.stats,
             tls,  # type: ignore[arg-type]
             max_connections=max_connections, max_answering=max_answering,
             request_timeout=request_timeout, response_timeout=response_timeout)

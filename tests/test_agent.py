@@ -414,6 +414,38 @@ def test_a_daemon_that_starts_late_gets_reports_after_the_backoff(runtime_dir: P
             receiver.close()
 
 
+def test_a_daemon_started_again_is_reported_to_at_once_not_after_the_grown_backoff(
+        runtime_dir: Path) -> None:
+    """Three failed sends leave a 4 s backoff; a daemon that binds its socket again (a restart)
+    hears the next step within the half second the agent takes to look, not 4 s later."""
+    proc = start("""
+        import json, time
+        from gpuwatch import agent
+        failed = 0
+        for i in range(3000):
+            agent.step(i)
+            if agent._stats()["failed"] != failed:
+                failed = agent._stats()["failed"]
+                print(failed, flush=True)
+            time.sleep(0.01)
+        """, runtime_dir)
+    assert proc.stdout is not None
+    receiver = None
+    try:
+        while int(proc.stdout.readline() or 0) < 3:  # failed at 0, 1 and 3 s: next try at 7 s
+            assert proc.poll() is None
+        receiver = Receiver(runtime_dir / "agent.sock")
+        bound = time.monotonic()
+        receiver.wait_for("a report from the backed-off agent",
+                          lambda rs: of_kind(rs, "step")[:1], proc=proc)
+        assert time.monotonic() - bound < 2.5  # the backoff alone would take 4 s from failing
+    finally:
+        proc.kill()
+        proc.communicate()
+        if receiver is not None:
+            receiver.close()
+
+
 # ---- fork, finished ----------------------------------------------------------------------------
 
 

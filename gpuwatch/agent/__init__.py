@@ -454,6 +454,8 @@ def _chores(now: float) -> None:
                 _send_trace(body, n)
         if now >= st.next_request:
             st.next_request = now + REQUEST_INTERVAL
+            if st.transport.daemon_returned():
+                st.due = now  # the next step reports, not the end of the backoff
             request = st.transport.request()
             if request is not None:
                 _answer(request, n)

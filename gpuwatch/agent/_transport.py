@@ -2,7 +2,8 @@
 
 Reports are one non-blocking `sendto` each on a Unix datagram socket: a training loop never waits
 for its monitor. Without a daemon the agent backs off (1 s, doubling to 30 s) so that a node
-without gpuwatch costs one failed `sendto` now and then.
+without gpuwatch costs one failed `sendto` now and then, and a `stat` of the socket path twice
+a second: a daemon that starts again (a new socket file there) is reported to at the next step.
 
 The socket is bound to a kernel-chosen abstract address (autobind), which the daemon sees as the
 sender's address and can answer to. An answer is accepted only from the socket the reports go to:
@@ -43,13 +44,15 @@ _ANCILLARY = socket.CMSG_SPACE(_UCRED.size) if hasattr(socket, "CMSG_SPACE") els
 class Transport:
     """One socket to the daemon, with the backoff that keeps a node without one cheap."""
 
-    __slots__ = ("attempts", "backoff", "dropped", "failed", "path", "sent", "sock")
+    __slots__ = ("attempts", "backoff", "dropped", "failed", "failed_on", "path", "sent", "sock")
 
     def __init__(self) -> None:
         self.sock: Optional[socket.socket] = None
         self.path: Optional[str] = None
         self.backoff = 0.0
         self.attempts = self.sent = self.failed = self.dropped = 0
+        #: The socket file the last failed send met (device, inode), None where there was none.
+        self.failed_on: Optional[tuple[int, int]] = None
 
     def close(self) -> None:
         sock, self.sock = self.sock, None
@@ -79,10 +82,20 @@ class Transport:
             # No daemon (ENOENT, ECONNREFUSED), no permission, a path too long...
             self.failed += 1
             self.backoff = min(self.backoff * 2, BACKOFF_MAX) if self.backoff else BACKOFF_FIRST
+            self.failed_on = _file_of(self.path)
             return self.backoff
         self.sent += 1
         self.backoff = 0.0
         return 0.0
+
+    def daemon_returned(self) -> bool:
+        """While backing off: whether the socket path is another file now than when the send
+        failed, as when a daemon starts again and binds it. A stat, for a daemon restarted in
+        seconds not to wait out a backoff that grew while it was away."""
+        if not self.backoff or self.path is None:
+            return False
+        now = _file_of(self.path)
+        return now is not None and now != self.failed_on
 
     def request(self) -> Optional[dict[str, Any]]:
         """The daemon's newest request, if one is waiting: a few non-blocking reads. Datagrams
@@ -147,3 +160,13 @@ def _close_passed_fds(ancillary: list[tuple[int, int, bytes]]) -> None:
             for fd in struct.unpack(f"{len(cdata) // 4}i", cdata[:len(cdata) // 4 * 4]):
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+def _file_of(path: Optional[str]) -> Optional[tuple[int, int]]:
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

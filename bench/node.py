@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import resource
+import shlex
 import shutil
 import socket
 import subprocess
@@ -38,10 +39,14 @@ class BenchNode:
     tmp: Path
 
 
-def _spawn_tree(n: int, new_session: bool) -> tuple[subprocess.Popen[bytes], list[int]]:
-    """A shell that starts `n` idle children and waits: a launcher with its own process tree."""
+def _spawn_tree(n: int, new_session: bool, command: Optional[list[str]] = None,
+                count: int = 0) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """A shell that starts `n` idle children (or `count` of `command`) and waits: a launcher
+    with its own process tree."""
+    child = shlex.join(command) if command is not None else "sleep 3600"
+    n = count if command is not None else n
     shell = subprocess.Popen(
-        ["sh", "-c", f"i=0; while [ $i -lt {n} ]; do sleep 3600 & echo $!; i=$((i+1)); done; "
+        ["sh", "-c", f"i=0; while [ $i -lt {n} ]; do {child} & echo $!; i=$((i+1)); done; "
                      "echo started; wait"], stdout=subprocess.PIPE, start_new_session=new_session)
     assert shell.stdout is not None
     pids = []
@@ -80,6 +85,45 @@ def bench_node(gpus: int = 8, gpu_procs: int = 64) -> Iterator[BenchNode]:
             yield BenchNode(node, holders, tmp)
         finally:
             _stop_tree(launcher, holders)
+
+
+@contextlib.contextmanager
+def dataloader_node(gpus: int = 8, ranks: int = 8, workers: int = 16) -> Iterator[BenchNode]:
+    """A training job as PyTorch runs one: a launcher, `ranks` ranks holding GPU memory, and
+    under each rank `workers` dataloader workers holding none. A rank starts its workers again
+    whenever all of them have exited, as a DataLoader does every epoch (kill them to churn)."""
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        node = FakeNode(tmp / "state", build_fake_nvml(tmp / "lib"), gpus=gpus)
+        check_room_for(ranks * (workers + 1) * 2)
+        rank = (f"while :; do j=0; while [ $j -lt {workers} ]; do sleep 3600 & j=$((j+1)); "
+                "done; wait; done")
+        launcher, holders = _spawn_tree(0, new_session=False, command=["sh", "-c", rank],
+                                        count=ranks)
+        try:
+            for i, pid in enumerate(holders):
+                node.processes.append(FakeProcess(device=i % gpus, pid=pid, used=GIB + i * MIB))
+            node.write()
+            deadline = time.monotonic() + 60
+            while sum(len(children(pid)) for pid in holders) < ranks * workers:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the dataloader workers did not start")
+                time.sleep(0.05)
+            yield BenchNode(node, holders, tmp)
+        finally:
+            workers_now = [w for pid in holders for w in children(pid)]
+            for pid in holders:  # the ranks first, so that none starts its workers again
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 9)
+            _stop_tree(launcher, workers_now)
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
 
 
 def idle_processes(n: int) -> list[subprocess.Popen[bytes]]:

@@ -4,11 +4,29 @@
 (b) Host processes grow: 64 GPU processes, plus 200, 2,000, 10,000 real idle processes in another
     process tree, as on a shared host. A poll reads GPU holders, their jobs and ancestors only,
     so (b) should stay flat while (a) grows.
+(c) Against floors, in the same process, alternating: the NVML calls a poll makes (through
+    pynvml, as any client makes them) plus an open().read() of /proc/PID/stat for every process
+    the poll reads (the stat-only floor: the daemon caches the rest per process), and the same
+    with status and cmdline too (the floor of a reader that caches nothing). Also NVML's share
+    of a poll (the daemon's own NVML read alone), and a cold poll (a fresh process source and
+    history: every process seen for the first time), whose excess over a warm one, per process,
+    is what the first sighting of a process costs.
+(d) A dataloader node: 8 ranks holding GPU memory, each with 16 dataloader workers that hold
+    none. Steady, and churning: every few polls one rank's workers are killed and the rank starts
+    new ones, as a DataLoader does each epoch; the excess CPU over the steady polls, per process
+    that appeared, is the first sighting in the daemon's own loop.
 
 A poll here is what the daemon does each interval: read NVML and /proc, update the history, run
-every detector. Each size is measured in a fresh child process.
+every detector. Each size is measured in a fresh child process. The fake NVML driver checks
+/proc/PID/stat of every process it lists inside each call, which a real driver (asking the kernel
+module) does not; its share of a poll is therefore reported on its own, and the floors make the
+same calls.
 
     python bench/poll_cost.py [--polls 300] [--gpu-procs 8,64,512] [--host-procs 200,2000,10000]
+        [--ratio-procs 64,512] [--rounds 300] [--against DIR]
+
+--against DIR measures (c) and (d) for the gpuwatch package in DIR too (another revision's
+checkout), alternating with this one in the same run: before/after ratios on a shared machine.
 """
 
 from __future__ import annotations
@@ -20,17 +38,22 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Any
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
 
 from node import (
     FakeNode,
     bench_node,
+    dataloader_node,
     int_list,
     parse_args,
     settle,
     unrelated_host_processes,
     write_figures,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Runs inside a child whose LD_LIBRARY_PATH points at the fake driver.
 _MEASURE = r"""
@@ -60,6 +83,193 @@ print(json.dumps({"cpu": cpu, "wall": wall, "detect": detect,
                   "holders": len(snap.gpu_holders), "findings": len(report.findings),
                   "processes": len(snap.processes), "errors": [e.message for e in snap.errors]}))
 """
+
+
+# (c): the poll against its floors, alternating, in one process.
+_RATIOS = r"""
+import json, sys, time
+import pynvml
+from gpuwatch.config import DetectorConfig
+from gpuwatch.detectors import assess
+from gpuwatch.history import History
+from gpuwatch.poll import Poller
+rounds, cold_every = int(sys.argv[1]), int(sys.argv[2])
+clock = time.process_time
+config = DetectorConfig(leak_warmup_seconds=0, leak_min_span_seconds=1, min_age=0)
+poller, history = Poller(), History()
+for _ in range(5):
+    report = assess(poller.poll(watch=history.watch_pids()), history, config)
+pids = sorted(report.snapshot.processes)
+handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
+def nvml_calls():
+    pynvml.nvmlDeviceGetCount()
+    for h in handles:
+        pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+        pynvml.nvmlDeviceGetUtilizationRates(h)
+        pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        pynvml.nvmlDeviceGetGraphicsRunningProcesses(h)
+
+def read(names):
+    for pid in pids:
+        for name in names:
+            try:
+                with open(f"/proc/{pid}/{name}", "rb") as f:
+                    f.read()
+            except OSError:
+                pass
+
+def warm():
+    assess(poller.poll(watch=history.watch_pids()), history, config)
+
+variants = {
+    "poll": warm,
+    "nvml_read": poller.nvml.read,
+    "nvml_calls": nvml_calls,
+    "floor": lambda: (nvml_calls(), read(("stat",))),
+    "floor_full": lambda: (nvml_calls(), read(("stat", "status", "cmdline"))),
+}
+times = {name: [] for name in variants}
+cold, cold_processes = [], 0
+for i in range(rounds):
+    for name, fn in variants.items():
+        c0 = clock()
+        fn()
+        times[name].append(clock() - c0)
+    if i % cold_every == 0:
+        fresh, fresh_history = Poller(nvml=poller.nvml), History()
+        c0 = clock()
+        snap = fresh.poll(watch=fresh_history.watch_pids())
+        assess(snap, fresh_history, config)
+        cold.append(clock() - c0)
+        cold_processes = len(snap.processes)
+times["cold"] = cold
+print(json.dumps({"times": times, "processes": len(pids), "cold_processes": cold_processes}))
+"""
+
+# (d): a dataloader node, steady and churning, in alternating blocks of polls.
+_DATALOADER = r"""
+import json, os, sys, time
+from gpuwatch.config import DetectorConfig
+from gpuwatch.detectors import assess
+from gpuwatch.history import History
+from gpuwatch.poll import Poller
+rounds, block, every = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+ranks, workers = [int(pid) for pid in sys.argv[4].split(",")], int(sys.argv[5])
+clock = time.process_time
+config = DetectorConfig(leak_warmup_seconds=0, leak_min_span_seconds=1, min_age=0)
+poller, history = Poller(), History()
+
+def children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+def poll():
+    return assess(poller.poll(watch=history.watch_pids()), history, config)
+
+def settle():
+    # Until every rank has started all its workers again, then a poll that sees them (not
+    # counted: the next block starts from a node that is what it looks like).
+    deadline = time.monotonic() + 30
+    while sum(len(children(r)) for r in ranks) < len(ranks) * workers:
+        if time.monotonic() > deadline:
+            raise SystemExit("the workers were not started again")
+        time.sleep(0.01)
+    return poll()
+
+for _ in range(5):
+    report = settle()
+seen = {p.identity for p in report.snapshot.processes.values()}
+steady, churn, polls, new = [], [], 0, 0
+victim = 0
+for r in range(rounds):
+    for mode in ("steady", "churn"):
+        spent = 0.0
+        for i in range(block):
+            if mode == "churn" and i % every == 0:
+                for pid in children(ranks[victim % len(ranks)]):
+                    os.kill(pid, 9)
+                victim += 1
+            c0 = clock()
+            report = poll()
+            spent += clock() - c0
+            now = {p.identity for p in report.snapshot.processes.values()}
+            if mode == "churn":
+                new += len(now - seen)
+            seen = now
+        (steady if mode == "steady" else churn).append(spent / block)
+        report = settle()
+        seen = {p.identity for p in report.snapshot.processes.values()}
+print(json.dumps({"steady": steady, "churn": churn, "new": new, "polls": rounds * block,
+                  "processes": len(report.snapshot.processes)}))
+"""
+
+
+def run_child(script: str, args: list[str], node: FakeNode,
+              code: Optional[Path] = None) -> dict[str, Any]:
+    """`script` in a fresh interpreter on the node, importing gpuwatch from `code` (default:
+    this checkout)."""
+    env = node.env()
+    env["PYTHONPATH"] = str(code or ROOT)
+    with tempfile.TemporaryDirectory() as cwd:  # nothing importable where it runs
+        out = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=cwd,
+                             check=True, capture_output=True, text=True).stdout
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def ratios(r: dict[str, Any]) -> dict[str, float]:
+    t = {name: median_ms(xs) for name, xs in r["times"].items()}
+    poll, nvml = t["poll"], t["nvml_read"]
+    return {
+        "poll_ms": poll, "floor_ms": t["floor"], "floor_full_ms": t["floor_full"],
+        "nvml_read_ms": nvml, "nvml_calls_ms": t["nvml_calls"],
+        "vs_floor": poll / t["floor"], "vs_floor_full": poll / t["floor_full"],
+        "nvml_share": nvml / poll,
+        # The same ratio with NVML taken out of both sides: the /proc and Python part alone.
+        "vs_floor_without_nvml": (poll - nvml) / (t["floor"] - t["nvml_calls"]),
+        "cold_ms": t["cold"], "processes": r["processes"],
+        "first_sighting_us": (t["cold"] - poll) / r["cold_processes"] * 1e3,
+    }
+
+
+def dataloader_figures(r: dict[str, Any], every: int, workers: int) -> dict[str, float]:
+    steady, churn = statistics.mean(r["steady"]), statistics.mean(r["churn"])
+    return {
+        "steady_ms": median_ms(r["steady"]), "churn_ms": median_ms(r["churn"]),
+        "churn_over_steady": churn / steady, "new": r["new"], "polls": r["polls"],
+        "per_new_us": (churn - steady) * r["polls"] / max(1, r["new"]) * 1e6,
+        "every": every, "workers": workers, "processes": r["processes"],
+    }
+
+
+def print_ratios(label: str, f: dict[str, float]) -> None:
+    print(f"{label:<24} {f['poll_ms']:>8.2f} {f['floor_ms']:>7.2f} {f['vs_floor']:>6.2f}x "
+          f"{f['floor_full_ms']:>8.2f} {f['vs_floor_full']:>6.2f}x {f['nvml_read_ms']:>6.2f} "
+          f"{100 * f['nvml_share']:>5.0f}% {f['vs_floor_without_nvml']:>7.2f}x "
+          f"{f['cold_ms']:>7.2f} {f['first_sighting_us']:>8.1f}", flush=True)
+
+
+RATIO_HEADER = (f"{'':<24} {'poll ms':>8} {'floor':>7} {'/floor':>7} {'full fl.':>8} "
+                f"{'/full':>7} {'NVML':>6} {'share':>6} {'-NVML':>8} {'cold ms':>7} "
+                f"{'us/first':>8}")
+
+
+def print_dataloader(label: str, f: dict[str, float]) -> None:
+    print(f"{label:<24} {f['steady_ms']:>10.2f} {f['churn_ms']:>10.2f} "
+          f"{f['churn_over_steady']:>8.2f}x {f['new']:>6.0f} {f['per_new_us']:>10.1f}",
+          flush=True)
+
+
+DATALOADER_HEADER = (f"{'':<24} {'steady ms':>10} {'churn ms':>10} {'churn/st':>9} "
+                     f"{'new':>6} {'us/new':>10}")
 
 
 def measure(node: FakeNode, polls: int) -> dict[str, Any]:
@@ -101,7 +311,25 @@ def main() -> None:
                         help="idle host process counts of sweep (b)")
     parser.add_argument("--base-gpu-procs", type=int, default=64,
                         help="GPU processes during sweep (b)")
-    args = parse_args(parser, quick={"polls": 40, "gpu_procs": [8, 64], "host_procs": [200, 1000]})
+    parser.add_argument("--ratio-procs", type=int_list, default=[64, 512],
+                        help="GPU process counts measured against the floors (c)")
+    parser.add_argument("--rounds", type=int, default=300,
+                        help="rounds of (c), each variant once a round; blocks of (d)")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=16, help="dataloader workers per rank")
+    parser.add_argument("--churn-every", type=int, default=5,
+                        help="(d): one rank's workers replaced every this many polls")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="a directory holding another revision's gpuwatch package: (c) and "
+                             "(d) for it too, alternating with this one")
+    parser.add_argument("--only-floors", action="store_true",
+                        help="(c) and (d) only, for a quick comparison (no figures written)")
+    args = parse_args(parser, quick={"polls": 40, "gpu_procs": [8, 64], "host_procs": [200, 1000],
+                                     "ratio_procs": [64], "rounds": 40})
+    if args.only_floors:
+        floors(args)
+        dataloader(args)
+        return
     print(f"poll cost on {args.gpus} fake GPUs, {args.polls} polls per size; the median of "
           "each, in a fresh process\n")
 
@@ -141,7 +369,10 @@ def main() -> None:
           f"CPU ({per_gpu_proc * 1e3:.1f} us per GPU process); "
           f"{max(args.host_procs) / min(args.host_procs):g}x the host processes: "
           f"{host_growth:.2f}x the CPU ({per_host_proc * 1e3:.3f} us per host process)")
+    by_ratio = floors(args)
+    loader = dataloader(args)
     write_figures(args.figures, {
+        "ratios": by_ratio, "dataloader": loader,
         "gpus": args.gpus, "polls": args.polls, "base_gpu_procs": args.base_gpu_procs,
         "by_gpu_procs": {str(n): summary(r) for n, (_, r) in zip(args.gpu_procs, by_gpu)},
         "by_host_procs": {str(n): summary(r)
@@ -149,6 +380,45 @@ def main() -> None:
         "gpu_growth": gpu_growth, "host_growth": host_growth,
         "us_per_gpu_proc": per_gpu_proc * 1e3, "us_per_host_proc": per_host_proc * 1e3,
     })
+
+
+def floors(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """(c), for this checkout and, alternating, for --against."""
+    codes = [("", None)] + ([("against ", args.against)] if args.against else [])
+    found: dict[str, dict[str, float]] = {}
+    print(f"(c) against the floors, {args.rounds} rounds, medians; floor: NVML calls + stat of "
+          "the same PIDs; full: + status + cmdline; -NVML: poll and floor without their NVML")
+    print(RATIO_HEADER)
+    for n in args.ratio_procs:
+        with bench_node(args.gpus, n) as b:
+            for label, code in codes * (2 if args.against else 1):
+                f = ratios(run_child(_RATIOS, [str(args.rounds), "10"], b.node, code))
+                print_ratios(f"{label}{n} GPU processes", f)
+                found.setdefault(f"{label}{n}", f)
+    print(flush=True)
+    return found
+
+
+def dataloader(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """(d), for this checkout and, alternating, for --against."""
+    codes = [("", None)] + ([("against", args.against)] if args.against else [])
+    found: dict[str, dict[str, float]] = {}
+    block = 4 * args.churn_every
+    rounds = max(2, args.rounds // block)
+    print(f"(d) dataloader node: {args.ranks} ranks x {args.workers} workers; {rounds} rounds of "
+          f"{block} steady and {block} churning polls (one rank's workers replaced every "
+          f"{args.churn_every} polls); CPU per poll, medians of the blocks")
+    print(DATALOADER_HEADER)
+    with dataloader_node(args.gpus, args.ranks, args.workers) as b:
+        for label, code in codes * (2 if args.against else 1):
+            r = run_child(_DATALOADER, [str(rounds), str(block), str(args.churn_every),
+                                        ",".join(map(str, b.holders)), str(args.workers)],
+                          b.node, code)
+            f = dataloader_figures(r, args.churn_every, args.workers)
+            print_dataloader(label or "this checkout", f)
+            found.setdefault(label or "this", f)
+    print(flush=True)
+    return found
 
 
 if __name__ == "__main__":

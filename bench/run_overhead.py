@@ -295,7 +295,7 @@ def main() -> None:
     cli = wall["python -c 'import gpuwatch.cli'"]["median"] - wall["python -c pass"]["median"]
     direct = wall["supervisor without gpuwatch.cli"]["median"]
     via_cli = wall["run, no NVML, cgroup"]["median"]
-    print(f"importing gpuwatch.cli (Typer) costs {cli:.0f} ms over the bare interpreter, which "
+    print(f"importing gpuwatch.cli (click) costs {cli:.0f} ms over the bare interpreter, which "
           f"`gpuwatch run` skips; the supervisor called directly takes {direct:.0f} ms, through "
           f"the console script {via_cli - direct:+.0f} ms")
     print(f"imports of `gpuwatch run -- true`: {s['imports_total_ms']:.0f} ms under -X importtime; "

@@ -1,14 +1,19 @@
-"""The `gpuwatch` command line."""
+"""The `gpuwatch` command line.
+
+Built on click directly: `gpuwatch status` with a daemon running is a socket read and a render,
+and the command line is most of what it costs (docs/design-notes.md, "The command line: click").
+Everything a command needs beyond click is imported inside it.
+"""
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
-import typer
+import click
 
 from gpuwatch import __version__
 from gpuwatch.config import EXIT_CONFIG
@@ -16,7 +21,7 @@ from gpuwatch.config import EXIT_CONFIG
 # Exit codes of `gpuwatch status`; --help lists them, docs/cli.md explains them.
 EXIT_OK = 0
 EXIT_ERROR = 1
-EXIT_USAGE = 2  # Typer's own code for a bad flag
+EXIT_USAGE = 2  # click's own code for a bad flag
 EXIT_NVML_UNAVAILABLE = 3
 EXIT_PARTIAL = 4
 # `gpuwatch reap`
@@ -33,54 +38,87 @@ Exit codes:
   {EXIT_CONFIG} bad configuration (the message names the key)
 """
 
-app = typer.Typer(
-    name="gpuwatch",
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Commands(click.Group):
+    """Commands listed in `gpuwatch -h` in the order they are defined (click sorts them)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
+
+def _completion_option(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> None:
+    if value is None or ctx.resilient_parsing:
+        return
+    from gpuwatch import completion
+
+    if param.name == "install_completion":
+        completion.install_option(ctx, param, value)
+    else:
+        completion.show_option(ctx, param, value)
+
+
+def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(f"gpuwatch {__version__}")
+        ctx.exit()
+
+
+@click.group(
+    cls=_Commands,
     help="Which processes hold GPU memory on this node, which belong to jobs that are gone, "
          "and what leaks.",
     no_args_is_help=True,
-    # `gpuwatch --install-completion` (bash, zsh, fish): docs/cli.md.
-    add_completion=True,
-    pretty_exceptions_enable=False,
-    # Plain help, as click formats it: paragraphs reflowed to the terminal, `\b` blocks (the
-    # exit-code tables) kept as written, the same on every Typer in the pinned range.
-    rich_markup_mode=None,
     # Inherited by every subcommand's context: `gpuwatch status -h` as well as `gpuwatch -h`.
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-
-def duration_option(text: str) -> float:
-    """A command-line duration: `30`, `30s`, `5m`, `1h30m` (gpuwatch.units.parse_duration)."""
-    from gpuwatch.units import parse_duration
-
-    if isinstance(text, (int, float)):  # a default given as a number
-        return float(text)
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"gpuwatch {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: Optional[bool] = typer.Option(
-        None, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
-) -> None:
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Print the version and exit.")
+# `gpuwatch --install-completion` (bash, zsh, fish, PowerShell): docs/cli.md. The shell is the
+# one the command is typed in unless named.
+@click.option("--install-completion", metavar="[SHELL]", is_flag=False, flag_value="",
+              expose_value=False, is_eager=True, callback=_completion_option,
+              help="Install completion for the current shell, or for SHELL.")
+@click.option("--show-completion", metavar="[SHELL]", is_flag=False, flag_value="",
+              expose_value=False, is_eager=True, callback=_completion_option,
+              help="Show completion for the current shell, or for SHELL, to copy it or "
+                   "customize the installation.")
+def app() -> None:
     pass
 
 
-_CONFIG_OPTION = typer.Option(
-    None, "--config", metavar="FILE",
-    help="Config file (default $GPUWATCH_CONFIG, else /etc/gpuwatch/gpuwatch.toml).")
-_RUNTIME_OPTION = typer.Option(
-    None, "--runtime-dir", metavar="DIR", help="Where agent.sock and state.sock live "
-    "(default $GPUWATCH_RUNTIME_DIR, else /run/gpuwatch).")
+class _Duration(click.ParamType):
+    """A command-line duration: `30`, `30s`, `5m`, `1h30m` (gpuwatch.units.parse_duration)."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: Optional[click.Parameter],
+                ctx: Optional[click.Context]) -> float:
+        from gpuwatch.units import parse_duration
+
+        if isinstance(value, (int, float)):  # a default given as a number
+            return float(value)
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+DURATION = _Duration()
+_PATH = click.Path(path_type=Path)
+
+
+def _config_option(f: F) -> F:
+    return click.option(
+        "--config", type=_PATH, metavar="FILE",
+        help="Config file (default $GPUWATCH_CONFIG, else /etc/gpuwatch/gpuwatch.toml).")(f)
+
+
+def _runtime_option(f: F) -> F:
+    return click.option(
+        "--runtime-dir", type=_PATH, metavar="DIR", help="Where agent.sock and state.sock live "
+        "(default $GPUWATCH_RUNTIME_DIR, else /run/gpuwatch).")(f)
 
 
 def _load_config(config: Optional[Path], overrides: dict[str, Any]) -> Any:
@@ -89,29 +127,27 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any]) -> Any:
     try:
         return load_config(config, overrides=overrides)
     except ConfigError as exc:
-        typer.echo(f"gpuwatch: bad configuration: {exc}", err=True)
-        raise typer.Exit(EXIT_CONFIG) from None
+        click.echo(f"gpuwatch: bad configuration: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
 
 
 @app.command(epilog=STATUS_EXIT_CODES,
              short_help="GPUs and the process trees holding them, with findings.")
-def status(
-    as_json: bool = typer.Option(False, "--json",
-                                 help="Print the status document (docs/json.md)."),
-    poll: bool = typer.Option(False, "--poll", help="Poll once here even if a daemon is running."),
-    verbose: bool = typer.Option(False, "--verbose", "-v",
-                                 help="Also the allocation sites a leak's trace found and the "
-                                      "traceback of the largest."),
-    watch: bool = typer.Option(False, "--watch", "-w",
-                               help="Show it again every --interval until Ctrl+C, as `watch` "
-                                    "does (with --json: one document per line)."),
-    interval: float = typer.Option(2.0, "--interval", "-n", parser=duration_option,
-                                   metavar="DURATION", show_default=False,
-                                   help="With --watch, the time between refreshes: 1s, 500ms "
-                                        "(default 2s)."),
-    runtime_dir: Optional[Path] = _RUNTIME_OPTION,
-    config: Optional[Path] = _CONFIG_OPTION,
-) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the status document (docs/json.md).")
+@click.option("--poll", is_flag=True, help="Poll once here even if a daemon is running.")
+@click.option("--verbose", "-v", is_flag=True,
+              help="Also the allocation sites a leak's trace found and the traceback of the "
+                   "largest.")
+@click.option("--watch", "-w", is_flag=True,
+              help="Show it again every --interval until Ctrl+C, as `watch` does (with --json: "
+                   "one document per line).")
+@click.option("--interval", "-n", type=DURATION, default=2.0, metavar="DURATION",
+              help="With --watch, the time between refreshes: 1s, 500ms (default 2s).")
+@_runtime_option
+@_config_option
+def status(as_json: bool, poll: bool, verbose: bool, watch: bool, interval: float,
+           runtime_dir: Optional[Path], config: Optional[Path]) -> None:
     """GPUs, and the processes holding their memory as trees with user, job and RSS.
 
     Uses the running daemon's view when its state socket answers, else polls once; the output
@@ -120,24 +156,26 @@ def status(
     """
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
     if interval < 0.1:
-        raise typer.BadParameter("at least 100ms", param_hint="'--interval'")
+        raise click.BadParameter("at least 100ms", param_hint="'--interval'")
     if not watch:
         doc = _status_document(cfg, ask_daemon=not poll)
         _print_status(doc, as_json, verbose)
-        raise typer.Exit(status_exit_code(doc))
-    raise typer.Exit(_watch_status(cfg, as_json, verbose, poll, interval))
+        sys.exit(status_exit_code(doc))
+    sys.exit(_watch_status(cfg, as_json, verbose, poll, interval))
 
 
 def _print_status(doc: dict[str, Any], as_json: bool, verbose: bool, *,
                   watching: bool = False) -> None:
-    from gpuwatch.sinks.colour import wants_colour
-    from gpuwatch.sinks.status_view import render_status
-
     tty = sys.stdout.isatty()
     if as_json:
         # Indented for one document; when watching, one per line, for line-reading consumers.
         text = json.dumps(doc, indent=None if watching else 2) + "\n"
     else:
+        import shutil
+
+        from gpuwatch.sinks.colour import wants_colour
+        from gpuwatch.sinks.status_view import render_status
+
         text = render_status(doc, width=shutil.get_terminal_size().columns if tty else 0,
                              verbose=verbose, colour=wants_colour(sys.stdout))
         if watching:
@@ -177,27 +215,22 @@ def _status_document(cfg: Any, ask_daemon: bool) -> dict[str, Any]:
 
 
 @app.command(short_help="The node daemon: /metrics, the state and agent sockets.")
-def daemon(
-    listen: Optional[str] = typer.Option(
-        None, "--listen", metavar="HOST:PORT",
-        help="Where /metrics listens (default :9966, all interfaces)."),
-    web_config: Optional[Path] = typer.Option(
-        None, "--web-config", metavar="FILE",
-        help="TLS and basic auth for /metrics: a web config file as Prometheus exporters read "
-        "(default plain HTTP, or daemon.web_config)."),
-    interval: Optional[float] = typer.Option(
-        None, "--interval", parser=duration_option, metavar="DURATION",
-        help="Time between polls: 1s, 500ms (default 1s, or daemon.interval)."),
-    config: Optional[Path] = _CONFIG_OPTION,
-    runtime_dir: Optional[Path] = _RUNTIME_OPTION,
-    state_dir: Optional[Path] = typer.Option(
-        None, "--state-dir", metavar="DIR", help="Where the audit log lives "
-        "(default $GPUWATCH_STATE_DIR, else /var/lib/gpuwatch)."),
-    log_format: Optional[str] = typer.Option(None, "--log-format", metavar="FORMAT",
-                                             help="text or json."),
-    log_level: Optional[str] = typer.Option(None, "--log-level", metavar="LEVEL",
-                                            help="debug, info, warning or error."),
-) -> None:
+@click.option("--listen", metavar="HOST:PORT",
+              help="Where /metrics listens (default :9966, all interfaces).")
+@click.option("--web-config", type=_PATH, metavar="FILE",
+              help="TLS and basic auth for /metrics: a web config file as Prometheus exporters "
+                   "read (default plain HTTP, or daemon.web_config).")
+@click.option("--interval", type=DURATION, metavar="DURATION",
+              help="Time between polls: 1s, 500ms (default 1s, or daemon.interval).")
+@_config_option
+@_runtime_option
+@click.option("--state-dir", type=_PATH, metavar="DIR", help="Where the audit log lives "
+              "(default $GPUWATCH_STATE_DIR, else /var/lib/gpuwatch).")
+@click.option("--log-format", metavar="FORMAT", help="text or json.")
+@click.option("--log-level", metavar="LEVEL", help="debug, info, warning or error.")
+def daemon(listen: Optional[str], web_config: Optional[Path], interval: Optional[float],
+           config: Optional[Path], runtime_dir: Optional[Path], state_dir: Optional[Path],
+           log_format: Optional[str], log_level: Optional[str]) -> None:
     """The node daemon: polls NVML and /proc, serves Prometheus /metrics and the state socket.
 
     A bad configuration exits with 78 and names the key; another daemon already running on the
@@ -225,31 +258,26 @@ Exit codes:
 
 @app.command(epilog=REAP_EXIT_CODES,
              short_help="End what holds GPU memory for jobs that are gone.")
-def reap(
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; send nothing."),
-    yes: bool = typer.Option(False, "--yes", help="Do not ask for confirmation."),
-    job: Optional[str] = typer.Option(None, "--job", metavar="JOB",
-                                      help="Only this job's processes (its id, or SOURCE:ID)."),
-    pids: Optional[list[int]] = typer.Option(None, "--pid", metavar="PID",
-                                             help="Only this PID (repeatable)."),
-    kinds: Optional[list[str]] = typer.Option(
-        None, "--kind", metavar="KIND",
-        help="Finding kinds to act on (repeatable; default orphan, leftover, zombie)."),
-    user: Optional[str] = typer.Option(None, "--user", metavar="USER",
-                                       help="Only this user's processes."),
-    older_than: float = typer.Option(0.0, "--older-than", parser=duration_option,
-                                     metavar="DURATION", show_default=False,
-                                     help="Only findings open at least this long: 90s, 5m, 2h."),
-    grace: Optional[float] = typer.Option(None, "--grace", parser=duration_option,
-                                          metavar="DURATION",
-                                          help="Time between SIGTERM and SIGKILL: 10s, 1m "
-                                               "(default reaper.grace)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the plan and results as JSON."),
-    poll: bool = typer.Option(False, "--poll", help="Plan from one poll here even if a daemon "
-                                                   "is running."),
-    runtime_dir: Optional[Path] = _RUNTIME_OPTION,
-    config: Optional[Path] = _CONFIG_OPTION,
-) -> None:
+@click.option("--dry-run", is_flag=True, help="Print the plan; send nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--job", metavar="JOB", help="Only this job's processes (its id, or SOURCE:ID).")
+@click.option("--pid", "pids", type=int, multiple=True, metavar="PID",
+              help="Only this PID (repeatable).")
+@click.option("--kind", "kinds", multiple=True, metavar="KIND",
+              help="Finding kinds to act on (repeatable; default orphan, leftover, zombie).")
+@click.option("--user", metavar="USER", help="Only this user's processes.")
+@click.option("--older-than", type=DURATION, default=0.0, metavar="DURATION",
+              help="Only findings open at least this long: 90s, 5m, 2h.")
+@click.option("--grace", type=DURATION, metavar="DURATION",
+              help="Time between SIGTERM and SIGKILL: 10s, 1m (default reaper.grace).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan and results as JSON.")
+@click.option("--poll", is_flag=True,
+              help="Plan from one poll here even if a daemon is running.")
+@_runtime_option
+@_config_option
+def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
+         kinds: tuple[str, ...], user: Optional[str], older_than: float, grace: Optional[float],
+         as_json: bool, poll: bool, runtime_dir: Optional[Path], config: Optional[Path]) -> None:
     """Free GPU memory held by processes of jobs that are gone, safely.
 
     Plans from the running daemon's findings (or one poll), never signals PID 1, the daemon,
@@ -265,9 +293,9 @@ def reap(
     unknown = sorted(set(kinds or ()) - set(KINDS))
     if unknown:
         # A typo would otherwise read as "nothing to do": fatal in an epilog that trusts it.
-        typer.echo(f"gpuwatch reap: unknown kind {', '.join(unknown)}; kinds: "
+        click.echo(f"gpuwatch reap: unknown kind {', '.join(unknown)}; kinds: "
                    + ", ".join(KINDS), err=True)
-        raise typer.Exit(EXIT_USAGE)
+        sys.exit(EXIT_USAGE)
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
     doc = _status_document(cfg, ask_daemon=not poll)
     daemon_pid = _daemon_pid(cfg.daemon.runtime_dir / DAEMON_INFO_NAME)
@@ -277,18 +305,18 @@ def reap(
     actions = reaper.plan(doc, filters, dry_run=dry_run, grace=grace)
     if not actions:
         _print_reap(as_json, doc, [], dry_run, render_reap)
-        raise typer.Exit(EXIT_NOTHING_TO_DO)
+        sys.exit(EXIT_NOTHING_TO_DO)
     if dry_run:
         _print_reap(as_json, doc, [(a, "planned", "") for a in actions], True, render_reap)
-        raise typer.Exit(EXIT_OK)
+        sys.exit(EXIT_OK)
     if not yes:
         if not sys.stdin.isatty():
-            typer.echo("gpuwatch reap: refusing to signal without --yes (no terminal to "
+            click.echo("gpuwatch reap: refusing to signal without --yes (no terminal to "
                        "confirm on); --dry-run shows the plan", err=True)
-            raise typer.Exit(EXIT_USAGE)
+            sys.exit(EXIT_USAGE)
         sys.stdout.write(render_reap(doc, [(a, "planned", "") for a in actions], True))
-        if not typer.confirm(f"Reap {len(actions)} process(es)?"):
-            raise typer.Exit(EXIT_NOTHING_TO_DO)
+        if not click.confirm(f"Reap {len(actions)} process(es)?"):
+            sys.exit(EXIT_NOTHING_TO_DO)
     results = reaper.execute(actions, grace=grace)
     reading = nvml_after({r.action.pid for r in results if r.freed and r.action.pid})
     listed = holders(reading) if reading.status.available else None
@@ -298,7 +326,7 @@ def reap(
     # What an epilog decides on: whether the next job would find GPU memory taken, not whether
     # every line of the plan was carried out (a PID reused before the signal freed nothing, but
     # what it was planned for holds nothing either).
-    raise typer.Exit(EXIT_NOT_ALL_REAPED if held else EXIT_OK)
+    sys.exit(EXIT_NOT_ALL_REAPED if held else EXIT_OK)
 
 
 def _print_reap(as_json: bool, doc: dict[str, Any], rows: list[Any], dry_run: bool,
@@ -346,20 +374,18 @@ Exit codes:
 
 @app.command(epilog=DOCTOR_EXIT_CODES,
              short_help="Check NVML, privileges, /proc, cgroups, the daemon, config, systemd.")
-def doctor(
-    as_json: bool = typer.Option(False, "--json",
-                                 help="Print the checks as JSON (docs/doctor.md)."),
-    only: Optional[list[str]] = typer.Option(
-        None, "--check", metavar="NAME",
-        help="Run only this check (repeatable): config, nvml, privileges, proc-mount, "
-             "pid-namespace, cgroups, daemon, agent-socket, metrics, systemd."),
-    timeout: float = typer.Option(2.0, "--timeout", parser=duration_option, metavar="DURATION",
-                                  show_default=False,
-                                  help="How long to wait for the daemon's sockets, its /metrics "
-                                       "and systemctl: 500ms, 5s (default 2s; at most 60s)."),
-    runtime_dir: Optional[Path] = _RUNTIME_OPTION,
-    config: Optional[Path] = _CONFIG_OPTION,
-) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the checks as JSON (docs/doctor.md).")
+@click.option("--check", "only", multiple=True, metavar="NAME",
+              help="Run only this check (repeatable): config, nvml, privileges, proc-mount, "
+                   "pid-namespace, cgroups, daemon, agent-socket, metrics, systemd.")
+@click.option("--timeout", type=DURATION, default=2.0, metavar="DURATION",
+              help="How long to wait for the daemon's sockets, its /metrics and systemctl: "
+                   "500ms, 5s (default 2s; at most 60s).")
+@_runtime_option
+@_config_option
+def doctor(as_json: bool, only: tuple[str, ...], timeout: float, runtime_dir: Optional[Path],
+           config: Optional[Path]) -> None:
     """Check what gpuwatch depends on, and say what to do about each problem.
 
     NVML and every GPU, this process's privileges, /proc's hidepid, the PID namespace, cgroups
@@ -381,12 +407,12 @@ def doctor(
     from gpuwatch.sinks.doctor_view import render_doctor
 
     if not 0.1 <= timeout <= 60:
-        raise typer.BadParameter("between 100ms and 60s", param_hint="'--timeout'")
+        raise click.BadParameter("between 100ms and 60s", param_hint="'--timeout'")
     unknown = sorted(set(only or ()) - set(CHECK_NAMES))
     if unknown:
-        typer.echo(f"gpuwatch doctor: unknown check {', '.join(unknown)}; checks: "
+        click.echo(f"gpuwatch doctor: unknown check {', '.join(unknown)}; checks: "
                    + ", ".join(CHECK_NAMES), err=True)
-        raise typer.Exit(EXIT_USAGE)
+        sys.exit(EXIT_USAGE)
     loaded = load_config_for_doctor(config, runtime_dir)
     ctx = Context(loaded.config, config_source=loaded.source, config_error=loaded.error,
                   timeout=timeout)
@@ -400,7 +426,7 @@ def doctor(
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         sys.stdout.write(render_doctor(doc, colour=wants_colour(sys.stdout)))
-    raise typer.Exit(code)
+    sys.exit(code)
 
 
 TOP_EXIT_CODES = f"""\b
@@ -416,15 +442,13 @@ Exit codes (128+N for signal N, as a shell reports it):
 
 @app.command(epilog=TOP_EXIT_CODES,
              short_help="A live, full-screen view: GPUs, process trees, findings, reap.")
-def top(
-    interval: float = typer.Option(2.0, "--interval", "-n", parser=duration_option,
-                                   metavar="DURATION", show_default=False,
-                                   help="Time between refreshes: 1s, 500ms (default 2s)."),
-    poll: bool = typer.Option(False, "--poll",
-                              help="Poll here even if a daemon is running."),
-    runtime_dir: Optional[Path] = _RUNTIME_OPTION,
-    config: Optional[Path] = _CONFIG_OPTION,
-) -> None:
+@click.option("--interval", "-n", type=DURATION, default=2.0, metavar="DURATION",
+              help="Time between refreshes: 1s, 500ms (default 2s).")
+@click.option("--poll", is_flag=True, help="Poll here even if a daemon is running.")
+@_runtime_option
+@_config_option
+def top(interval: float, poll: bool, runtime_dir: Optional[Path],
+        config: Optional[Path]) -> None:
     """A live view of the node, as htop and nvitop give it: GPUs with memory bars, the process
     trees holding their memory with findings marked, and each process's RSS and GPU memory
     over time.
@@ -438,14 +462,13 @@ def top(
     from gpuwatch.sinks.top import NO_TERMINAL, run_top
 
     if interval < 0.1:
-        raise typer.BadParameter("at least 100ms", param_hint="'--interval'")
+        raise click.BadParameter("at least 100ms", param_hint="'--interval'")
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        typer.echo(NO_TERMINAL, err=True)
-        raise typer.Exit(EXIT_USAGE)
+        click.echo(NO_TERMINAL, err=True)
+        sys.exit(EXIT_USAGE)
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
     info = cfg.daemon.runtime_dir / DAEMON_INFO_NAME
-    raise typer.Exit(run_top(cfg, interval, force_poll=poll,
-                             daemon_pid=lambda: _daemon_pid(info)))
+    sys.exit(run_top(cfg, interval, force_poll=poll, daemon_pid=lambda: _daemon_pid(info)))
 
 
 DEMO_EXIT_CODES = """\b
@@ -459,20 +482,17 @@ Exit codes (128+N for signal N, as a shell reports it):
 
 
 @app.command(epilog=DEMO_EXIT_CODES, short_help="A simulated node with real jobs; no GPU needed.")
-def demo(
-    listen: str = typer.Option("127.0.0.1:9966", "--listen", metavar="HOST:PORT",
-                               help="Where the demo daemon's /metrics listens (another free "
-                                    "port is taken if this one is busy)."),
-    workers: int = typer.Option(2, "--workers", min=1, max=64, metavar="N",
-                                help="Workers in the job (1-64)."),
-    duration: Optional[float] = typer.Option(
-        None, "--duration", parser=duration_option, metavar="DURATION",
-        help="Stop after this long: 90s, 10m (default: until Ctrl+C)."),
-    pace: float = typer.Option(5.0, "--pace", parser=duration_option, metavar="DURATION",
-                               show_default=False,
-                               help="Time per step of the story (orphans, leftovers); at "
-                                    "least 100ms (default 5s)."),
-) -> None:
+@click.option("--listen", default="127.0.0.1:9966", show_default=True, metavar="HOST:PORT",
+              help="Where the demo daemon's /metrics listens (another free port is taken if "
+                   "this one is busy).")
+@click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
+              metavar="N", help="Workers in the job (1-64).")
+@click.option("--duration", type=DURATION, metavar="DURATION",
+              help="Stop after this long: 90s, 10m (default: until Ctrl+C).")
+@click.option("--pace", type=DURATION, default=5.0, metavar="DURATION",
+              help="Time per step of the story (orphans, leftovers); at least 100ms "
+                   "(default 5s).")
+def demo(listen: str, workers: int, duration: Optional[float], pace: float) -> None:
     """A simulated node with real jobs on fake GPUs, watched by the real daemon. No GPU needed.
 
     One job's trainer finishes and leaves its helpers behind (leftovers); the other's launcher
@@ -482,14 +502,16 @@ def demo(
     from gpuwatch.simulate.demo import run_demo
 
     if pace < 0.1:
-        raise typer.BadParameter("at least 100ms", param_hint="'--pace'")
-    raise typer.Exit(run_demo(listen, workers, duration, pace))
+        raise click.BadParameter("at least 100ms", param_hint="'--pace'")
+    sys.exit(run_demo(listen, workers, duration, pace))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                 "help_option_names": []},
+             add_help_option=False,
              short_help="Run a job so that nothing of it outlives it.")
-def run(ctx: typer.Context) -> None:
+@click.pass_context
+def run(ctx: click.Context) -> None:
     """Run a job so that Ctrl+C, a crash or a finished trainer leaves nothing behind.
 
     `gpuwatch run [--grace S] [--job-name N] [--keep-helpers] [--json FILE] -- COMMAND...`;
@@ -497,7 +519,7 @@ def run(ctx: typer.Context) -> None:
     """
     from gpuwatch.actions.supervisor import main as run_main
 
-    raise typer.Exit(run_main(ctx.args))
+    sys.exit(run_main(ctx.args))
 
 
 def status_exit_code(doc: dict[str, Any]) -> int:
@@ -508,14 +530,30 @@ def status_exit_code(doc: dict[str, Any]) -> int:
     return EXIT_OK
 
 
-def main() -> None:
+def main(args: Optional[list[str]] = None) -> None:
+    import os
+
+    # The name users type, also under `python -m gpuwatch`: usage lines and the completion
+    # script (its _GPUWATCH_COMPLETE variable) say `gpuwatch`.
+    instruction = os.environ.get("_GPUWATCH_COMPLETE")
+    if instruction:
+        from gpuwatch.completion import answer
+
+        sys.exit(answer(app, "gpuwatch", instruction))
     try:
-        # The name users type, also under `python -m gpuwatch`: usage lines and the completion
-        # script (its _GPUWATCH_COMPLETE variable) say `gpuwatch`.
-        app(prog_name="gpuwatch")
+        code = app.main(args, prog_name="gpuwatch", standalone_mode=False)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort as exc:
+        # click turns Ctrl+C into Abort; a shell reports a command Ctrl+C ended as 130.
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            sys.exit(130)
+        click.echo("Aborted!", err=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
-
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from gpuwatch.frozen import frozen_dataclass
 from gpuwatch.units import parse_duration
 
 if sys.version_info >= (3, 11):
@@ -168,7 +169,7 @@ def split_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-@dataclass(frozen=True)
+@frozen_dataclass
 class DaemonConfig:
     listen: str = _setting(f":{DEFAULT_PORT}", _listen,
                            "address for /metrics; ':PORT' listens on all interfaces",
@@ -197,21 +198,21 @@ class DaemonConfig:
         "/metrics; empty: plain HTTP, no authentication", env="GPUWATCH_WEB_CONFIG")
 
 
-@dataclass(frozen=True)
+@frozen_dataclass
 class ExporterConfig:
     max_process_series: int = _setting(
         1000, _positive_int,
         "most processes with per-process series; the rest are dropped and counted")
 
 
-@dataclass(frozen=True)
+@frozen_dataclass
 class HistoryConfig:
     samples: int = _setting(300, _positive_int, "samples kept per process")
     max_processes: int = _setting(4096, _positive_int,
                                   "processes with history; the oldest-seen are forgotten first")
 
 
-@dataclass(frozen=True)
+@frozen_dataclass
 class DetectorConfig:
     leftover_grace: float = _setting(
         60.0, _non_negative_seconds,
@@ -268,7 +269,7 @@ class DetectorConfig:
         return replace(self, zombie_grace=0.0, min_age=0.0, ghost_grace=0.0)
 
 
-@dataclass(frozen=True)
+@frozen_dataclass
 class ReaperConfig:
     grace: float = _setting(10.0, _non_negative_seconds,
                             "seconds between SIGTERM and SIGKILL")
@@ -285,7 +286,7 @@ class ReaperConfig:
                                         "most processes the daemon reaps on its own a minute")
 
 
-@dataclass(frozen=True)
+@frozen_dataclass
 class AgentConfig:
     tracing: bool = _setting(
         True, _bool, "ask instrumented processes whose leak has no culprit to trace their "
@@ -321,7 +322,7 @@ class AgentConfig:
         "buffer series, and the process series of those that matter only as reporters)")
 
 
-@dataclass(frozen=True)
+@frozen_dataclass
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)

@@ -515,9 +515,9 @@ class Daemon:
 def main(argv: Optional[list[str]] = None) -> int:
     """The daemon process's own entry point: `gpuwatch daemon` execs into it.
 
-    The CLI framework (Typer, which imports pydantic for every command) costs the process about
-    10 MiB it would keep for its whole life; the daemon needs none of it, so it starts afresh
-    with only this parser. Flags arrive as `--set section.key=value` config overrides.
+    The CLI framework (click, and the modules of every command) costs the process memory it
+    would keep for its whole life; the daemon needs none of it, so it starts afresh with only
+    this parser. Flags arrive as `--set section.key=value` config overrides.
     """
     parser = argparse.ArgumentParser(prog="gpuwatch daemon")
     parser.add_argument("--config", type=Path, default=None)

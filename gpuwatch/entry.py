@@ -1,8 +1,8 @@
 """The `gpuwatch` command's entry point.
 
 `gpuwatch run` goes in front of every training command, so it starts without the CLI framework:
-Typer (and the pydantic it brings) would add tens of milliseconds to every job. Every other
-command goes through gpuwatch.cli.
+click and the command definitions would add about 15 ms to every job. Every other command goes
+through gpuwatch.cli.
 """
 
 from __future__ import annotations

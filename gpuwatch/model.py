@@ -7,16 +7,20 @@ detectors, the exporter and the CLI only ever read snapshots.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from types import MappingProxyType
 from typing import Any, NamedTuple, Optional
+
+# Frozen dataclasses with three of the six generated methods shared: `gpuwatch status --poll`
+# imports this module on every run.
+from gpuwatch.frozen import frozen_dataclass as _frozen
 
 #: Kinds of NVML process lists a PID was found in.
 COMPUTE = "compute"
 GRAPHICS = "graphics"
 
 
-@dataclass(frozen=True)
+@_frozen
 class NvmlCallError:
     """One NVML call that failed, kept so that a partial read says what is missing and why."""
 
@@ -28,7 +32,7 @@ class NvmlCallError:
         return f"{self.call}: {self.message}"
 
 
-@dataclass(frozen=True)
+@_frozen
 class SourceError:
     """A problem a source met during a poll; counted by source in the exporter."""
 
@@ -36,7 +40,7 @@ class SourceError:
     message: str
 
 
-@dataclass(frozen=True)
+@_frozen
 class GpuProcessUsage:
     """One PID in one device's NVML process lists."""
 
@@ -55,8 +59,10 @@ class GpuProcessUsage:
         return "+".join(sorted(self.kinds))
 
 
-@dataclass(frozen=True)
+@_frozen
 class GpuDevice:
+    """One GPU as NVML described it in one poll; a field whose call failed stays None."""
+
     index: int
     uuid: Optional[str] = None
     name: Optional[str] = None
@@ -103,8 +109,10 @@ class GpuDevice:
         return max(0, self.memory_used_bytes - self.attributed_memory_bytes)
 
 
-@dataclass(frozen=True)
+@_frozen
 class NvmlStatus:
+    """Whether NVML answered in a poll, and the driver it reported."""
+
     available: bool
     #: Why NVML is unavailable, readable as it is: "NVML Shared Library Not Found".
     error: Optional[str] = None
@@ -124,7 +132,7 @@ class NvmlStatus:
         return f"NVML unavailable: {self.error or 'unknown reason'}"
 
 
-@dataclass(frozen=True)
+@_frozen
 class NvmlReading:
     """What the NVML source produced in one poll."""
 
@@ -133,7 +141,7 @@ class NvmlReading:
     errors: tuple[SourceError, ...] = ()
 
 
-@dataclass(frozen=True)
+@_frozen
 class Job:
     """The job a process belongs to, and where that was learnt."""
 
@@ -145,8 +153,10 @@ class Job:
         return f"{self.source}:{self.id}"
 
 
-@dataclass(frozen=True)
+@_frozen
 class HostProcess:
+    """One process as /proc described it in one poll."""
+
     pid: int
     #: False when NVML lists the PID but /proc has no such process: another PID namespace
     #: (a container's driver view), or it exited between the two reads.
@@ -218,7 +228,7 @@ class HostProcess:
 _GPU_DRIVER_MARKS = ("nvidia", "uvm_")
 
 
-@dataclass(frozen=True)
+@_frozen
 class BufferSize:
     # Slotted: the agent receiver stores one per buffer per report.
     __slots__ = ("bytes", "items")
@@ -254,7 +264,7 @@ class StepPoint(NamedTuple):
     discovered: Mapping[str, BufferSize] = NO_DISCOVERY
 
 
-@dataclass(frozen=True)
+@_frozen
 class TraceSite:
     """One allocation site of a trace: net growth over the traced steps."""
 
@@ -266,7 +276,7 @@ class TraceSite:
     count: int
 
 
-@dataclass(frozen=True)
+@_frozen
 class TraceReport:
     """An agent's answer to a trace request (docs/agent-protocol.md)."""
 
@@ -285,7 +295,7 @@ class TraceReport:
     step: Optional[int]
 
 
-@dataclass(frozen=True)
+@_frozen
 class AgentReading:
     """What one instrumented process has reported (docs/agent-protocol.md).
 
@@ -310,7 +320,7 @@ class AgentReading:
     can_reply: bool = False
 
 
-@dataclass(frozen=True)
+@_frozen
 class MemoryLimit:
     """A limit a process's host memory runs into, and what is left of it."""
 
@@ -322,7 +332,7 @@ class MemoryLimit:
 FindingIdentity = tuple[str, Optional[int], Optional[float], tuple[int, ...]]
 
 
-@dataclass(frozen=True)
+@_frozen
 class Finding:
     """Something wrong on the node, with the evidence for it.
 
@@ -359,7 +369,7 @@ class Finding:
         return (kind, pid, start_time, gpus if pid is None else ())
 
 
-@dataclass(frozen=True)
+@_frozen
 class ProcessReading:
     """What the host-process source produced in one poll."""
 
@@ -367,8 +377,10 @@ class ProcessReading:
     errors: tuple[SourceError, ...] = ()
 
 
-@dataclass(frozen=True)
+@_frozen
 class NodeSnapshot:
+    """One poll of the node: NVML's view, the processes that matter, and their context."""
+
     #: When it was taken, on the daemon's steady clock (gpuwatch.clock), as every time in it is.
     taken_at: float
     hostname: str
@@ -410,7 +422,7 @@ class NodeSnapshot:
         return [p for p in self.processes.values() if p.holds_gpu]
 
 
-@dataclass(frozen=True)
+@_frozen
 class NodeReport:
     """A snapshot and the findings over it: what the sinks serve."""
 

@@ -19,11 +19,18 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 from gpuwatch.clock import SteadyClock
 from gpuwatch.jobtree import job_root, job_roots
-from gpuwatch.model import AgentReading, GpuDevice, GpuProcessUsage, HostProcess, NodeSnapshot
+from gpuwatch.model import (
+    AgentReading,
+    GpuDevice,
+    GpuProcessUsage,
+    HostProcess,
+    NodeSnapshot,
+    ProcessReading,
+)
 from gpuwatch.sources.jobs import run_supervisor
 from gpuwatch.sources.memory import CgroupMemory, read_mem_available
 from gpuwatch.sources.nvml import NvmlSource
@@ -37,6 +44,34 @@ class AgentSource(Protocol):
 
 #: Bounds the walk down job trees, so a fork bomb under a launcher cannot stall a poll.
 MAX_JOB_MEMBERS = 4096
+#: New PIDs looked at, at most, to tell whether a job tree gained a child since the last walk;
+#: beyond that many processes started between two polls the trees are walked again.
+MAX_NEW_PIDS = 64
+#: The job trees are walked again after this many polls whatever the evidence says: a bound on
+#: how long any case the evidence misses could last.
+WALK_EVERY = 64
+#: PIDs before the one last handed out when a walk starts that are looked at after it: a fork
+#: that had its PID but was not yet in its parent's children list when the walk read it.
+WALK_SLACK = 16
+
+
+class _Walk(NamedTuple):
+    """The job members found by one walk of the trees under `roots`, and what would show that
+    the trees have changed since."""
+
+    roots: frozenset[int]
+    members: set[int]
+    #: The PID last handed out when the walk started (less WALK_SLACK), or when the trees were
+    #: last found unchanged: a child forked since has a later one.
+    last_pid: int
+    #: Each member's and root's identity, parent, thread count and whether it is a zombie: a
+    #: child reparented (its parent exited, or the thread that forked it did) or reaped shows
+    #: in these, as a member that is gone does.
+    shape: dict[int, tuple[Optional[float], Optional[int], Optional[int], bool]]
+    #: New PIDs that /proc did not have yet when last looked at (a fork not yet complete),
+    #: looked at once more.
+    unseen: frozenset[int]
+    polls: int
 
 
 class Poller:
@@ -55,6 +90,7 @@ class Poller:
         self.clock = clock or SteadyClock()
         #: PIDs NVML listed at the last poll that /proc did not have.
         self._unlisted: set[int] = set()
+        self._walk: Optional[_Walk] = None
 
     def poll(self, watch: Iterable[int] = ()) -> NodeSnapshot:
         started = time.perf_counter()
@@ -74,9 +110,8 @@ class Poller:
         seeds |= agents.keys()
         host = self.processes.read(seeds | set(watch), gpu_usage)
         roots = {job_root(pid, host.processes) for pid in seeds}
-        members = self._descendants({root for root in roots if root is not None})
-        more = self.processes.read(members - host.processes.keys(), gpu_usage,
-                                   known=host.processes)
+        more = self._read_members(frozenset(root for root in roots if root is not None),
+                                  gpu_usage, host.processes)
         processes = more.processes
         self.processes.forget_others(processes.values())
         agents = self._live_agents(agents, processes)
@@ -162,7 +197,82 @@ class Poller:
             self.agents.forget(gone)
         return {pid: a for pid, a in agents.items() if pid not in gone}
 
-    def _descendants(self, roots: set[int]) -> set[int]:
+    def _read_members(self, roots: frozenset[int],
+                      gpu_usage: Mapping[int, tuple[GpuProcessUsage, ...]],
+                      known: Mapping[int, HostProcess]) -> ProcessReading:
+        """Read every process under the roots, with what `known` holds already.
+
+        Walking the trees reads a children file per member, a third of a poll on a node of
+        dataloader workers, and the trees rarely change. So the last walk's members are read
+        again as they were, unless the trees may have changed: other roots, a member gone,
+        reparented, turned zombie or with another thread count, or a process started since
+        whose parent is a member (PIDs are handed out in order; /proc/loadavg names the last).
+        Then, and every WALK_EVERY polls, the trees are walked again.
+        """
+        last = self._walk
+        last_pid = self.processes.last_pid()
+        if (last is not None and last_pid is not None and last.roots == roots
+                and last.polls < WALK_EVERY):
+            unseen = self._forks_outside(last, last_pid)
+            if unseen is not None:
+                reading = self.processes.read(last.members - known.keys(), gpu_usage,
+                                              known=known)
+                if self._same_shape(last, reading.processes):
+                    self._walk = last._replace(last_pid=last_pid, unseen=unseen,
+                                               polls=last.polls + 1)
+                    return reading
+                # Read again from the new walk, as if this read had not been: a process that
+                # left the trees must not stay in the snapshot for having been read first.
+        members = self._descendants(roots)
+        reading = self.processes.read(members - known.keys(), gpu_usage, known=known)
+        self._walk = None if last_pid is None else _Walk(
+            roots, members, max(0, last_pid - WALK_SLACK),
+            self._shape(roots | members, reading.processes), frozenset(), 0)
+        return reading
+
+    def _forks_outside(self, walk: _Walk, last_pid: int) -> Optional[frozenset[int]]:
+        """The PIDs to look at again next time when no process started since the walk is a
+        child of a member; None when one may be (or too many started to tell)."""
+        if last_pid < walk.last_pid or last_pid - walk.last_pid > MAX_NEW_PIDS + WALK_SLACK:
+            return None  # PIDs wrapped around, or a busy host: walk
+        tree = walk.shape
+        unseen = []
+        for pid in (*range(walk.last_pid + 1, last_pid + 1), *walk.unseen):
+            if pid in tree:
+                continue  # found by the walk (a PID reused since shows in the shape)
+            try:
+                stat = self.processes.stat(pid)
+            except (OSError, ValueError, IndexError):
+                return None
+            if stat is None:
+                # Exited already, or not in /proc yet: a fork that is not complete. Looked at
+                # once more at the next poll, by when a fork has long completed.
+                if pid not in walk.unseen:
+                    unseen.append(pid)
+            elif stat.ppid in tree:
+                return None  # a member's new child (or a thread of a member's child)
+        return frozenset(unseen)
+
+    @staticmethod
+    def _shape(pids: Iterable[int], processes: Mapping[int, HostProcess]
+               ) -> dict[int, tuple[Optional[float], Optional[int], Optional[int], bool]]:
+        shape = {}
+        for pid in pids:
+            p = processes.get(pid)
+            if p is not None and p.in_procfs:
+                shape[pid] = (p.start_time, p.ppid, p.num_threads, p.state == "zombie")
+        return shape
+
+    def _same_shape(self, walk: _Walk, processes: Mapping[int, HostProcess]) -> bool:
+        for pid, was in walk.shape.items():
+            p = processes.get(pid)
+            if p is None or not p.in_procfs or was != (p.start_time, p.ppid, p.num_threads,
+                                                       p.state == "zombie"):
+                return False
+        # A member that was unreadable at the walk may be readable now, with children.
+        return len(walk.shape) == len(walk.roots | walk.members)
+
+    def _descendants(self, roots: frozenset[int]) -> set[int]:
         """Every process under the roots (each root's children file read once)."""
         found: set[int] = set(roots)
         todo = list(roots)
@@ -175,3 +285,6 @@ class Poller:
 
     def close(self) -> None:
         self.nvml.close()
+        close = getattr(self.processes, "close", None)
+        if close is not None:
+            close()

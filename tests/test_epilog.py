@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,7 +131,9 @@ def test_the_epilog_frees_the_gpu_memory_of_a_job_orphaned_by_sigkill(
         assert done.returncode == 0, done.stdout + done.stderr
         assert done.stdout.count("GPU memory released") == 2, done.stdout
         wait_not_running(job.workers)
-        assert used_before - _used(watched) == 9 * GIB
+        # The daemon's view follows at its next poll, which the epilog does not wait for.
+        watched.doc_when("the daemon to see the memory freed",
+                         lambda d: used_before - _doc_used(d) == 9 * GIB)
         assert epilog.scontrol_calls() == []
 
 
@@ -207,4 +210,8 @@ def test_the_epilog_does_not_drain_a_clean_node_when_an_orphan_s_pid_was_reused(
 
 
 def _used(watched: WatchedNode) -> int:
-    return sum(g["memory_used_bytes"] or 0 for g in watched.doc()["gpus"])
+    return _doc_used(watched.doc())
+
+
+def _doc_used(doc: dict[str, Any]) -> int:
+    return sum(g["memory_used_bytes"] or 0 for g in doc["gpus"])

@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from gpuwatch.runtime_dir import FileIdentity, file_identity, unlink_if_same
 from gpuwatch.sinks.listener import (
@@ -30,11 +30,15 @@ from gpuwatch.sinks.listener import (
     Outcome,
 )
 
+# The client half lives apart so that `gpuwatch status` reads the socket without importing the
+# server's (threads, selectors, ssl, prometheus_client); re-exported for the server's users.
+from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+
 log = logging.getLogger(__name__)
 
-STATE_SOCKET_NAME = "state.sock"
+__all__ = ["STATE_SOCKET_NAME", "StateServer", "StateUnavailable", "fetch_status"]
+
 _MAX_REQUEST = 256
-_MAX_RESPONSE = 64 << 20
 #: Its clients are root and the gpuwatch group: fewer than the metrics port's.
 _MAX_CONNECTIONS = 64
 
@@ -124,40 +128,3 @@ class StateServer:
         # Only the socket this server bound: whoever put another file at the path since owns it.
         inode, self._inode = self._inode, None
         unlink_if_same(self.path, inode)
-
-
-class StateUnavailable(Exception):
-    """No daemon answered at the state socket; the message says why, for the user."""
-
-
-def fetch_status(path: Path, timeout: float = 3.0) -> dict[str, Any]:
-    """Ask the daemon at `path` for its status document."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(str(path))
-            s.sendall(b"status\n")
-            chunks = []
-            size = 0
-            while True:
-                chunk = s.recv(1 << 16)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > _MAX_RESPONSE:
-                    raise StateUnavailable(f"{path}: answer larger than {_MAX_RESPONSE} bytes")
-                chunks.append(chunk)
-    except FileNotFoundError:
-        raise StateUnavailable(f"no daemon socket at {path}") from None
-    except PermissionError:
-        raise StateUnavailable(
-            f"no permission on {path} (root or the gpuwatch group may read it)") from None
-    except OSError as exc:
-        raise StateUnavailable(f"{path}: {exc.strerror or exc}") from None
-    try:
-        doc = json.loads(b"".join(chunks))
-    except ValueError:
-        raise StateUnavailable(f"{path}: the answer is not JSON") from None
-    if not isinstance(doc, dict) or "error" in doc:
-        raise StateUnavailable(f"{path}: {doc.get('error') if isinstance(doc, dict) else doc}")
-    return doc

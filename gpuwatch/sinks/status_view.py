@@ -13,7 +13,6 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Optional
 
 from gpuwatch.sinks.colour import paint
-from gpuwatch.sources.jobs import WORKER_MARKER_KEYS
 from gpuwatch.units import human_bytes, human_duration, short_command
 
 
@@ -276,11 +275,16 @@ def shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool,
     Without NVML the document holds look-alike GPU workers instead of holders: processes whose
     environment carries distributed-worker variables.
     """
+    markers: frozenset[str] = frozenset()
+    if not nvml_available:
+        # Here only: the job module brings the snapshot model, which a render of a document
+        # (`gpuwatch status` asking the daemon) otherwise never needs.
+        from gpuwatch.sources.jobs import WORKER_MARKER_KEYS as markers
     shown: set[int] = set()
     for p in procs.values():
         # holds_gpu None: a holder of its GPU's last good read, unknown now; shown, with "?".
         seed = (p["holds_gpu"] is not False or not p["in_procfs"]) if nvml_available else (
-            not WORKER_MARKER_KEYS.isdisjoint(p["launch_env"]))
+            not markers.isdisjoint(p["launch_env"]))
         if not (seed or p["pid"] in flagged):
             continue
         shown.add(p["pid"])

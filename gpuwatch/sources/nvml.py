@@ -13,6 +13,7 @@ figures unknown (see `NvmlSource.carried`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import time
@@ -32,6 +33,8 @@ from gpuwatch.model import (
 
 # NVML reports "no MIG instance" as an all-ones 32-bit id.
 _NO_INSTANCE = 0xFFFFFFFF
+# NVML_VALUE_NOT_AVAILABLE as an unsigned long long: a memory figure NVML cannot give.
+_NOT_AVAILABLE = 0xFFFFFFFFFFFFFFFF
 # One character device per GPU; nvidiactl, nvidia-uvm and nvidia-caps are not GPUs.
 _GPU_DEVICE_FILE = re.compile(r"nvidia[0-9]+")
 
@@ -91,6 +94,13 @@ class NvmlSource:
         #: Each GPU's holders at its last good read of both process lists, by index, with the
         #: GPU's UUID: what a later read that cannot list them carries over.
         self._holders: dict[int, tuple[Optional[str], tuple[GpuProcessUsage, ...]]] = {}
+        #: Each GPU's last process lists as NVML gave them, and what was made of them: lists
+        #: that did not change since give the same (immutable) usage records.
+        self._listed: dict[int, tuple[object, tuple[GpuProcessUsage, ...]]] = {}
+        #: Per GPU and kind of list, the array the last call filled: its size is the last count
+        #: and some, so that one call usually does where pynvml makes two.
+        self._buffers: dict[tuple[int, str], Any] = {}
+        self._entry: Optional[type[ctypes.Structure]] = None
         #: PIDs the last read carried over on each GPU whose process lists could not be read:
         #: listed at its last good read, not listed now because nothing could be. Their figures
         #: on that GPU are None (unknown).
@@ -276,19 +286,25 @@ class NvmlSource:
         nv = self._nvml
         merged: dict[tuple[int, Optional[int], Optional[int]], GpuProcessUsage] = {}
         unread: set[str] = set()
+        lists: list[tuple[str, list[tuple[int, Optional[int], Any, Any]]]] = []
         for kind, fn_name in ((COMPUTE, "nvmlDeviceGetComputeRunningProcesses"),
                               (GRAPHICS, "nvmlDeviceGetGraphicsRunningProcesses")):
             try:
-                listed = getattr(nv, fn_name)(handle)
+                lists.append((kind, self._list(index, kind, fn_name, handle)))
             except _errors(nv) as exc:
                 errors.append(_call_error(nv, fn_name, exc))
                 unread.add(kind)
-                continue
-            for p in listed or ():
-                gi = _instance(getattr(p, "gpuInstanceId", None))
-                ci = _instance(getattr(p, "computeInstanceId", None))
-                key = (int(p.pid), gi, ci)
-                used = p.usedGpuMemory
+        answer = (uuid, lists)
+        if not unread:
+            last = self._listed.get(index)
+            if last is not None and last[0] == answer:
+                self._holders[index] = (uuid, last[1])
+                return last[1]
+        for kind, listed in lists:
+            for pid, used, gi_raw, ci_raw in listed:
+                gi = _instance(gi_raw)
+                ci = _instance(ci_raw)
+                key = (pid, gi, ci)
                 seen = merged.get(key)
                 if seen is not None:
                     # The two lists report the same per-process figure; keep a known one.
@@ -300,10 +316,65 @@ class NvmlSource:
                                                   int(used) if used is not None else None,
                                                   frozenset({kind}), gi, ci)
         if unread:
+            self._listed.pop(index, None)
             return self._carry(index, uuid, merged, frozenset(unread))
         found = tuple(sorted(merged.values(), key=lambda u: (u.pid, u.gpu_instance_id or 0)))
         self._holders[index] = (uuid, found)
+        self._listed[index] = (answer, found)
         return found
+
+    def _list(self, index: int, kind: str, fn_name: str, handle: Any
+              ) -> list[tuple[int, Optional[int], Any, Any]]:
+        """One process list: (PID, used memory or None, GPU instance, compute instance) each.
+
+        With nvidia-ml-py, its own entry point and entry layout, called into an array kept from
+        the last call: pynvml asks for the count first, then turns every entry into an object
+        attribute by attribute, which costs a poll more than NVML's answer does. Any other
+        bindings (or an NVML without the entry point) are called as they are, errors and all.
+        """
+        nv = self._nvml
+        entry = self._entry_type(nv)
+        fn = None
+        if entry is not None:
+            try:
+                fn = nv._nvmlGetFunctionPointer(fn_name + "_v3")
+            except nv.NVMLError:
+                fn = None  # the bindings' own call raises what this NVML raises for it
+        if fn is None:
+            return [(int(p.pid), p.usedGpuMemory, getattr(p, "gpuInstanceId", None),
+                     getattr(p, "computeInstanceId", None))
+                    for p in getattr(nv, fn_name)(handle) or ()]
+        buffer = self._buffers.get((index, kind))
+        count = ctypes.c_uint(len(buffer) if buffer is not None else 0)
+        for _ in range(4):
+            ret = fn(handle, ctypes.byref(count), buffer)
+            if ret == nv.NVML_SUCCESS:
+                break
+            if ret != nv.NVML_ERROR_INSUFFICIENT_SIZE:
+                raise nv.NVMLError(ret)
+            # Room for more than asked, as pynvml leaves: processes start between two calls.
+            buffer = (entry * (count.value * 2 + 5))()
+            self._buffers[(index, kind)] = buffer
+            count.value = len(buffer)
+        else:
+            raise nv.NVMLError(nv.NVML_ERROR_INSUFFICIENT_SIZE)
+        if buffer is None or not count.value:
+            return []
+        na = _NOT_AVAILABLE
+        return [(e.pid, None if e.usedGpuMemory == na else e.usedGpuMemory,
+                 e.gpuInstanceId, e.computeInstanceId)
+                for e in buffer[:count.value]]
+
+    def _entry_type(self, nv: Any) -> Optional[type[ctypes.Structure]]:
+        """pynvml's process entry layout, as a plain structure (pynvml's own class converts
+        every field it is asked for); None for bindings that are not nvidia-ml-py."""
+        if self._entry is None:
+            layout = getattr(nv, "c_nvmlProcessInfo_v3_t", None)
+            if layout is None or not hasattr(nv, "_nvmlGetFunctionPointer"):
+                return None
+            self._entry = type("ProcessInfo", (ctypes.Structure,),
+                               {"_fields_": list(layout._fields_)})
+        return self._entry
 
     def _carry(self, index: int, uuid: Optional[str],
                merged: dict[tuple[int, Optional[int], Optional[int]], GpuProcessUsage],

@@ -1,24 +1,40 @@
-"""Host-process source: the processes that matter, read from /proc through psutil.
+"""Host-process source: the processes that matter, read straight from /proc.
 
 It reads only what it is asked for (GPU holders) and their ancestors up to PID 1, so a poll costs
 in proportion to GPU processes, not to every process on the host. What never changes for a given
 process (command line, user, cgroup, launch environment, PID namespace) is read once per identity
-(PID + start time) and cached; what does (state, RSS, threads, parent) is read on every poll.
+(PID + start time) and cached; what does (state, RSS, threads, parent) is read on every poll, from
+the one /proc/PID/stat line.
+
+Reads go through os.open/os.read, not open() (whose buffered file object costs more than the
+read), and a process read at every poll keeps its stat file open: a pread of an open /proc file
+skips the path walk, which is most of a read. An open /proc/PID file names the process it was
+opened for, never a later one on the same PID (its reads fail with ESRCH once that process is
+gone), so a kept descriptor cannot confuse a reused PID with its predecessor.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import re
+import resource
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Callable, NamedTuple, Optional, TypeVar, Union
+from typing import NamedTuple, Optional, TypeVar, Union
 
 import psutil
 
 from gpuwatch.model import GpuProcessUsage, HostProcess, Job, ProcessReading, SourceError
-from gpuwatch.sources.jobs import WORKER_MARKER_KEYS, attribute_job, parse_cgroup, parse_environ
+from gpuwatch.sources.jobs import (
+    WORKER_MARKER_KEYS,
+    CgroupInfo,
+    attribute_job,
+    parse_cgroup,
+    parse_environ,
+)
 from gpuwatch.sources.redact import redact_cmdline, redact_env
 
 T = TypeVar("T")
@@ -31,6 +47,23 @@ _STATES = {b"R": "running", b"S": "sleeping", b"D": "disk-sleep", b"T": "stopped
 _EMPTY_ENV: Mapping[str, str] = MappingProxyType({})
 # Guards the ancestor walk against a corrupt or cyclic parent chain.
 _MAX_DEPTH = 64
+# Longer than any /proc/PID/stat line (52 numbers and a command name of at most 64 bytes).
+_STAT_BYTES = 4096
+_READ_CHUNK = 1 << 16
+# How psutil decodes what it reads from /proc (command names, command lines): kept so that names
+# and command lines read as they did when psutil read them.
+_FS_ENCODING = sys.getfilesystemencoding()
+_FS_ERRORS = sys.getfilesystemencodeerrors()
+_UID_LINE = re.compile(rb"Uid:\t(\d+)\t(\d+)\t(\d+)")
+# The kernel keeps at most 15 bytes of a program's name.
+_COMM_LENGTH = 15
+# Parsed cgroups, environments and redacted command lines are cached by their raw text: the
+# processes of one job share them, so a newcomer (a dataloader worker) mostly hits the cache.
+_PARSED_CACHE = 1024
+# Kept stat descriptors never take more than this share of the file-descriptor limit: sockets
+# (up to 256 /metrics connections) and the state files need the rest.
+_FD_RESERVE = 512
+_FD_MAX = 4096
 
 
 class ProcStat(NamedTuple):
@@ -62,6 +95,21 @@ class ProcessSource:
         self._boot_time = psutil.boot_time()
         self._static: dict[tuple[int, float], _Static] = {}
         self._users: dict[int, str] = {}
+        #: Each process's last record with the stat fields and GPU usage it was built from: a
+        #: process whose fields did not change since is given the same (immutable) record.
+        self._records: dict[int, tuple[tuple[object, ...], HostProcess]] = {}
+        #: A GPU holder's record with group_leader_gone, by the record it was made from.
+        self._holders: dict[int, tuple[HostProcess, Optional[bool], HostProcess]] = {}
+        #: Open /proc/PID/stat descriptors of the processes read at the last poll. Kept only
+        #: once a caller forgets what it no longer reads (forget_others), which closes them.
+        self._fds: dict[int, int] = {}
+        self._keep_fds = False
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self._fd_budget = (_FD_MAX if soft == resource.RLIM_INFINITY
+                           else max(0, min(_FD_MAX, soft - _FD_RESERVE)))
+        self._cgroups: dict[str, Optional[CgroupInfo]] = {}
+        self._environs: dict[bytes, Mapping[str, str]] = {}
+        self._cmdlines: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     def read(self, pids: Iterable[int],
              gpu_usage: Optional[Mapping[int, tuple[GpuProcessUsage, ...]]] = None,
@@ -87,10 +135,17 @@ class ProcessSource:
                 found[current] = proc
                 depth += 1
                 current = proc.ppid if depth < _MAX_DEPTH else None
+        holders = self._holders
         for pid in usage.keys() - (known or {}).keys():
             proc = found.get(pid)
             if proc is not None and proc.in_procfs and proc.pgid and proc.pgid != pid:
-                found[pid] = replace(proc, group_leader_gone=self._gone(proc.pgid, found))
+                gone = self._gone(proc.pgid, found)
+                kept = holders.get(pid)
+                if kept is not None and kept[0] is proc and kept[1] == gone:
+                    found[pid] = kept[2]
+                    continue
+                found[pid] = replace(proc, group_leader_gone=gone)
+                holders[pid] = (proc, gone, found[pid])
         return ProcessReading(processes=MappingProxyType(found), errors=tuple(errors))
 
     def _gone(self, pid: int, found: Mapping[int, HostProcess]) -> bool:
@@ -103,29 +158,85 @@ class ProcessSource:
         return now is None or now.state in ("zombie", "dead")
 
     def forget_others(self, processes: Iterable[HostProcess]) -> None:
-        """Drop what is cached about every identity but these (the ones still seen)."""
+        """Drop what is cached about every identity but these (the ones still seen), and close
+        the stat files of the processes not among them."""
         keep = {p.identity for p in processes}
         for key in self._static.keys() - keep:
             del self._static[key]
+        pids = {pid for pid, _ in keep}
+        for cache in (self._records, self._holders):
+            for pid in cache.keys() - pids:
+                del cache[pid]
+        for pid in self._fds.keys() - pids:
+            os.close(self._fds.pop(pid))
+        self._keep_fds = True
+
+    def close(self) -> None:
+        """Close the stat files kept open; the source stays usable (it opens them again)."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _stat_line(self, pid: int) -> Optional[bytes]:
+        """The /proc/PID/stat line, None when there is no such process. Through the descriptor
+        kept open for the PID when there is one; one that fails names a process that is gone,
+        so the PID is looked up afresh (whatever runs on it now, if anything)."""
+        fd = self._fds.get(pid)
+        if fd is not None:
+            try:
+                line = os.pread(fd, _STAT_BYTES, 0)
+                if line:
+                    return line
+            except OSError:
+                pass
+            del self._fds[pid]
+            os.close(fd)
+        try:
+            fd = os.open(f"{self._procfs}/{pid}/stat", os.O_RDONLY)
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+        try:
+            line = os.read(fd, _STAT_BYTES)
+        except ProcessLookupError:  # exited between the open and the read
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._keep_fds and len(self._fds) < self._fd_budget and line:
+            self._fds[pid] = fd
+        else:
+            os.close(fd)
+        return line if line else None
 
     def _read_one(self, pid: int, usage: tuple[GpuProcessUsage, ...]) -> HostProcess:
-        dynamic = self.stat(pid)
-        if dynamic is None:
+        line = self._stat_line(pid)
+        if line is None:
             # Absent from /proc: exited (between NVML's list and ours, or mid-read), or living in
             # another PID namespace whose PIDs NVML reports. Kept, marked, never a crash.
             return HostProcess(pid=pid, in_procfs=False, gpu_usage=usage,
                                read_errors=("not in /proc (exited, or another PID namespace)",))
+        rpar = line.rfind(b")")
+        fields = line[rpar + 2:].split()
+        # State, parent, group, session, threads, start time, RSS and the GPU usage: everything
+        # a record holds that can change for one identity. The start time makes a reused PID a
+        # different key; a process in D state is read afresh (its wait channel moves).
+        key = (fields[0], fields[1], fields[2], fields[3], fields[17], fields[19], fields[21],
+               usage)
+        kept = self._records.get(pid)
+        if kept is not None and kept[0] == key and fields[0] != b"D":
+            return kept[1]
+        dynamic = self._parse_stat(fields)
         wchan, stack = self._kernel_wait(pid) if dynamic.state == "disk-sleep" else (None, ())
-        key = (pid, dynamic.start_time)
-        static = self._static.get(key)
+        identity = (pid, dynamic.start_time)
+        static = self._static.get(identity)
         if static is None:
-            try:
-                static = self._read_static(psutil.Process(pid), dynamic.state)
-            except psutil.NoSuchProcess:
+            static = self._read_static(pid, dynamic.state, line[line.find(b"(") + 1:rpar])
+            if static is None:
                 return HostProcess(pid=pid, in_procfs=False, gpu_usage=usage,
                                    read_errors=("exited while being read",))
-            self._static[key] = static
-        return HostProcess(
+            self._static[identity] = static
+        record = HostProcess(
             pid=pid,
             ppid=dynamic.ppid,
             pgid=dynamic.pgid,
@@ -147,6 +258,8 @@ class ProcessSource:
             wchan=wchan,
             kernel_stack=stack,
         )
+        self._records[pid] = (key, record)
+        return record
 
     def _kernel_wait(self, pid: int) -> tuple[Optional[str], tuple[str, ...]]:
         """Where a process in uninterruptible sleep waits: its wait channel and, where readable
@@ -169,13 +282,19 @@ class ProcessSource:
         Everything that changes between polls is in this line, so a poll costs one read per
         process; psutil would open several files and re-read the boot time each time.
         """
-        try:
-            with open(f"{self._procfs}/{pid}/stat", "rb") as f:
-                line = f.read()
-        except (FileNotFoundError, ProcessLookupError):
+        if isinstance(pid, int) and pid in self._fds:
+            line = self._stat_line(pid)
+        else:
+            try:
+                line = _read_file(f"{self._procfs}/{pid}/stat", _STAT_BYTES)
+            except (FileNotFoundError, ProcessLookupError):
+                return None
+        if not line:
             return None
         # The command name may hold spaces and parentheses: split after its last ')'.
-        fields = line[line.rfind(b")") + 2:].split()
+        return self._parse_stat(line[line.rfind(b")") + 2:].split())
+
+    def _parse_stat(self, fields: list[bytes]) -> ProcStat:
         return ProcStat(
             state=_STATES.get(fields[0], fields[0].decode(errors="replace")),
             ppid=int(fields[1]),
@@ -194,10 +313,23 @@ class ProcessSource:
         when it holds GPU memory or shares the job's cgroup or id.
         """
         try:
-            with open(f"{self._procfs}/{pid}/task/{pid}/children", "rb") as f:
-                return [int(c) for c in f.read().split()]
+            raw = _read_file(f"{self._procfs}/{pid}/task/{pid}/children")
         except OSError:
             return []
+        return [int(c) for c in raw.split()] if raw else []
+
+    def last_pid(self) -> Optional[int]:
+        """The PID most recently handed out in this process's PID namespace (the last field of
+        /proc/loadavg), or None when /proc is not this namespace's, or unreadable."""
+        if self._procfs != "/proc":
+            return None
+        try:
+            if os.readlink("/proc/self") != str(os.getpid()):
+                return None  # /proc mounted for another PID namespace than ours
+            raw = _read_file("/proc/loadavg")
+            return int(raw.rsplit(None, 1)[-1]) if raw else None
+        except (OSError, ValueError):
+            return None
 
     def descendants(self, root: int) -> set[int]:
         """Every descendant of `root`, from the children lists of each of their threads (a
@@ -223,27 +355,56 @@ class ProcessSource:
                         todo.append(child)
         return found
 
-    def _read_static(self, p: psutil.Process, state: str) -> _Static:
+    def _read_static(self, pid: int, state: str, comm: bytes) -> Optional[_Static]:
+        """What never changes for one identity; None when the process exited while being read.
+
+        Read as psutil read it (name, command line, real uid), from fewer files: the name is the
+        stat line's, the uid and the NSpid come from one read of status.
+        """
         errors: list[str] = []
-        name = _or_none(p.name)
+        base = f"{self._procfs}/{pid}"
+        zombie = state == psutil.STATUS_ZOMBIE
+        name = comm.decode(_FS_ENCODING, _FS_ERRORS)
+        args: Optional[list[str]] = None
         cmdline: tuple[str, ...] = ()
-        if state != psutil.STATUS_ZOMBIE:  # a zombie has no command line left to read
+        if not zombie:  # a zombie has no command line left to read
             try:
-                cmdline = redact_cmdline(p.cmdline())
-            except psutil.AccessDenied:
+                args = _split_cmdline(_read_file(f"{base}/cmdline"))
+            except PermissionError:
                 errors.append("command line not readable")
-            except psutil.NoSuchProcess:
-                pass
-        uid = _or_none(lambda: p.uids().real)
-        cgroup_text = self._read_proc_text(p.pid, "cgroup")
-        env_raw = self._read_proc_bytes(p.pid, "environ")
-        if env_raw is None and state != psutil.STATUS_ZOMBIE:
+            except OSError:
+                pass  # gone, or unreadable for a reason that leaves the rest readable
+            if args:
+                key = tuple(args)
+                cmdline = self._cmdlines.get(key) or _cached(
+                    self._cmdlines, key, redact_cmdline(args))
+        if len(name) >= _COMM_LENGTH and args:
+            # The kernel cut the name: the program's own, as psutil gives it.
+            extended = os.path.basename(args[0])
+            if extended.startswith(name):
+                name = extended
+        uid: Optional[int] = None
+        namespace_pids: tuple[int, ...] = ()
+        try:
+            status = _read_file(f"{base}/status")
+        except PermissionError:
+            status = None
+        except (FileNotFoundError, ProcessLookupError):
+            if not zombie:
+                return None
+            status = None
+        if status:
+            found = _UID_LINE.search(status)
+            uid = int(found.group(1)) if found else None
+            namespace_pids = _namespace_pids(status)
+        cgroup_text = self._read_proc_text(pid, "cgroup")
+        env_raw = self._read_proc_bytes(pid, "environ")
+        if env_raw is None and not zombie:
             errors.append("environment not readable (other user's process; run as root)")
-        cgroup = parse_cgroup(cgroup_text) if cgroup_text is not None else None
+        cgroup = self._cgroup(cgroup_text) if cgroup_text is not None else None
         # Redacted before anything reads it, as the command line is: nothing downstream (the
         # document, the views, the job id in metric labels) ever sees a secret in MASTER_ADDR.
-        launch_env = (MappingProxyType(redact_env(parse_environ(env_raw))) if env_raw
-                      else _EMPTY_ENV)
+        launch_env = self._environ(env_raw) if env_raw else _EMPTY_ENV
         return _Static(
             name=name,
             cmdline=cmdline,
@@ -252,20 +413,19 @@ class ProcessSource:
             cgroup=cgroup.path if cgroup is not None else None,
             job=attribute_job(cgroup, launch_env),
             launch_env=launch_env,
-            namespace_pids=self._namespace_pids(p.pid),
+            namespace_pids=namespace_pids,
             read_errors=tuple(errors),
         )
 
-    def _namespace_pids(self, pid: int) -> tuple[int, ...]:
-        """The process's PIDs inside the nested PID namespaces it lives in (a container's), from
-        the NSpid line of /proc/PID/status; empty in this /proc's own namespace."""
-        for line in (self._read_proc_text(pid, "status") or "").splitlines():
-            if line.startswith("NSpid:"):
-                try:
-                    return tuple(int(field) for field in line.split()[2:])
-                except ValueError:
-                    return ()
-        return ()
+    def _cgroup(self, text: str) -> Optional[CgroupInfo]:
+        info = self._cgroups.get(text)
+        return info if info is not None else _cached(self._cgroups, text, parse_cgroup(text))
+
+    def _environ(self, raw: bytes) -> Mapping[str, str]:
+        env = self._environs.get(raw)
+        if env is None:
+            env = _cached(self._environs, raw, MappingProxyType(redact_env(parse_environ(raw))))
+        return env
 
     def _user(self, uid: Optional[int]) -> Optional[str]:
         if uid is None:
@@ -281,8 +441,7 @@ class ProcessSource:
 
     def _read_proc_bytes(self, pid: int, name: str) -> Optional[bytes]:
         try:
-            with open(f"{self._procfs}/{pid}/{name}", "rb") as f:
-                return f.read()
+            return _read_file(f"{self._procfs}/{pid}/{name}")
         except OSError:
             return None
 
@@ -330,9 +489,60 @@ class ProcessSource:
         return any(key in WORKER_MARKER_KEYS for key in parse_environ(raw))
 
 
-def _or_none(fn: Callable[[], T]) -> Optional[T]:
-    """A field that may be unreadable (another user's process, a zombie); the rest still counts."""
+
+def _read_file(path: str, size: int = _READ_CHUNK) -> bytes:
+    """A whole /proc file through one descriptor, no file object: `size` bytes at a time."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        return fn()
-    except (psutil.AccessDenied, psutil.ZombieProcess):
-        return None
+        data = os.read(fd, size)
+        if len(data) < size:
+            return data
+        parts = [data]
+        while chunk := os.read(fd, size):
+            parts.append(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def _split_cmdline(raw: bytes) -> list[str]:
+    """/proc/PID/cmdline split as psutil splits it, decoded as psutil decodes it (as text, so
+    with its line endings translated)."""
+    data = raw.decode(_FS_ENCODING, _FS_ERRORS)
+    if "\r" in data:
+        data = data.replace("\r\n", "\n").replace("\r", "\n")
+    if not data:
+        return []
+    # NUL-separated, or spaces where setproctitle() rewrote the block (psutil issue 1179).
+    sep = "\x00" if data.endswith("\x00") else " "
+    if data.endswith(sep):
+        data = data[:-1]
+    args = data.split(sep)
+    if sep == "\x00" and len(args) == 1 and " " in data:
+        args = data.split(" ")
+    return args
+
+
+def _namespace_pids(status: bytes) -> tuple[int, ...]:
+    """The process's PIDs inside the nested PID namespaces it lives in (a container's), from
+    the NSpid line of /proc/PID/status; empty in this /proc's own namespace."""
+    at = status.find(b"\nNSpid:")
+    if at < 0:
+        return ()
+    end = status.find(b"\n", at + 1)
+    # "NSpid:\t4242\t1": this namespace's PID, then the inner ones.
+    fields = status[at + 7:end if end > 0 else len(status)].split()
+    try:
+        return tuple(int(field) for field in fields[1:])
+    except ValueError:
+        return ()
+
+
+K = TypeVar("K")
+
+
+def _cached(cache: dict[K, T], key: K, value: T) -> T:
+    if len(cache) >= _PARSED_CACHE:
+        cache.clear()  # bounded; a node's jobs refill it within a poll
+    cache[key] = value
+    return value

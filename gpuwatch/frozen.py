@@ -1,0 +1,61 @@
+"""`@frozen_dataclass`: `@dataclass(frozen=True)` that compiles three methods per class, not six.
+
+On the Pythons gpuwatch supports before 3.13, dataclass compiles every method it generates from
+source text: six for a frozen class (__init__, __repr__, __eq__, __hash__, __setattr__,
+__delattr__). gpuwatch.config and gpuwatch.model define two dozen of them, and every command
+imports the first, every poll the second (docs/design-notes.md, "The command line: click"). Here
+__repr__, __eq__ and __hash__ are written once and shared, reading each class's fields with one
+attrgetter; they behave as dataclass's own: fields with repr=False, compare=False or hash=False
+are left out as dataclass leaves them out, and an instance equals only one of its own class.
+"""
+
+from __future__ import annotations
+
+import operator
+import reprlib
+from dataclasses import dataclass, fields
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    if len(names) == 1:
+        one = operator.attrgetter(names[0])
+        return lambda o: (one(o),)
+    if not names:
+        return lambda o: ()
+    return operator.attrgetter(*names)  # a tuple for two names or more
+
+
+def frozen_dataclass(cls: type[T]) -> type[T]:
+    cls = dataclass(frozen=True, repr=False, eq=False)(cls)
+    fs = fields(cls)  # type: ignore[arg-type]
+    shown = tuple(f.name for f in fs if f.repr)
+    compared = tuple(f.name for f in fs if f.compare)
+    hashed = tuple(f.name for f in fs if (f.compare if f.hash is None else f.hash))
+    cls._gw_shown = (shown, _getter(shown))  # type: ignore[attr-defined]
+    # staticmethod: a lambda read through an instance would otherwise bind to it.
+    cls._gw_compared = staticmethod(_getter(compared))  # type: ignore[attr-defined]
+    cls._gw_hashed = staticmethod(_getter(hashed))  # type: ignore[attr-defined]
+    cls.__repr__ = _repr  # type: ignore[assignment]
+    cls.__eq__ = _eq  # type: ignore[assignment]
+    cls.__hash__ = _hash  # type: ignore[assignment]
+    return cls
+
+
+@reprlib.recursive_repr()
+def _repr(self: Any) -> str:
+    names, values = self._gw_shown
+    shown = ", ".join(f"{n}={v!r}" for n, v in zip(names, values(self)))
+    return f"{self.__class__.__qualname__}({shown})"
+
+
+def _eq(self: Any, other: object) -> Any:
+    if other.__class__ is self.__class__:
+        return self._gw_compared(self) == self._gw_compared(other)
+    return NotImplemented
+
+
+def _hash(self: Any) -> int:
+    return hash(self._gw_hashed(self))

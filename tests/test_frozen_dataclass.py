@@ -1,0 +1,74 @@
+"""gpuwatch.frozen's classes behave as `@dataclass(frozen=True)`'s: the same repr, equality and
+hash, the same frozen-ness, the same dataclass functions."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import pytest
+
+from gpuwatch.config import Config
+from gpuwatch.frozen import frozen_dataclass
+from gpuwatch.model import BufferSize, HostProcess, Job
+
+
+def _pair(*specs: tuple[str, Any]) -> tuple[type, type]:
+    """The same class body, once through dataclass and once through frozen_dataclass."""
+    def body() -> dict[str, Any]:
+        return {"__annotations__": {name: "Any" for name, _ in specs},
+                **{name: value for name, value in specs if value is not None}}
+    return (dataclass(frozen=True)(type("C", (), body())),
+            frozen_dataclass(type("C", (), body())))
+
+
+@pytest.mark.parametrize("specs", [
+    (("a", None),),
+    (("a", None), ("b", 2)),
+    (("a", None), ("b", field(default=2, compare=False))),
+    (("a", None), ("b", field(default=2, repr=False))),
+    (("a", None), ("b", field(default=2, hash=False))),
+    (("a", None), ("b", field(default=2, compare=False, hash=True))),
+])
+def test_repr_eq_and_hash_are_dataclass_s(specs: tuple[tuple[str, Any], ...]) -> None:
+    ref, ours = _pair(*specs)
+    for args in ((1,), (1, 3), ("x", None)):
+        if len(args) > len(specs):
+            continue
+        r1, r2 = ref(*args), ref(*args[:1])
+        o1, o2 = ours(*args), ours(*args[:1])
+        assert repr(o1) == repr(r1)
+        assert (o1 == o2) == (r1 == r2) and (o1 != o2) == (r1 != r2)
+        assert hash(o1) == hash(r1)
+        assert o1 != r1  # another class: never equal, as dataclass's own
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            o1.a = 5
+        assert dataclasses.astuple(o1) == dataclasses.astuple(r1)
+        assert dataclasses.replace(o1, a=7).a == 7
+
+
+def test_a_recursive_repr_does_not_recurse_forever() -> None:
+    _, ours = _pair(("a", None))
+    box: list[Any] = []
+    o = ours(box)
+    box.append(o)
+    assert repr(o) == "C(a=[...])"
+
+
+def test_the_model_and_the_config_compare_hash_and_show_as_before() -> None:
+    job = Job("41234", "slurm")
+    assert job == Job("41234", "slurm") and job != Job("41235", "slurm")
+    assert hash(job) == hash(("41234", "slurm"))
+    assert repr(job) == "Job(id='41234', source='slurm')"
+    assert BufferSize(items=1, bytes=2) == BufferSize(1, 2)
+    assert repr(BufferSize(1, 2)) == "BufferSize(items=1, bytes=2)"
+    p = HostProcess(pid=7, job=job)
+    assert p == dataclasses.replace(p) and p != dataclasses.replace(p, pid=8)
+    assert repr(p).startswith("HostProcess(pid=7, in_procfs=True, ppid=None,")
+    with pytest.raises(TypeError):  # a mapping field: unhashable, as with dataclass's __hash__
+        hash(p)
+    assert Config() == Config()
+    assert hash(Config().daemon) == hash(Config().daemon)
+    optional: Optional[int] = None
+    assert Job("1", "run").__eq__(optional) is NotImplemented

@@ -426,6 +426,23 @@ def write_markdown(path: Path, command: str, info: dict[str, str], rows: list[Ro
     path.write_text("\n".join(parts) + "\n")
 
 
+#: A full run starts only below this 1-minute load average per core (bench/run.py --max-load).
+MAX_LOAD_PER_CORE = 0.5
+
+
+def settled_load(max_load: float, wait: float) -> float:
+    """The 1-minute load average, once it is at or below `max_load`, or after `wait` seconds."""
+    deadline = time.monotonic() + wait
+    load = os.getloadavg()[0]
+    if load > max_load and wait > 0:
+        print(f"waiting up to {wait:g} s for the load average ({load:.2f}) to drop to "
+              f"{max_load:g}", flush=True)
+    while load > max_load and time.monotonic() < deadline:
+        time.sleep(5)
+        load = os.getloadavg()[0]
+    return load
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -434,11 +451,32 @@ def main() -> None:
     parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=None,
                         help="write the markdown report (default: on a full run of everything)")
     parser.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--max-load", type=float, default=MAX_LOAD_PER_CORE * (os.cpu_count() or 1),
+                        help="the 1-minute load average above which a full run waits for the "
+                             "machine to settle, then refuses to start (default: "
+                             f"{MAX_LOAD_PER_CORE:g} per core)")
+    parser.add_argument("--settle", type=float, default=180.0, metavar="SECONDS",
+                        help="how long a full run waits for the load to drop (default 180)")
+    parser.add_argument("--force", action="store_true",
+                        help="run above --max-load anyway; the report flags it")
     args = parser.parse_args()
     write = args.write if args.write is not None else (not args.quick and args.only == BENCHES)
     command = "python bench/run.py" + "".join(
         f" {shlex.quote(a)}" for a in sys.argv[1:])
+    # Figures taken on a busy machine are slower by an unknown factor, and ratios drift too when
+    # the neighbour is not evenly spread across the tools: wait for quiet, or say so.
+    load = settled_load(args.max_load, 0.0 if args.quick else args.settle)
+    if load > args.max_load and not (args.quick or args.force):
+        print(f"bench/run.py: the machine is busy (1-minute load average {load:.2f}, above "
+              f"--max-load {args.max_load:g}, after waiting {args.settle:g} s); figures taken "
+              "now would not compare. Run again when it is quiet, or give --force (the report "
+              "then flags the run).", file=sys.stderr)
+        sys.exit(2)
     info = machine()
+    if load > args.max_load:
+        info["load warning"] = (f"started at a 1-minute load average of {load:.2f}, above "
+                                f"{args.max_load:g}: figures are flagged as taken on a busy "
+                                "machine")
     started = time.monotonic()
     rows: list[Row] = []
     outputs: dict[str, str] = {}
@@ -461,6 +499,8 @@ def main() -> None:
 
     print(f"== summary ({'quick, not a measurement' if args.quick else 'full run'}, "
           f"{seconds:.0f} s; {info['cores']} x {info['CPU']})")
+    if "load warning" in info:
+        print(f"note: {info['load warning']}")
     print(text_table(rows))
     missed = [r.figure for r in rows if r.met is False]
     print(f"goals: {sum(r.met is True for r in rows)} met, {len(missed)} missed")

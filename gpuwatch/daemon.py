@@ -309,7 +309,7 @@ class Daemon:
 
     def _render_for_scrapes(self) -> None:
         try:
-            self.rendered.refresh()
+            self.rendered.refresh(self.config.daemon.interval)
         except Exception:
             # A scrape renders what failed here again, and answers 500 if it fails again.
             log.exception("rendering /metrics failed")

@@ -1,14 +1,19 @@
-"""The metrics as scrapes get them: rendered once per poll, not once per scrape.
+"""The metrics as scrapes get them: rendered at most once per poll, ahead of the scrape.
 
-What /metrics serves changes when a poll ends; rendering it again for every scrape in between
-(two Prometheus servers, a federation, a person with curl) costs the whole render each time: 18 ms
-at 512 GPU processes. So the daemon renders after each poll, in the formats and encodings scrapes
-asked for in the last five minutes (a scrape interval longer than the poll interval included),
-and a scrape is served those bytes. A format asked for the first time is rendered then, and
-kept until the next poll.
+What /metrics serves changes only when a poll ends. Rendering it for every scrape costs the whole
+render each time (18 ms at 512 GPU processes), for every scraper (an HA pair of Prometheus
+servers, a federation, a person with curl); rendering it after every poll costs as much at every
+poll, 2 s apart by default, for a Prometheus that scrapes every 15 s or every minute. So after
+each poll the daemon renders a format (text or OpenMetrics, plain or gzipped) only where a scrape
+for it is due before the next poll: the last scrape for it plus one of the recent gaps between
+its scrapes lands before then. In the steady state that is one render per scrape (with two
+scrapers taking turns, at most three for two), done before the scrape arrives, which is then
+served bytes. A format asked for the first time, or a scrape
+that came early, renders then; what it rendered is kept until the next poll, so a second scraper
+gets the same bytes.
 
-The counters the metrics port keeps about itself (connections, responses) are as of the poll,
-like everything else in the body.
+Everything in a body, the metrics port's own counters (connections, responses) included, is as
+of the poll.
 """
 
 from __future__ import annotations
@@ -21,65 +26,109 @@ from typing import Callable, Optional
 from prometheus_client import CollectorRegistry
 
 Encoder = Callable[[CollectorRegistry], bytes]
+Key = tuple[Encoder, bool]
 #: prometheus-client's default: fast, and within a few percent of the smallest body.
 GZIP_LEVEL = 6
-#: How long after the last scrape that asked for a format it is still rendered at each poll.
-KEEP_RENDERING = 300.0
+#: A format nobody asked for in this long is no longer rendered ahead.
+FORGET_AFTER = 300.0
+#: Gaps between scrapes remembered per format: the shortest says when the next may come.
+GAPS_KEPT = 4
+#: Scrapes closer than this are not a rhythm of their own.
+MIN_GAP = 0.5
+
+
+def render(encoder: Encoder, registry: CollectorRegistry, gzipped: bool) -> bytes:
+    body = encoder(registry)
+    return gzip.compress(body, compresslevel=GZIP_LEVEL) if gzipped else body
+
+
+class _Scrapes:
+    """When one format was last asked for, and the recent gaps between asks."""
+
+    __slots__ = ("gaps", "last")
+
+    def __init__(self, now: float) -> None:
+        self.last = now
+        self.gaps: list[float] = []
+
+    def asked(self, now: float) -> None:
+        gap = now - self.last
+        self.last = now
+        if gap >= MIN_GAP:  # closer ones are one scrape each from two scrapers: one render
+            self.gaps = [*self.gaps[-(GAPS_KEPT - 1):], gap]
+
+    def due_within(self, start: float, end: float) -> bool:
+        """Whether the next scrape may come in (start, end]: one of the recent gaps after the
+        last one lands there (several scrapers make gaps that take turns). Yes while the
+        rhythm is unknown."""
+        if not self.gaps:
+            return True
+        return any(start < self.last + gap <= end for gap in self.gaps)
 
 
 class RenderedMetrics:
     """The registry's exposition by (encoder, gzip), kept until `refresh()`."""
 
     def __init__(self, registry: CollectorRegistry,
-                 keep_rendering: float = KEEP_RENDERING) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
-        self.keep_rendering = keep_rendering
+        self._clock = clock
         self._lock = threading.Lock()
         self._generation = 0
-        self._bodies: dict[tuple[Encoder, bool], bytes] = {}
-        #: When each (encoder, gzip) was last asked for (time.monotonic()).
-        self._asked: dict[tuple[Encoder, bool], float] = {}
+        self._bodies: dict[Key, bytes] = {}
+        self._scrapes: dict[Key, _Scrapes] = {}
+        #: Renders done, for tests and benches: one per scrape, at most one per poll and format.
+        self.renders = 0
 
     def kept(self, encoder: Encoder, gzipped: bool) -> Optional[bytes]:
         """What was rendered since the last poll in that form, or None (then `body` renders)."""
         with self._lock:
-            self._asked[(encoder, gzipped)] = time.monotonic()
-            return self._bodies.get((encoder, gzipped))
+            key = (encoder, gzipped)
+            self._asked(key)
+            return self._bodies.get(key)
 
     def body(self, encoder: Encoder, gzipped: bool) -> bytes:
+        """The body in that form, rendered now if it was not since the last poll. A scrape is
+        counted by `kept`, asked first."""
         key = (encoder, gzipped)
         with self._lock:
-            self._asked[key] = time.monotonic()
             kept = self._bodies.get(key)
             generation = self._generation
         if kept is not None:
             return kept
-        body = self._render(encoder, gzipped)
+        body = self._render(key)
         with self._lock:
             if generation == self._generation:  # a poll ended meanwhile: this one is older
                 self._bodies[key] = body
         return body
 
-    def refresh(self) -> None:
-        """A poll ended: drop what was rendered, render again what scrapes ask for."""
-        since = time.monotonic() - self.keep_rendering
+    def refresh(self, next_poll_in: float) -> None:
+        """A poll ended, the next in `next_poll_in` seconds: drop what was rendered, and render
+        each format whose next scrape is due before then."""
+        now = self._clock()
         with self._lock:
             self._generation += 1
             self._bodies.clear()
-            self._asked = {key: at for key, at in self._asked.items() if at > since}
-            wanted = list(self._asked)
+            self._scrapes = {key: s for key, s in self._scrapes.items()
+                             if now - s.last < FORGET_AFTER}
+            wanted = [key for key, s in self._scrapes.items()
+                      if s.due_within(now, now + next_poll_in)]
             generation = self._generation
-        for encoder, gzipped in wanted:
-            body = self._render(encoder, gzipped)
+        for key in wanted:
+            body = self._render(key)
             with self._lock:
                 if generation != self._generation:
                     return
-                self._bodies[(encoder, gzipped)] = body
+                self._bodies[key] = body
 
-    def _render(self, encoder: Encoder, gzipped: bool) -> bytes:
-        return render(encoder, self.registry, gzipped)
+    def _asked(self, key: Key) -> None:
+        now = self._clock()
+        scrapes = self._scrapes.get(key)
+        if scrapes is None:
+            self._scrapes[key] = _Scrapes(now)
+        else:
+            scrapes.asked(now)
 
-
-def render(encoder: Encoder, registry: CollectorRegistry, gzipped: bool) -> bytes:
-    body = encoder(registry)
-    return gzip.compress(body, compresslevel=GZIP_LEVEL) if gzipped else body
+    def _render(self, key: Key) -> bytes:
+        self.renders += 1
+        return render(key[0], self.registry, key[1])

@@ -26,7 +26,7 @@ from node import (
     bench_node,
     cli_env,
     console_script,
-    cpu_seconds,
+    cpu_seconds_exact,
     free_port,
     int_list,
     parse_args,
@@ -67,9 +67,9 @@ def compare(args: argparse.Namespace, gpu_procs: int) -> dict[str, Any]:
             wait_http(nv_url, nv)
             time.sleep(3 * args.interval + 2)  # warm-up: caches filled, imports done
             t0, polls0 = time.monotonic(), polls_total(gw_url)
-            gw_cpu0, nv_cpu0 = cpu_seconds(gw.pid), cpu_seconds(nv.pid)
+            gw_cpu0, nv_cpu0 = cpu_seconds_exact(gw.pid), cpu_seconds_exact(nv.pid)
             time.sleep(args.window)
-            gw_cpu1, nv_cpu1 = cpu_seconds(gw.pid), cpu_seconds(nv.pid)
+            gw_cpu1, nv_cpu1 = cpu_seconds_exact(gw.pid), cpu_seconds_exact(nv.pid)
             t1, polls1 = time.monotonic(), polls_total(gw_url)
             gw_polls = polls1 - polls0
             nv_collections = (t1 - t0) / args.interval  # its loop sleeps to the next deadline

@@ -32,7 +32,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "oneshot", "daemon_rss", "agent_step",
-           "agent_ingest", "run_overhead", "top_cpu", "agent_flood", "chaos"]
+           "agent_ingest", "run_overhead", "top_cpu", "daemon_poll", "agent_flood", "chaos"]
 PACKAGES = ["gpuwatch", "nvidia-ml-py", "psutil", "prometheus-client", "nvitop",
             "nvitop-exporter", "gpustat"]
 
@@ -315,6 +315,18 @@ def agent_flood_rows(f: Figures) -> list[Row]:
     ]
 
 
+def daemon_poll_rows(f: Figures) -> list[Row]:
+    at = f"{f['gpus']} GPUs x {f['gpu_procs']} GPU processes"
+    idle, process = f["poll_once_idle_ms"], f["process_ms"]
+    return [
+        Row(f"daemon process CPU per poll / its poll after an idle interval, {at}",
+            f"{_ms(process)} / {_ms(idle)} = {process / idle:.2f}x", "<= 1.1x",
+            process <= 1.1 * idle),
+        Row(f"its poll after an idle interval / back to back (as poll_cost.py), {at}",
+            f"{_ms(idle)} / {_ms(f['bare_ms'])} = {idle / f['bare_ms']:.2f}x"),
+    ]
+
+
 def chaos_rows(f: Figures) -> list[Row]:
     return [Row(f"chaos: {r['figure']}", r.get("short") or r["value"], r["goal"], r["met"])
             for r in f["rows"]]
@@ -324,7 +336,7 @@ ROWS: dict[str, Callable[[Figures], list[Row]]] = {
     "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "oneshot": oneshot_rows,
     "daemon_rss": rss_rows, "agent_step": agent_step_rows, "agent_ingest": ingest_rows,
     "run_overhead": run_overhead_rows, "top_cpu": top_rows, "agent_flood": agent_flood_rows,
-    "chaos": chaos_rows,
+    "chaos": chaos_rows, "daemon_poll": daemon_poll_rows,
 }
 
 

@@ -23,7 +23,8 @@ def test_quick_benchmark_run_prints_the_summary_table(tmp_path: Path) -> None:
                    "`gpuwatch status --json` / `gpustat --json`", "daemon RSS after",
                    "`agent.step()` / bare `sendto`", "daemon ingest",
                    "`gpuwatch run -- true` - `true`", "`gpuwatch run` supervisor CPU",
-                   "`gpuwatch top` CPU", "agent flood, ", "chaos: "):
+                   "`gpuwatch top` CPU", "agent flood, ", "chaos: ",
+                   "daemon process CPU per poll / its poll after an idle interval"):
         assert figure in summary, summary
     assert "failed (exit" not in summary
     text = report.read_text()

@@ -8,9 +8,9 @@ each poll the daemon renders a format (text or OpenMetrics, plain or gzipped) on
 for it is due before the next poll: the last scrape for it plus one of the recent gaps between
 its scrapes lands before then. In the steady state that is one render per scrape (with two
 scrapers taking turns, at most three for two), done before the scrape arrives, which is then
-served bytes. A format asked for the first time, or a scrape
-that came early, renders then; what it rendered is kept until the next poll, so a second scraper
-gets the same bytes.
+served bytes. A scrape the daemon could not see coming (the first two for a format, before
+their rhythm shows; one that came early) renders then, and what it rendered is kept until the
+next poll, so a second scraper gets the same bytes.
 
 Everything in a body, the metrics port's own counters (connections, responses) included, is as
 of the poll.
@@ -59,10 +59,8 @@ class _Scrapes:
 
     def due_within(self, start: float, end: float) -> bool:
         """Whether the next scrape may come in (start, end]: one of the recent gaps after the
-        last one lands there (several scrapers make gaps that take turns). Yes while the
-        rhythm is unknown."""
-        if not self.gaps:
-            return True
+        last one lands there (several scrapers make gaps that take turns). No while the rhythm
+        is unknown: a person's one curl is not rendered for at every poll."""
         return any(start < self.last + gap <= end for gap in self.gaps)
 
 

@@ -168,9 +168,10 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _KINDS = ("step", "finished", "exit", "trace")
 _UCRED = struct.Struct("iII")  # pid_t, uid_t, gid_t: the size of "3i", unsigned ids
 _ANCILLARY_SIZE = socket.CMSG_SPACE(struct.calcsize("3i"))
-# A kernel-side receive timeout, so the thread sees its stop flag even if a wake-up is missed;
-# unlike settimeout() it adds no poll() syscall before every receive.
-_RECEIVE_TIMEOUT = struct.pack("ll", 0, 200_000)
+# A kernel-side receive timeout, so the thread sees its stop flag even if the shutdown() that
+# stop() wakes it with is missed; unlike settimeout() it adds no poll() syscall before every
+# receive. Long: each wake-up of an idle daemon takes the interpreter's lock from its poll.
+_RECEIVE_TIMEOUT = struct.pack("ll", 2, 0)
 
 
 _NO_BUFFERS: Mapping[str, BufferSize] = MappingProxyType({})

@@ -212,6 +212,17 @@ def scrape(url: str, gzipped: bool = False) -> tuple[float, bytes]:
     return time.perf_counter() - started, body
 
 
+def raw_get(port: int, path: str = "/metrics") -> tuple[float, bytes]:
+    """GET over a bare socket on 127.0.0.1: (seconds to the last byte, the whole response)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        started = time.perf_counter()
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        parts = []
+        while chunk := s.recv(1 << 20):
+            parts.append(chunk)
+        return time.perf_counter() - started, b"".join(parts)
+
+
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -179,3 +182,28 @@ def setpriv_or_skip() -> str:
     except KeyError:
         pytest.skip("no user with uid 65534")
     return setpriv
+
+
+@contextlib.contextmanager
+def shared_node(fake_nvml_lib: Path, runtime_owner: int, state_owner: int
+                ) -> Iterator[tuple[FakeNode, dict[str, str]]]:
+    """A fake node with its runtime and state directories (owned as given) in a directory any
+    user can reach (pytest's tmp_path is root's alone), for a daemon or a caller of another
+    uid. Yields the node and the environment; the directory is its HOME."""
+    shared = Path(tempfile.mkdtemp(prefix="gpuwatch-reap-"))
+    try:
+        shared.chmod(0o755)
+        node = FakeNode(shared / "fake-nvml.state", shutil.copytree(fake_nvml_lib, shared / "lib"))
+        node.write()
+        for directory, owner in ((shared / "run", runtime_owner), (shared / "state", state_owner)):
+            directory.mkdir(mode=0o755)
+            os.chown(directory, owner, owner)
+        env = node.env()
+        env.update({"GPUWATCH_RUNTIME_DIR": str(shared / "run"),
+                    "GPUWATCH_STATE_DIR": str(shared / "state"), "GPUWATCH_CONFIG": "/dev/null",
+                    "HOME": str(shared)})
+        env.pop("NOTIFY_SOCKET", None)
+        yield node, env
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+

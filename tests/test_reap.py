@@ -10,11 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,7 +26,7 @@ from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.simulate.job import launch_env
 from gpuwatch.units import human_bytes
-from tests.daemonproc import WatchedNode, running_daemon, setpriv_or_skip, value
+from tests.daemonproc import WatchedNode, running_daemon, setpriv_or_skip, shared_node, value
 from tests.realprocs import GIB, processes_by_pid, status_json
 from tests.scenarios import (
     _orphan,
@@ -571,19 +569,9 @@ def test_a_caller_without_cap_kill_is_refused_another_users_process(
     # Everything the caller needs lives where uid 65534 can reach it: pytest's tmp_path is
     # root's alone. The daemon (root) keeps serving its state socket, opened to the caller's
     # group as the gpuwatch group would be.
-    shared = Path(tempfile.mkdtemp(prefix="gpuwatch-reap-"))
-    try:
-        shared.chmod(0o755)
-        node = FakeNode(shared / "fake-nvml.state", shutil.copytree(fake_nvml_lib, shared / "lib"))
-        node.write()
-        runtime, states = shared / "run", shared / "state"
-        runtime.mkdir(mode=0o755)
-        states.mkdir()
-        os.chown(states, NOBODY, NOBODY)
-        env = node.env()
-        env.update({"GPUWATCH_RUNTIME_DIR": str(runtime), "GPUWATCH_STATE_DIR": str(states),
-                    "GPUWATCH_CONFIG": "/dev/null", "HOME": str(shared)})
-        env.pop("NOTIFY_SOCKET", None)
+    with shared_node(fake_nvml_lib, 0, NOBODY) as (node, env):
+        shared = Path(env["HOME"])
+        runtime, states = Path(env["GPUWATCH_RUNTIME_DIR"]), Path(env["GPUWATCH_STATE_DIR"])
         with orphaned_worker_under_pid1(tmp_path) as worker:
             node.hold(worker, device=0, used=GIB)
             with watching(node, env, tmp_path) as w:
@@ -609,8 +597,6 @@ def test_a_caller_without_cap_kill_is_refused_another_users_process(
                 assert running(worker)
         (entry,) = executed(audit(states))
         assert (entry["pid"], entry["result"]) == (worker, "refused")
-    finally:
-        shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_unkillable_and_ghost_findings_are_reported_and_never_signalled(

@@ -16,11 +16,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -40,6 +38,7 @@ from tests.daemonproc import (
     WatchedNode,
     running_daemon,
     setpriv_or_skip,
+    shared_node,
     value,
 )
 from tests.realprocs import GIB, processes_by_pid, status_json
@@ -165,28 +164,6 @@ def effective(pid: int) -> tuple[int, bool]:
     caps = status_field(pid, "CapEff")
     assert uid is not None and caps is not None
     return int(uid.split()[1]), bool(int(caps, 16) >> CAP_KILL & 1)
-
-
-@contextlib.contextmanager
-def shared_node(fake_nvml_lib: Path, owner: int) -> Iterator[tuple[FakeNode, dict[str, str]]]:
-    """A fake node with its runtime and state directories (owned by `owner`) where uid 65534
-    can reach them: pytest's tmp_path is root's alone. Yields the node and the environment."""
-    shared = Path(tempfile.mkdtemp(prefix="gpuwatch-reap-"))
-    try:
-        shared.chmod(0o755)
-        node = FakeNode(shared / "fake-nvml.state", shutil.copytree(fake_nvml_lib, shared / "lib"))
-        node.write()
-        runtime, states = shared / "run", shared / "state"
-        for directory in (runtime, states):
-            directory.mkdir(mode=0o755)
-            os.chown(directory, owner, owner)
-        env = node.env()
-        env.update({"GPUWATCH_RUNTIME_DIR": str(runtime), "GPUWATCH_STATE_DIR": str(states),
-                    "GPUWATCH_CONFIG": "/dev/null", "HOME": str(shared)})
-        env.pop("NOTIFY_SOCKET", None)
-        yield node, env
-    finally:
-        shutil.rmtree(shared, ignore_errors=True)
 
 
 def daemon_as(prefix: Sequence[str], env: dict[str, str], where: Path, config: str
@@ -497,7 +474,7 @@ def test_a_torn_last_line_is_skipped_counted_and_the_next_entry_starts_on_a_line
 def test_a_daemon_run_as_its_unit_runs_it_reaps_another_users_orphan(
         fake_nvml_lib: Path, tmp_path: Path) -> None:
     setpriv = setpriv_or_skip()
-    with shared_node(fake_nvml_lib, owner=NOBODY) as (node, env), \
+    with shared_node(fake_nvml_lib, NOBODY, NOBODY) as (node, env), \
             orphaned_worker_under_pid1(tmp_path) as worker:  # root's
         node.hold(worker, device=0, used=GIB)
         states = Path(env["GPUWATCH_STATE_DIR"])

@@ -310,22 +310,14 @@ class ReportCollector(Collector):
         yield _gauge("gpuwatch_agent_users",
                      "Users holding agent state, who share the budget and the slots.", [],
                      [([], float(stats.users))])
-        refused = CounterMetricFamily(
+        yield _by_what_and_reason(
             "gpuwatch_agent_history_refused", "Step histories (history) and buffer or "
             "discovered series (series) the budget refused to keep, by reason (user_share, "
-            "memory_budget).", labels=["what", "reason"])
-        for what in REFUSED_WHAT:
-            for reason in BUDGET_REASONS:
-                refused.add_metric([what, reason], float(stats.refused.get((what, reason), 0)))
-        yield refused
-        evicted = CounterMetricFamily(
+            "memory_budget).", REFUSED_WHAT, stats.refused)
+        yield _by_what_and_reason(
             "gpuwatch_agent_evicted", "What the budget took back from users above their "
             "share: a reporting process's slot (process) or its step history (history), by "
-            "reason (user_share, memory_budget).", labels=["what", "reason"])
-        for what in EVICTED_WHAT:
-            for reason in BUDGET_REASONS:
-                evicted.add_metric([what, reason], float(stats.evicted.get((what, reason), 0)))
-        yield evicted
+            "reason (user_share, memory_budget).", EVICTED_WHAT, stats.evicted)
 
     def _leaks(self, report: NodeReport) -> Iterator[Metric]:
         """One series per leaking process and metric: a leak finding is one per process, and
@@ -402,6 +394,16 @@ class ReportCollector(Collector):
         yield _gauge("gpuwatch_finding_gpu_memory_bytes",
                      "GPU memory at stake in an open finding (what reaping it would free).",
                      labels, memory)
+
+
+def _by_what_and_reason(name: str, documentation: str, whats: Iterable[str],
+                        counts: Mapping[tuple[str, str], int]) -> CounterMetricFamily:
+    """A counter with every (what, reason) pair present from the start, 0 where none was."""
+    family = CounterMetricFamily(name, documentation, labels=["what", "reason"])
+    for what in whats:
+        for reason in BUDGET_REASONS:
+            family.add_metric([what, reason], float(counts.get((what, reason), 0)))
+    return family
 
 
 def _gauge(name: str, doc: str, labels: list[str] | tuple[str, ...],

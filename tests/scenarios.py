@@ -115,6 +115,15 @@ def environ(pid: int) -> dict[str, str]:
     return {key: value for key, _, value in pairs}
 
 
+def environ_while_running(pid: int) -> dict[str, str]:
+    """`environ(pid)`, or nothing for a process that ended while being looked at (a shell's
+    short-lived `$(...)` child)."""
+    try:
+        return environ(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return {}
+
+
 def cmdline(pid: int) -> list[str]:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return [arg.decode(errors="replace") for arg in f.read().split(b"\0")[:-1]]
@@ -147,6 +156,10 @@ def _children(pid: int) -> list[int]:
         if entry.name.isdigit() and parent(int(entry.name)) == pid:
             out.append(int(entry.name))
     return out
+
+
+def _children_with(pid: int, variable: str) -> list[int]:
+    return [child for child in _children(pid) if variable in environ_while_running(child)]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -556,8 +569,8 @@ def shell_loop_as_container_init(ranks: int = 2) -> Iterator[JobPids]:
         init = wait_for("the shell in its PID namespace",
                         lambda: (_children(top.pid) or [None])[0], START_TIMEOUT, alive=top)
         workers = wait_for("its ranks", lambda: (
-            found if len(found := [c for c in _children(init) if "RANK" in environ(c)]) == ranks
-            else None), START_TIMEOUT, alive=top)
+            found if len(found := _children_with(init, "RANK")) == ranks else None),
+            START_TIMEOUT, alive=top)
         job = JobPids(launcher=init, workers=sorted(workers), helpers={}, run_id="",
                       group=top.pid, via="container")
         yield job

@@ -31,8 +31,9 @@ from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BENCHES = ["poll_cost", "exporter_vs_nvitop", "oneshot", "daemon_rss", "agent_step",
-           "agent_ingest", "run_overhead", "top_cpu", "daemon_poll", "agent_flood", "chaos"]
+BENCHES = ["poll_cost", "exporter_vs_nvitop", "equal_work", "oneshot", "daemon_rss",
+           "agent_step", "agent_ingest", "run_overhead", "top_cpu", "daemon_poll", "agent_flood",
+           "chaos"]
 PACKAGES = ["gpuwatch", "nvidia-ml-py", "psutil", "prometheus-client", "nvitop",
             "nvitop-exporter", "gpustat"]
 
@@ -165,6 +166,22 @@ def exporter_rows(f: Figures) -> list[Row]:
                             f"{_us_per_kb(gw):.1f} / {_us_per_kb(nv):.1f} us/KB; gzipped "
                             f"{_ms(gw['gzip_scrape_ms'])} ({gw['gzip_bytes'] / 1024:.0f} KiB) / "
                             f"{_ms(nv['gzip_scrape_ms'])} ({nv['gzip_bytes'] / 1024:.0f} KiB)"))
+    return rows
+
+
+def equal_work_rows(f: Figures) -> list[Row]:
+    """nvitop-exporter's per-process collection alone against the daemon's poll, alternating in
+    one run (bench/equal_work.py): the ratio at equal work, not at each tool's defaults."""
+    rows = []
+    for n, r in f["by_gpu_procs"].items():
+        at = f"{f['gpus']} GPUs x {n} GPU processes"
+        rows.append(Row(
+            f"daemon poll / nvitop-exporter's per-process collection alone (equal work), {at}",
+            f"{_ms(r['gpuwatch_ms'])} / {_ms(r['nvitop_processes_ms'])} = {r['ratio']:.2f}x "
+            f"({r['gpuwatch_us_per_gpu_proc']:.0f} / {r['nvitop_us_per_gpu_proc']:.0f} us per "
+            f"GPU process); without detectors {_ms(r['gpuwatch_no_detectors_ms'])} = "
+            f"{r['ratio_no_detectors']:.2f}x",
+            "<= 1x" if n == "64" else "", r["ratio"] <= 1 if n == "64" else None))
     return rows
 
 
@@ -336,8 +353,9 @@ def chaos_rows(f: Figures) -> list[Row]:
 
 
 ROWS: dict[str, Callable[[Figures], list[Row]]] = {
-    "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "oneshot": oneshot_rows,
-    "daemon_rss": rss_rows, "agent_step": agent_step_rows, "agent_ingest": ingest_rows,
+    "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "equal_work": equal_work_rows,
+    "oneshot": oneshot_rows, "daemon_rss": rss_rows, "agent_step": agent_step_rows,
+    "agent_ingest": ingest_rows,
     "run_overhead": run_overhead_rows, "top_cpu": top_rows, "agent_flood": agent_flood_rows,
     "chaos": chaos_rows, "daemon_poll": daemon_poll_rows,
 }

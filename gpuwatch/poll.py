@@ -44,8 +44,9 @@ class AgentSource(Protocol):
 
 #: Bounds the walk down job trees, so a fork bomb under a launcher cannot stall a poll.
 MAX_JOB_MEMBERS = 4096
-#: New PIDs looked at, at most, to tell whether a job tree gained a child since the last walk;
-#: beyond that many processes started between two polls the trees are walked again.
+#: New PIDs looked at, at least, to find the children job trees gained since the last walk (as
+#: many as the trees hold members, if more); beyond that many processes started between two
+#: polls the trees are walked again.
 MAX_NEW_PIDS = 64
 #: The job trees are walked again after this many polls whatever the evidence says: a bound on
 #: how long any case the evidence misses could last.
@@ -64,10 +65,9 @@ class _Walk(NamedTuple):
     #: The PID last handed out when the walk started (less WALK_SLACK), or when the trees were
     #: last found unchanged: a child forked since has a later one.
     last_pid: int
-    #: Each member's and root's identity, parent, thread count and whether it is a zombie: a
-    #: child reparented (its parent exited, or the thread that forked it did) or reaped shows
-    #: in these, as a member that is gone does.
-    shape: dict[int, tuple[Optional[float], Optional[int], Optional[int], bool]]
+    #: Each member's and root's start time and parent: a PID reused, or a child reparented
+    #: (its parent exited), shows in these.
+    shape: dict[int, tuple[Optional[float], Optional[int]]]
     #: New PIDs that /proc did not have yet when last looked at (a fork not yet complete),
     #: looked at once more.
     unseen: frozenset[int]
@@ -203,26 +203,35 @@ class Poller:
         """Read every process under the roots, with what `known` holds already.
 
         Walking the trees reads a children file per member, a third of a poll on a node of
-        dataloader workers, and the trees rarely change. So the last walk's members are read
-        again as they were, unless the trees may have changed: other roots, a member gone,
-        reparented, turned zombie or with another thread count, or a process started since
-        whose parent is a member (PIDs are handed out in order; /proc/loadavg names the last).
-        Then, and every WALK_EVERY polls, the trees are walked again.
+        dataloader workers, and most polls find the trees as they were. So the last walk's
+        members are read again, with the processes started since whose parent is in a tree
+        (PIDs are handed out in order; /proc/loadavg names the last), and the members are
+        worked out again from each one's parent as read: a member that exited, or was
+        reparented out of its tree, leaves it; a child forked since joins it. Each new PID
+        costs one stat line, about what a member costs a walk, so the trees are walked again
+        when more processes started than they hold, when a record cannot say who its parent
+        is, when the roots change, and every WALK_EVERY polls whatever the evidence says.
         """
         last = self._walk
         last_pid = self.processes.last_pid()
         if (last is not None and last_pid is not None and last.roots == roots
                 and last.polls < WALK_EVERY):
-            unseen = self._forks_outside(last, last_pid)
-            if unseen is not None:
-                reading = self.processes.read(last.members - known.keys(), gpu_usage,
-                                              known=known)
-                if self._same_shape(last, reading.processes):
+            forks = self._forks_since(last, last_pid)
+            if forks is not None:
+                born, unseen = forks
+                candidates = last.members | born if born else last.members
+                reading = self.processes.read(candidates - known.keys(), gpu_usage, known=known)
+                members = self._members_now(last, born, reading.processes)
+                if members is last.members:  # most polls: the trees as they were
                     self._walk = last._replace(last_pid=last_pid, unseen=unseen,
                                                polls=last.polls + 1)
                     return reading
-                # Read again from the new walk, as if this read had not been: a process that
-                # left the trees must not stay in the snapshot for having been read first.
+                if members is not None and len(members) <= MAX_JOB_MEMBERS:
+                    self._walk = _Walk(roots, members, last_pid,
+                                       self._shape(roots | members, reading.processes),
+                                       unseen, last.polls + 1)
+                    return self._without(reading, candidates - members - known.keys())
+                # Read again from the new walk, as if this read had not been.
         members = self._descendants(roots)
         reading = self.processes.read(members - known.keys(), gpu_usage, known=known)
         self._walk = None if last_pid is None else _Walk(
@@ -230,16 +239,24 @@ class Poller:
             self._shape(roots | members, reading.processes), frozenset(), 0)
         return reading
 
-    def _forks_outside(self, walk: _Walk, last_pid: int) -> Optional[frozenset[int]]:
-        """The PIDs to look at again next time when no process started since the walk is a
-        child of a member; None when one may be (or too many started to tell)."""
-        if last_pid < walk.last_pid or last_pid - walk.last_pid > MAX_NEW_PIDS + WALK_SLACK:
-            return None  # PIDs wrapped around, or a busy host: walk
-        tree = walk.shape
+    def _forks_since(self, walk: _Walk, last_pid: int
+                     ) -> Optional[tuple[set[int], frozenset[int]]]:
+        """The processes started since `walk` whose parent is in a tree (children of members,
+        their children in turn), and the PIDs to look at again next time; None when too many
+        started to tell for less than a walk costs."""
+        if last_pid < walk.last_pid:
+            return None  # PIDs wrapped around
+        if last_pid - walk.last_pid > max(MAX_NEW_PIDS, len(walk.members)) + WALK_SLACK:
+            return None  # a busy host: a walk costs less than looking at every new PID
+        tree = walk.shape.keys()
+        born: set[int] = set()
+        listed: dict[int, set[int]] = {}
         unseen = []
-        for pid in (*range(walk.last_pid + 1, last_pid + 1), *walk.unseen):
+        # In order: a child's PID follows its parent's, so a new child of a new member is found
+        # (the PIDs looked at again are older than the new ones).
+        for pid in sorted({*range(walk.last_pid + 1, last_pid + 1), *walk.unseen}):
             if pid in tree:
-                continue  # found by the walk (a PID reused since shows in the shape)
+                continue  # found before (a PID reused since shows in the shape)
             try:
                 stat = self.processes.stat(pid)
             except (OSError, ValueError, IndexError):
@@ -249,28 +266,74 @@ class Poller:
                 # once more at the next poll, by when a fork has long completed.
                 if pid not in walk.unseen:
                     unseen.append(pid)
-            elif stat.ppid in tree:
-                return None  # a member's new child (or a thread of a member's child)
-        return frozenset(unseen)
+            elif stat.ppid in tree or stat.ppid in born:
+                # A child as a walk finds it, in its parent's children file: not a thread (its
+                # stat line names the process's parent too), nor a child another thread forked.
+                kids = listed.get(stat.ppid)
+                if kids is None:
+                    kids = listed[stat.ppid] = set(self.processes.children(stat.ppid))
+                if pid in kids:
+                    born.add(pid)
+        return born, frozenset(unseen)
 
     @staticmethod
     def _shape(pids: Iterable[int], processes: Mapping[int, HostProcess]
-               ) -> dict[int, tuple[Optional[float], Optional[int], Optional[int], bool]]:
+               ) -> dict[int, tuple[Optional[float], Optional[int]]]:
         shape = {}
         for pid in pids:
             p = processes.get(pid)
             if p is not None and p.in_procfs:
-                shape[pid] = (p.start_time, p.ppid, p.num_threads, p.state == "zombie")
+                shape[pid] = (p.start_time, p.ppid)
         return shape
 
-    def _same_shape(self, walk: _Walk, processes: Mapping[int, HostProcess]) -> bool:
-        for pid, was in walk.shape.items():
-            p = processes.get(pid)
-            if p is None or not p.in_procfs or was != (p.start_time, p.ppid, p.num_threads,
-                                                       p.state == "zombie"):
-                return False
-        # A member that was unreadable at the walk may be readable now, with children.
-        return len(walk.shape) == len(walk.roots | walk.members)
+    @staticmethod
+    def _members_now(walk: _Walk, born: set[int],
+                     processes: Mapping[int, HostProcess]) -> Optional[set[int]]:
+        """The members among the last walk's and the processes born since, from each one's
+        parent as read now; None when a root is not the process it was, or when a record
+        cannot say who its parent is."""
+        for root in walk.roots:
+            p = processes.get(root)
+            if p is None or not p.in_procfs or walk.shape.get(root) != (p.start_time, p.ppid):
+                return None
+        shape = walk.shape
+        if not born and all(
+                (p := processes.get(pid)) is not None and p.in_procfs
+                and shape.get(pid) == (p.start_time, p.ppid) for pid in walk.members):
+            return walk.members  # most polls: nothing changed
+        # Whether each process is under a root, worked out once per process.
+        under: dict[int, bool] = dict.fromkeys(walk.roots, True)
+        for pid in walk.members | born:
+            chain = []
+            while pid not in under:
+                p = processes.get(pid)
+                if p is None or not p.in_procfs:
+                    under[pid] = False  # exited: out of the trees, its children reparented
+                    break
+                was = shape.get(pid)
+                if p.ppid is None or (was is not None and was[0] != p.start_time):
+                    return None  # unreadable, or a PID reused since the walk
+                if pid not in born and was is None:
+                    return None  # unreadable at the walk: its children were never looked at
+                chain.append(pid)
+                pid = p.ppid
+                if pid in chain:
+                    return None  # parents read at different moments disagree: walk
+                if pid not in walk.members and pid not in born and pid not in walk.roots:
+                    under[pid] = False  # a parent outside the trees
+            verdict = under[pid]
+            for link in chain:
+                under[link] = verdict
+        return {pid for pid in walk.members | born if under[pid]}
+
+    @staticmethod
+    def _without(reading: ProcessReading, pids: set[int]) -> ProcessReading:
+        """`reading` less processes that left the trees. Their ancestors stay: each is an
+        ancestor of a root too (an orphan goes to init or to a subreaper above it)."""
+        if not pids:
+            return reading
+        kept = {pid: p for pid, p in reading.processes.items() if pid not in pids}
+        return ProcessReading(processes=MappingProxyType(kept), errors=reading.errors)
 
     def _descendants(self, roots: frozenset[int]) -> set[int]:
         """Every process under the roots (each root's children file read once)."""

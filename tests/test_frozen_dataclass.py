@@ -10,7 +10,7 @@ from typing import Any, Optional
 import pytest
 
 from gpuwatch.config import Config
-from gpuwatch.frozen import frozen_dataclass
+from gpuwatch.frozen import evolve, frozen_dataclass
 from gpuwatch.model import BufferSize, HostProcess, Job
 
 
@@ -72,3 +72,17 @@ def test_the_model_and_the_config_compare_hash_and_show_as_before() -> None:
     assert hash(Config().daemon) == hash(Config().daemon)
     optional: Optional[int] = None
     assert Job("1", "run").__eq__(optional) is NotImplemented
+
+
+def test_evolve_makes_what_replace_makes_and_leaves_the_original_as_it_was() -> None:
+    p = HostProcess(pid=7, ppid=1, name="python", cmdline=("python", "train.py"),
+                    job=Job("42", "slurm"))
+    evolved = evolve(p, group_leader_gone=True, rss_bytes=1 << 20)
+    assert evolved == dataclasses.replace(p, group_leader_gone=True, rss_bytes=1 << 20)
+    assert repr(evolved) == repr(dataclasses.replace(p, group_leader_gone=True,
+                                                     rss_bytes=1 << 20))
+    assert p.group_leader_gone is not True and p.rss_bytes is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        evolved.pid = 8  # type: ignore[misc]
+    with pytest.raises(TypeError, match="no field nope"):
+        evolve(p, nope=1)

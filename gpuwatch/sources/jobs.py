@@ -401,8 +401,9 @@ class SupervisorRef(NamedTuple):
 def run_supervisor(launch_env: Mapping[str, str]) -> Optional[SupervisorRef]:
     """The supervisor named by GPUWATCH_RUN_SUPERVISOR ("4242:1767000000.25"), or None when the
     variable is absent or is not a PID and a start time."""
-    if not isinstance(launch_env, Mapping) or RUN_SUPERVISOR_KEY not in launch_env:
-        return None  # most processes: asked for each, at every poll and by several detectors
+    # Most processes: asked for each, at every poll and by several detectors, so no ABC check.
+    if not launch_env or RUN_SUPERVISOR_KEY not in launch_env:
+        return None
     value = _env_value(launch_env, RUN_SUPERVISOR_KEY)
     pid_text, sep, start_text = value.partition(":")
     if not sep or not (pid_text.isascii() and pid_text.isdigit()):

@@ -21,12 +21,13 @@ import re
 import resource
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple, Optional, TypeVar, Union
 
 import psutil
 
+from gpuwatch.frozen import evolve
 from gpuwatch.model import GpuProcessUsage, HostProcess, Job, ProcessReading, SourceError
 from gpuwatch.sources.jobs import (
     WORKER_MARKER_KEYS,
@@ -144,7 +145,7 @@ class ProcessSource:
                 if kept is not None and kept[0] is proc and kept[1] == gone:
                     found[pid] = kept[2]
                     continue
-                found[pid] = replace(proc, group_leader_gone=gone)
+                found[pid] = evolve(proc, group_leader_gone=gone)
                 holders[pid] = (proc, gone, found[pid])
         return ProcessReading(processes=MappingProxyType(found), errors=tuple(errors))
 

@@ -55,7 +55,7 @@ bench: $(STAMP)
 # the venv, which gets PyTorch first where a GPU answers: without one the tests skip anyway, and
 # PyTorch is several GiB.
 GPU_MISSING = $(PYTHON) -c 'import importlib.util as u, sys; \
-	need = ["torch", "pynvml", "psutil", "prometheus_client", "click", "pytest"]; \
+	need = ["torch", "pynvml", "prometheus_client", "click", "pytest"]; \
 	need += [] if sys.version_info >= (3, 11) else ["tomli"]; \
 	print(" ".join(m for m in need if u.find_spec(m) is None))'
 

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple, Optional, TypeVar, Union
 
-import psutil
-
 from gpuwatch.frozen import evolve
 from gpuwatch.model import GpuProcessUsage, HostProcess, Job, ProcessReading, SourceError
 from gpuwatch.sources.jobs import (
@@ -93,7 +91,7 @@ class _Static:
 class ProcessSource:
     def __init__(self, procfs: str = "/proc") -> None:
         self._procfs = procfs
-        self._boot_time = psutil.boot_time()
+        self._boot_time = _boot_time(procfs)
         self._static: dict[tuple[int, float], _Static] = {}
         self._users: dict[int, str] = {}
         #: Each process's last record with the stat fields and GPU usage it was built from: a
@@ -128,7 +126,7 @@ class ProcessSource:
             while current is not None and current > 0 and current not in found:
                 try:
                     proc = self._read_one(current, usage.get(current, ()))
-                except (OSError, ValueError, IndexError, psutil.Error) as exc:
+                except (OSError, ValueError, IndexError) as exc:
                     # /proc in a state nobody expected: this process is marked, the poll goes on.
                     errors.append(SourceError("procfs", f"PID {current}: {exc}"))
                     proc = HostProcess(pid=current, gpu_usage=usage.get(current, ()),
@@ -364,7 +362,7 @@ class ProcessSource:
         """
         errors: list[str] = []
         base = f"{self._procfs}/{pid}"
-        zombie = state == psutil.STATUS_ZOMBIE
+        zombie = state == "zombie"
         name = comm.decode(_FS_ENCODING, _FS_ERRORS)
         args: Optional[list[str]] = None
         cmdline: tuple[str, ...] = ()
@@ -489,6 +487,15 @@ class ProcessSource:
             return False
         return any(key in WORKER_MARKER_KEYS for key in parse_environ(raw))
 
+
+
+def _boot_time(procfs: str) -> float:
+    """When the system booted, in seconds since the epoch (the btime line of /proc/stat): a
+    process's start time is this plus its start in clock ticks since boot, as psutil has it."""
+    for line in _read_file(f"{procfs}/stat").splitlines():
+        if line.startswith(b"btime "):
+            return float(line.split()[1])
+    raise RuntimeError(f"no btime line in {procfs}/stat")
 
 
 def _read_file(path: str, size: int = _READ_CHUNK) -> bytes:

@@ -463,6 +463,12 @@ def _total(samples: Samples, name: str, **labels: str) -> float:
                if n == name and all(dict(ls).get(k) == want for k, want in labels.items()))
 
 
+def _refused(samples: Samples) -> float:
+    return (_total(samples, "gpuwatch_agent_reports_rejected_total", reason="user_share")
+            + _total(samples, "gpuwatch_agent_reports_rejected_total", reason="memory_budget")
+            + _total(samples, "gpuwatch_agent_history_refused_total"))
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="a second user needs setuid (root)")
 def test_one_users_flood_neither_grows_the_daemon_nor_hides_another_users_leak(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
@@ -480,15 +486,21 @@ def test_one_users_flood_neither_grows_the_daemon_nor_hides_another_users_leak(
             daemon.wait_for_metrics("a poll", lambda s: value(s, "gpuwatch_polls_total") or None)
             before = _rss(daemon.proc.pid)
             go_r, go_w = os.pipe()
+            victim_go_r, victim_go_w = os.pipe()
             progress_r, progress_w = os.pipe()
             for i in range(FLOODERS):
                 children.append(_fork(lambda i=i: _flooder(path, i, go_r)))
-            victim = _fork(lambda: _leaking_trainer(str(runtime), go_r, progress_w))
+            victim = _fork(lambda: _leaking_trainer(str(runtime), victim_go_r, progress_w))
             children.append(victim)
             peak = _PeakRss(daemon.proc.pid)
             peak.start()
+            os.write(go_w, b"g" * FLOODERS)
+            # The other user starts once the flood is held back: what the flooder holds is then
+            # taken back (evicted) to make room for it, not merely refused at the door.
+            daemon.wait_for_metrics("the flood held back",
+                                    lambda s: s if _refused(s) > 0 else None, timeout=30)
             started = time.monotonic()
-            os.write(go_w, b"g" * (FLOODERS + 1))
+            os.write(victim_go_w, b"g")
 
             def leak_found(s: Samples) -> Optional[Samples]:
                 return s if value(s, "gpuwatch_finding", kind="leak", pid=str(victim)) else None
@@ -526,10 +538,7 @@ def test_one_users_flood_neither_grows_the_daemon_nor_hides_another_users_leak(
     assert (value(samples, "gpuwatch_agent_step", pid=str(victim)) or 0) >= victim_step
     assert value(samples, "gpuwatch_leak_growth_bytes_per_step", pid=str(victim),
                  series="RSS") is not None
-    refused = (_total(samples, "gpuwatch_agent_reports_rejected_total", reason="user_share")
-               + _total(samples, "gpuwatch_agent_reports_rejected_total", reason="memory_budget")
-               + _total(samples, "gpuwatch_agent_history_refused_total"))
-    assert refused > 0
+    assert _refused(samples) > 0
     assert _total(samples, "gpuwatch_agent_evicted_total") > 0
     # The daemon did not grow with the flood: what it keeps is within the budget's ceiling,
     # and its resident memory under the documented bound, the flood's share a few budgets.

@@ -12,7 +12,7 @@ from gpuwatch.model import GpuProcessUsage
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.sources.processes import ProcessSource
 from tests.realprocs import GIB
-from tests.scenarios import pid_namespaces
+from tests.scenarios import comm, pid_namespaces
 
 
 def _usage(pid: int) -> GpuProcessUsage:
@@ -43,9 +43,17 @@ def test_processes_exiting_during_polls_never_break_a_poll() -> None:
     assert all(pid not in {p.pid for p in batch} for pid, _ in source._static)
 
 
+def _arguments_in_place(pid: int) -> bool:
+    """Whether the process's exec has put its arguments in place: Popen returns as soon as the
+    child has its new memory, a moment before the kernel has set where its arguments are."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return bool(f.read())
+
+
 def test_ancestors_are_followed_up_to_pid_1() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        wait_for("the child's arguments", lambda: _arguments_in_place(child.pid) or None, 10)
         procs = ProcessSource().read([child.pid]).processes
         assert procs[child.pid].ppid == os.getpid()
         chain, pid = [], child.pid
@@ -55,6 +63,33 @@ def test_ancestors_are_followed_up_to_pid_1() -> None:
         assert pid == 1 and os.getpid() in chain
         assert procs[child.pid].cmdline[-1] == "import time; time.sleep(60)"
         assert procs[child.pid].start_time == procs[child.pid].identity[1]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_process_that_execs_is_read_again_with_what_it_runs_now() -> None:
+    """An exec keeps the PID and the start time, so the identity: the name and the command line
+    read for it before must not stay."""
+    child = subprocess.Popen(["sh", "-c", "read line; exec sleep 60"], stdin=subprocess.PIPE)
+    assert child.stdin is not None
+    try:
+        wait_for("the shell's arguments", lambda: _arguments_in_place(child.pid) or None, 10)
+        source = ProcessSource()
+        before = source.read([child.pid]).processes[child.pid]
+        assert before.name == "sh" and before.cmdline == ("sh", "-c", "read line; exec sleep 60")
+        child.stdin.write(b"go\n")
+        child.stdin.flush()
+        wait_for("the exec", lambda: (comm(child.pid) == "sleep"
+                 and _arguments_in_place(child.pid)) or None, 10)
+        after = source.read([child.pid]).processes[child.pid]
+        assert after.identity == before.identity
+        assert after.name == "sleep" and after.cmdline == ("sleep", "60")
+        # Exited, it keeps what it ran: a zombie has no arguments left to read.
+        child.kill()
+        _wait_zombie(child.pid)
+        gone = source.read([child.pid]).processes[child.pid]
+        assert gone.state == "zombie" and gone.cmdline == ("sleep", "60")
     finally:
         child.kill()
         child.wait()

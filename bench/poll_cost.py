@@ -10,7 +10,9 @@
     with status and cmdline too (the floor of a reader that caches nothing). Also NVML's share
     of a poll (the daemon's own NVML read alone), and a cold poll (a fresh process source and
     history: every process seen for the first time), whose excess over a warm one, per process,
-    is what the first sighting of a process costs.
+    is what the first sighting of a process costs; beside it, that sighting's floor: the files
+    a process seen first needs beyond a warm poll's stat line (status, cmdline, cgroup, environ,
+    its children), read through os.open/os.read and nothing else.
 (d) A dataloader node: 8 ranks holding GPU memory, each with 16 dataloader workers that hold
     none. Steady, and churning: every few polls one rank's workers are killed and the rank starts
     new ones, as a DataLoader does each epoch; the excess CPU over the steady polls, per process
@@ -88,7 +90,7 @@ print(json.dumps({"cpu": cpu, "wall": wall, "detect": detect,
 
 # (c): the poll against its floors, alternating, in one process.
 _RATIOS = r"""
-import json, sys, time
+import json, os, sys, time
 import pynvml
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import assess
@@ -120,6 +122,24 @@ def read(names):
             except OSError:
                 pass
 
+def first_floor():
+    # What a reader that keeps what never changes must read for a process it has not seen,
+    # beyond the stat line a warm poll reads too: the four other files and its children, each
+    # through the cheapest reads Python has.
+    for pid in pids:
+        for path in (f"/proc/{pid}/status", f"/proc/{pid}/cmdline", f"/proc/{pid}/cgroup",
+                     f"/proc/{pid}/environ", f"/proc/{pid}/task/{pid}/children"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.read(fd, 65536)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
 def warm():
     assess(poller.poll(watch=history.watch_pids()), history, config)
 
@@ -129,6 +149,7 @@ variants = {
     "nvml_calls": nvml_calls,
     "floor": lambda: (nvml_calls(), read(("stat",))),
     "floor_full": lambda: (nvml_calls(), read(("stat", "status", "cmdline"))),
+    "first_floor": first_floor,
 }
 times = {name: [] for name in variants}
 cold, cold_processes = [], 0
@@ -238,6 +259,9 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
         "vs_floor_without_nvml": (poll - nvml) / (t["floor"] - t["nvml_calls"]),
         "cold_ms": t["cold"], "processes": r["processes"],
         "first_sighting_us": (t["cold"] - poll) / r["cold_processes"] * 1e3,
+        "first_floor_us": t["first_floor"] / r["processes"] * 1e3,
+        "first_over_floor": ((t["cold"] - poll) / r["cold_processes"])
+                            / (t["first_floor"] / r["processes"]),
     }
 
 
@@ -255,12 +279,13 @@ def print_ratios(label: str, f: dict[str, float]) -> None:
     print(f"{label:<24} {f['poll_ms']:>8.2f} {f['floor_ms']:>7.2f} {f['vs_floor']:>6.2f}x "
           f"{f['floor_full_ms']:>8.2f} {f['vs_floor_full']:>6.2f}x {f['nvml_read_ms']:>6.2f} "
           f"{100 * f['nvml_share']:>5.0f}% {f['vs_floor_without_nvml']:>7.2f}x "
-          f"{f['cold_ms']:>7.2f} {f['first_sighting_us']:>8.1f}", flush=True)
+          f"{f['cold_ms']:>7.2f} {f['first_sighting_us']:>8.1f} {f['first_floor_us']:>7.1f} "
+          f"{f['first_over_floor']:>6.2f}x", flush=True)
 
 
 RATIO_HEADER = (f"{'':<24} {'poll ms':>8} {'floor':>7} {'/floor':>7} {'full fl.':>8} "
                 f"{'/full':>7} {'NVML':>6} {'share':>6} {'-NVML':>8} {'cold ms':>7} "
-                f"{'us/first':>8}")
+                f"{'us/first':>8} {'floor':>7} {'/floor':>7}")
 
 
 def print_dataloader(label: str, f: dict[str, float]) -> None:

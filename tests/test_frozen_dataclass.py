@@ -10,7 +10,7 @@ from typing import Any, Optional
 import pytest
 
 from gpuwatch.config import Config
-from gpuwatch.frozen import evolve, frozen_dataclass
+from gpuwatch.frozen import build, evolve, frozen_dataclass
 from gpuwatch.model import BufferSize, HostProcess, Job
 
 
@@ -86,3 +86,20 @@ def test_evolve_makes_what_replace_makes_and_leaves_the_original_as_it_was() -> 
         evolved.pid = 8  # type: ignore[misc]
     with pytest.raises(TypeError, match="no field nope"):
         evolve(p, nope=1)
+
+
+def test_build_makes_what_init_makes_from_every_field_and_refuses_fewer_or_others() -> None:
+    values: dict[str, Any] = {f.name: getattr(HostProcess(pid=0), f.name)
+                              for f in dataclasses.fields(HostProcess)}
+    values.update(pid=7, ppid=1, name="python", cmdline=("python", "train.py"),
+                  job=Job("42", "slurm"), group_leader_gone=True)
+    built = build(HostProcess, dict(values))
+    made = HostProcess(**values)
+    assert built == made and repr(built) == repr(made)
+    assert vars(built) == vars(made)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.pid = 8  # type: ignore[misc]
+    with pytest.raises(TypeError, match="not given: group_leader_gone"):
+        build(HostProcess, {k: v for k, v in values.items() if k != "group_leader_gone"})
+    with pytest.raises(TypeError, match="no such field: nope"):
+        build(HostProcess, {**values, "nope": 1})

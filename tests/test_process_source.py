@@ -95,6 +95,30 @@ def test_a_process_that_execs_is_read_again_with_what_it_runs_now() -> None:
         child.wait()
 
 
+def test_processes_with_the_same_texts_share_what_was_made_of_them() -> None:
+    """A launcher's ranks read the same command line, cgroup and environment: parsed once, for
+    the first of them. One that differs in any text is parsed on its own."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "SLURM_JOB_ID": "4242"}
+    same = [subprocess.Popen(["sleep", "60"], env=env) for _ in range(2)]
+    other = subprocess.Popen(["sleep", "60"], env={**env, "RANK": "1"})
+    try:
+        pids = [p.pid for p in (*same, other)]
+        wait_for("the sleeps' arguments",
+                 lambda: all(_arguments_in_place(pid) for pid in pids) or None, 10)
+        found = ProcessSource().read(pids).processes
+        first, second, third = (found[pid] for pid in pids)
+        assert first.launch_env["RANK"] == "0" and third.launch_env["RANK"] == "1"
+        assert first.job is not None and first.job.id == "4242"
+        # The same objects: made once (a job is made afresh each time it is worked out).
+        assert first.job is second.job and first.launch_env is second.launch_env
+        assert third.launch_env is not first.launch_env
+        assert first.cmdline == third.cmdline == ("sleep", "60")
+    finally:
+        for p in (*same, other):
+            p.kill()
+            p.wait()
+
+
 def test_a_zombie_is_read_with_its_state_and_no_command_line() -> None:
     child = subprocess.Popen(["true"])
     try:

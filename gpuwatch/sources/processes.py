@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple, Optional, TypeVar, Union
 
-from gpuwatch.frozen import evolve
+from gpuwatch.frozen import build, evolve
 from gpuwatch.model import GpuProcessUsage, HostProcess, Job, ProcessReading, SourceError
 from gpuwatch.sources.jobs import (
     WORKER_MARKER_KEYS,
@@ -109,6 +109,7 @@ class ProcessSource:
         self._cgroups: dict[str, Optional[CgroupInfo]] = {}
         self._environs: dict[bytes, Mapping[str, str]] = {}
         self._cmdlines: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._statics: dict[tuple[object, ...], _Static] = {}
 
     def read(self, pids: Iterable[int],
              gpu_usage: Optional[Mapping[int, tuple[GpuProcessUsage, ...]]] = None,
@@ -246,28 +247,30 @@ class ProcessSource:
                                    read_errors=("exited while being read",))
             static = read
             self._static[identity] = (image, static)
-        record = HostProcess(
-            pid=pid,
-            ppid=dynamic.ppid,
-            pgid=dynamic.pgid,
-            sid=dynamic.sid,
-            start_time=dynamic.start_time,
-            name=static.name,
-            cmdline=static.cmdline,
-            user=static.user,
-            uid=static.uid,
-            state=dynamic.state,
-            rss_bytes=dynamic.rss_bytes,
-            num_threads=dynamic.threads,
-            cgroup=static.cgroup,
-            job=static.job,
-            launch_env=static.launch_env,
-            namespace_pids=static.namespace_pids,
-            gpu_usage=usage,
-            read_errors=static.read_errors,
-            wchan=wchan,
-            kernel_stack=stack,
-        )
+        record = build(HostProcess, {
+            "pid": pid,
+            "in_procfs": True,
+            "ppid": dynamic.ppid,
+            "pgid": dynamic.pgid,
+            "sid": dynamic.sid,
+            "start_time": dynamic.start_time,
+            "name": static.name,
+            "cmdline": static.cmdline,
+            "user": static.user,
+            "uid": static.uid,
+            "state": dynamic.state,
+            "rss_bytes": dynamic.rss_bytes,
+            "num_threads": dynamic.threads,
+            "cgroup": static.cgroup,
+            "job": static.job,
+            "launch_env": static.launch_env,
+            "namespace_pids": static.namespace_pids,
+            "gpu_usage": usage,
+            "read_errors": static.read_errors,
+            "wchan": wchan,
+            "kernel_stack": stack,
+            "group_leader_gone": None,
+        })
         self._records[pid] = (key, record)
         return record
 
@@ -369,30 +372,21 @@ class ProcessSource:
         """What never changes for one identity; None when the process exited while being read.
 
         Read as psutil read it (name, command line, real uid), from fewer files: the name is the
-        stat line's, the uid and the NSpid come from one read of status.
+        stat line's, the uid and the NSpid come from one read of status. The processes of one
+        job (a launcher's ranks, a rank's dataloader workers) read the same texts, so what is
+        made of them is kept by the texts: a newcomer costs its reads and one lookup.
         """
         errors: list[str] = []
         base = f"{self._procfs}/{pid}"
         zombie = state == "zombie"
-        name = comm.decode(_FS_ENCODING, _FS_ERRORS)
-        args: Optional[list[str]] = None
-        cmdline: tuple[str, ...] = ()
+        cmdline_raw: Optional[bytes] = None
         if not zombie:  # a zombie has no command line left to read
             try:
-                args = _split_cmdline(_read_file(f"{base}/cmdline"))
+                cmdline_raw = _read_file(f"{base}/cmdline")
             except PermissionError:
                 errors.append("command line not readable")
             except OSError:
                 pass  # gone, or unreadable for a reason that leaves the rest readable
-            if args:
-                key = tuple(args)
-                cmdline = self._cmdlines.get(key) or _cached(
-                    self._cmdlines, key, redact_cmdline(args))
-        if len(name) >= _COMM_LENGTH and args:
-            # The kernel cut the name: the program's own, as psutil gives it.
-            extended = os.path.basename(args[0])
-            if extended.startswith(name):
-                name = extended
         uid: Optional[int] = None
         namespace_pids: tuple[int, ...] = ()
         try:
@@ -407,11 +401,34 @@ class ProcessSource:
             found = _UID_LINE.search(status)
             uid = int(found.group(1)) if found else None
             namespace_pids = _namespace_pids(status)
-        cgroup_text = self._read_proc_text(pid, "cgroup")
+        cgroup_raw = self._read_proc_bytes(pid, "cgroup")
         env_raw = self._read_proc_bytes(pid, "environ")
         if env_raw is None and not zombie:
             errors.append("environment not readable (other user's process; run as root)")
-        cgroup = self._cgroup(cgroup_text) if cgroup_text is not None else None
+        texts = (comm, cmdline_raw, uid, namespace_pids, cgroup_raw, env_raw, *errors)
+        static = self._statics.get(texts)
+        if static is None:
+            static = _cached(self._statics, texts, self._parse_static(
+                comm, cmdline_raw, uid, namespace_pids, cgroup_raw, env_raw, tuple(errors)))
+        return static
+
+    def _parse_static(self, comm: bytes, cmdline_raw: Optional[bytes], uid: Optional[int],
+                      namespace_pids: tuple[int, ...], cgroup_raw: Optional[bytes],
+                      env_raw: Optional[bytes], errors: tuple[str, ...]) -> _Static:
+        name = comm.decode(_FS_ENCODING, _FS_ERRORS)
+        args = _split_cmdline(cmdline_raw) if cmdline_raw is not None else []
+        cmdline: tuple[str, ...] = ()
+        if args:
+            key = tuple(args)
+            cmdline = self._cmdlines.get(key) or _cached(self._cmdlines, key,
+                                                         redact_cmdline(args))
+            if len(name) >= _COMM_LENGTH:
+                # The kernel cut the name: the program's own, as psutil gives it.
+                extended = os.path.basename(args[0])
+                if extended.startswith(name):
+                    name = extended
+        cgroup = (self._cgroup(cgroup_raw.decode(errors="replace"))
+                  if cgroup_raw is not None else None)
         # Redacted before anything reads it, as the command line is: nothing downstream (the
         # document, the views, the job id in metric labels) ever sees a secret in MASTER_ADDR.
         launch_env = self._environ(env_raw) if env_raw else _EMPTY_ENV
@@ -424,7 +441,7 @@ class ProcessSource:
             job=attribute_job(cgroup, launch_env),
             launch_env=launch_env,
             namespace_pids=namespace_pids,
-            read_errors=tuple(errors),
+            read_errors=errors,
         )
 
     def _cgroup(self, text: str) -> Optional[CgroupInfo]:
@@ -551,8 +568,10 @@ def _namespace_pids(status: bytes) -> tuple[int, ...]:
     end = status.find(b"\n", at + 1)
     # "NSpid:\t4242\t1": this namespace's PID, then the inner ones.
     fields = status[at + 7:end if end > 0 else len(status)].split()
+    if len(fields) < 2:
+        return ()  # this namespace's PID alone: most processes
     try:
-        return tuple(int(field) for field in fields[1:])
+        return tuple(map(int, fields[1:]))
     except ValueError:
         return ()
 

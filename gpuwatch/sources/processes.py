@@ -295,7 +295,10 @@ class ProcessSource:
         Everything that changes between polls is in this line, so a poll costs one read per
         process; psutil would open several files and re-read the boot time each time.
         """
-        if isinstance(pid, int) and pid in self._fds:
+        if isinstance(pid, int):
+            # Kept open where the budget allows, as for a record: a process looked at here is
+            # often read whole next, in the same poll (a child just forked into a job's tree),
+            # and a descriptor nobody reads again is closed once the poll is over.
             line = self._stat_line(pid)
         else:
             try:

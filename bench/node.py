@@ -40,34 +40,60 @@ class BenchNode:
 
 
 def _spawn_tree(n: int, new_session: bool, command: Optional[list[str]] = None,
-                count: int = 0) -> tuple[subprocess.Popen[bytes], list[int]]:
+                count: int = 0) -> tuple[int, list[int]]:
     """A shell that starts `n` idle children (or `count` of `command`) and waits: a launcher
-    with its own process tree."""
+    with its own process tree; its PID and its children's.
+
+    A shell that exits at once starts it, so it hangs from init (or the nearest subreaper), as a
+    node's launchers do, not from the benchmark and whatever ran that: their command lines are
+    not the node's (here a sandbox's tool, whose 1,365-byte command line cost a cold poll 0.3 ms
+    to redact), and a daemon that has run a while has long read them.
+    """
     child = shlex.join(command) if command is not None else "sleep 3600"
     n = count if command is not None else n
-    shell = subprocess.Popen(
-        ["sh", "-c", f"i=0; while [ $i -lt {n} ]; do {child} & echo $!; i=$((i+1)); done; "
-                     "echo started; wait"], stdout=subprocess.PIPE, start_new_session=new_session)
-    assert shell.stdout is not None
-    pids = []
-    for line in shell.stdout:
-        if line == b"started\n":
-            return shell, pids
-        pids.append(int(line))
+    launcher = (f"echo launcher $$; i=0; while [ $i -lt {n} ]; do {child} & echo $!; "
+                "i=$((i+1)); done; echo started; wait")
+    # The launcher leads its own process group, as a shell's job does (torchrun started from a
+    # terminal): its ranks' group leader is their launcher, not whatever ran the benchmark.
+    starter = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; subprocess.Popen(sys.argv[1:], "
+                               "process_group=0)", "sh", "-c", launcher],
+        stdout=subprocess.PIPE, start_new_session=new_session)
+    assert starter.stdout is not None
+    with starter.stdout:
+        first = starter.stdout.readline().split()
+        if first[:1] != [b"launcher"]:
+            raise RuntimeError(f"the launcher shell did not start: {first!r}")
+        pids = []
+        for line in starter.stdout:
+            if line == b"started\n":
+                starter.wait()
+                return int(first[1]), pids
+            pids.append(int(line))
     raise RuntimeError("the launcher shell ended early")
 
 
-def _stop_tree(shell: subprocess.Popen[bytes], pids: list[int]) -> None:
+def _stop_tree(launcher: int, pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)
-    # The shell's `wait` reaps the children as they die, then the shell exits. Killed first, it
+    # The launcher's `wait` reaps the children as they die, then it exits. Killed first, it
     # would hand thousands of zombies to PID 1, which in some containers reaps them late.
+    deadline = time.monotonic() + 60
+    while _running(launcher):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(launcher, 9)
+            break
+        time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
     try:
-        shell.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        shell.kill()
-        shell.wait()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 @contextlib.contextmanager
@@ -151,12 +177,12 @@ def check_room_for(n: int) -> None:
 def unrelated_host_processes(n: int) -> Iterator[None]:
     """`n` idle processes in another process tree than the GPU holders', as on a real host."""
     check_room_for(n)
-    shell, pids = _spawn_tree(n, new_session=True)
+    launcher, pids = _spawn_tree(n, new_session=True)
     try:
         settle()
         yield
     finally:
-        _stop_tree(shell, pids)
+        _stop_tree(launcher, pids)
 
 
 def settle(timeout: float = 60.0) -> None:

@@ -136,10 +136,14 @@ class ProcessSource:
                 depth += 1
                 current = proc.ppid if depth < _MAX_DEPTH else None
         holders = self._holders
+        # A job's ranks share one group and so one leader: looked at once.
+        leaders_gone: dict[int, bool] = {}
         for pid in usage.keys() - (known or {}).keys():
             proc = found.get(pid)
             if proc is not None and proc.in_procfs and proc.pgid and proc.pgid != pid:
-                gone = self._gone(proc.pgid, found)
+                gone = leaders_gone.get(proc.pgid)
+                if gone is None:
+                    gone = leaders_gone[proc.pgid] = self._gone(proc.pgid, found)
                 kept = holders.get(pid)
                 if kept is not None and kept[0] is proc and kept[1] == gone:
                     found[pid] = kept[2]
@@ -233,15 +237,16 @@ class ProcessSource:
         kept = self._records.get(pid)
         if kept is not None and kept[0] == key and fields[0] != b"D":
             return kept[1]
-        dynamic = self._parse_stat(fields)
-        wchan, stack = self._kernel_wait(pid) if dynamic.state == "disk-sleep" else (None, ())
-        identity = (pid, dynamic.start_time)
+        state = _STATES.get(fields[0]) or fields[0].decode(errors="replace")
+        start_time = round(self._boot_time + int(fields[19]) / _CLOCK_TICKS, 2)
+        wchan, stack = self._kernel_wait(pid) if state == "disk-sleep" else (None, ())
+        identity = (pid, start_time)
         known = self._static.get(identity)
         # A process that exited has no arguments left: it keeps what it ran.
-        if known is not None and (known[0] == image or dynamic.state in ("zombie", "dead")):
+        if known is not None and (known[0] == image or state in ("zombie", "dead")):
             static = known[1]
         else:
-            read = self._read_static(pid, dynamic.state, comm)
+            read = self._read_static(pid, state, comm)
             if read is None:
                 return HostProcess(pid=pid, in_procfs=False, gpu_usage=usage,
                                    read_errors=("exited while being read",))
@@ -250,17 +255,17 @@ class ProcessSource:
         record = build(HostProcess, {
             "pid": pid,
             "in_procfs": True,
-            "ppid": dynamic.ppid,
-            "pgid": dynamic.pgid,
-            "sid": dynamic.sid,
-            "start_time": dynamic.start_time,
+            "ppid": int(fields[1]),
+            "pgid": int(fields[2]),
+            "sid": int(fields[3]),
+            "start_time": start_time,
             "name": static.name,
             "cmdline": static.cmdline,
             "user": static.user,
             "uid": static.uid,
-            "state": dynamic.state,
-            "rss_bytes": dynamic.rss_bytes,
-            "num_threads": dynamic.threads,
+            "state": state,
+            "rss_bytes": int(fields[21]) * _PAGE_SIZE,
+            "num_threads": int(fields[17]),
             "cgroup": static.cgroup,
             "job": static.job,
             "launch_env": static.launch_env,
@@ -311,8 +316,9 @@ class ProcessSource:
         return self._parse_stat(line[line.rfind(b")") + 2:].split())
 
     def _parse_stat(self, fields: list[bytes]) -> ProcStat:
+        # (_read_one reads the same fields in the same way, without a ProcStat in between.)
         return ProcStat(
-            state=_STATES.get(fields[0], fields[0].decode(errors="replace")),
+            state=_STATES.get(fields[0]) or fields[0].decode(errors="replace"),
             ppid=int(fields[1]),
             pgid=int(fields[2]),
             sid=int(fields[3]),
@@ -404,8 +410,8 @@ class ProcessSource:
             found = _UID_LINE.search(status)
             uid = int(found.group(1)) if found else None
             namespace_pids = _namespace_pids(status)
-        cgroup_raw = self._read_proc_bytes(pid, "cgroup")
-        env_raw = self._read_proc_bytes(pid, "environ")
+        cgroup_raw = _read_or_none(f"{base}/cgroup")
+        env_raw = _read_or_none(f"{base}/environ")
         if env_raw is None and not zombie:
             errors.append("environment not readable (other user's process; run as root)")
         texts = (comm, cmdline_raw, uid, namespace_pids, cgroup_raw, env_raw, *errors)
@@ -470,10 +476,7 @@ class ProcessSource:
         return user
 
     def _read_proc_bytes(self, pid: int, name: str) -> Optional[bytes]:
-        try:
-            return _read_file(f"{self._procfs}/{pid}/{name}")
-        except OSError:
-            return None
+        return _read_or_none(f"{self._procfs}/{pid}/{name}")
 
     def _read_proc_text(self, pid: int, name: str) -> Optional[str]:
         raw = self._read_proc_bytes(pid, name)
@@ -542,6 +545,13 @@ def _read_file(path: str, size: int = _READ_CHUNK) -> bytes:
         return b"".join(parts)
     finally:
         os.close(fd)
+
+
+def _read_or_none(path: str) -> Optional[bytes]:
+    try:
+        return _read_file(path)
+    except OSError:
+        return None
 
 
 def _split_cmdline(raw: bytes) -> list[str]:

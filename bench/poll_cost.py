@@ -356,6 +356,10 @@ def main() -> None:
         floors(args)
         dataloader(args)
         return
+    for name in ("gpu_procs", "host_procs"):
+        if len(set(getattr(args, name))) < 2:
+            parser.error(f"--{name.replace('_', '-')} takes two sizes or more: its growth is "
+                         "measured between the smallest and the largest")
     print(f"poll cost on {args.gpus} fake GPUs, {args.polls} polls per size; the median of "
           "each, in a fresh process\n")
 

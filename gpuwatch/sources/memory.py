@@ -1,32 +1,35 @@
 """Memory limits a process can run into: its cgroup's memory.max, and the node's MemAvailable.
 
 A leak's projected out-of-memory point is measured against the tightest of these. Both are read
-once per poll, and only for the cgroups of processes that matter (a handful of files).
+once per poll, and only for the cgroups of processes that matter (a handful of files), through
+plain string paths: pathlib interns every part of every path it makes, and a poll's parts, freed
+after it, would churn the interpreter's table of interned strings on every poll.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Optional
 
 
 def read_mem_available(procfs: str = "/proc") -> Optional[int]:
+    raw = _read_small(f"{procfs}/meminfo")
+    text = b"\n" + raw if raw is not None else b""
+    at = text.find(b"\nMemAvailable:")
+    if at < 0:
+        return None
     try:
-        with open(f"{procfs}/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return int(text[at + 14:].split(None, 1)[0]) * 1024
+    except (ValueError, IndexError):
+        return None
 
 
 class CgroupMemory:
     """memory.max and memory.current of cgroup v2 paths (v1's memory controller as a fallback)."""
 
     def __init__(self, root: str = "/sys/fs/cgroup") -> None:
-        self._root = Path(root)
+        self._root = root.rstrip("/")
 
     def read(self, paths: Iterable[str]) -> dict[str, tuple[Optional[int], int]]:
         found: dict[str, tuple[Optional[int], int]] = {}
@@ -38,12 +41,12 @@ class CgroupMemory:
 
     def _read_one(self, rel: str) -> Optional[tuple[Optional[int], int]]:
         for directory, limit_file, usage_file in (
-                (self._root / rel, "memory.max", "memory.current"),
-                (self._root / "memory" / rel, "memory.limit_in_bytes", "memory.usage_in_bytes")):
-            usage = _read_int(directory / usage_file)
+                (f"{self._root}/{rel}", "memory.max", "memory.current"),
+                (f"{self._root}/memory/{rel}", "memory.limit_in_bytes", "memory.usage_in_bytes")):
+            usage = _read_int(f"{directory}/{usage_file}")
             if usage is None:
                 continue
-            limit = _read_int(directory / limit_file)
+            limit = _read_int(f"{directory}/{limit_file}")
             # v1 says "no limit" with a huge page-rounded number rather than "max".
             if limit is not None and limit >= 1 << 60:
                 limit = None
@@ -51,14 +54,26 @@ class CgroupMemory:
         return None
 
 
-def _read_int(path: Path) -> Optional[int]:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
+def _read_int(path: str) -> Optional[int]:
+    """The number in a cgroup file; None for "max", and for a file missing or unreadable."""
+    text = _read_small(path)
+    if text is None or text.strip() == b"max":
         return None
     try:
         return int(text)
     except ValueError:
         return None
+
+
+def _read_small(path: str) -> Optional[bytes]:
+    """A file of a few KiB (meminfo is the largest) in one read; None when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

@@ -37,7 +37,8 @@ def _bytecode_as_installed() -> None:
     writing bytecode (PYTHONDONTWRITEBYTECODE) would otherwise time gpuwatch's compilation of
     its own source, about 30 ms of every command-line run, against peers that compile nothing."""
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    compileall.compile_dir(str(ROOT / "gpuwatch"), quiet=1)
+    # Quietly: a read-only checkout runs as before, compiling its source each time.
+    compileall.compile_dir(str(ROOT / "gpuwatch"), quiet=2)
 
 
 _bytecode_as_installed()

@@ -8,13 +8,14 @@ after it, would churn the interpreter's table of interned strings on every poll.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Optional
 
+from gpuwatch.sources.kernel_files import read_or_none
+
 
 def read_mem_available(procfs: str = "/proc") -> Optional[int]:
-    raw = _read_small(f"{procfs}/meminfo")
+    raw = read_or_none(f"{procfs}/meminfo")
     text = b"\n" + raw if raw is not None else b""
     at = text.find(b"\nMemAvailable:")
     if at < 0:
@@ -56,24 +57,10 @@ class CgroupMemory:
 
 def _read_int(path: str) -> Optional[int]:
     """The number in a cgroup file; None for "max", and for a file missing or unreadable."""
-    text = _read_small(path)
+    text = read_or_none(path)
     if text is None or text.strip() == b"max":
         return None
     try:
         return int(text)
     except ValueError:
         return None
-
-
-def _read_small(path: str) -> Optional[bytes]:
-    """A file of a few KiB (meminfo is the largest) in one read; None when it cannot be read."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, 1 << 16)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)

@@ -34,6 +34,7 @@ from gpuwatch.sources.jobs import (
     parse_cgroup,
     parse_environ,
 )
+from gpuwatch.sources.kernel_files import read_file, read_or_none
 from gpuwatch.sources.redact import redact_cmdline, redact_env
 
 T = TypeVar("T")
@@ -48,7 +49,6 @@ _EMPTY_ENV: Mapping[str, str] = MappingProxyType({})
 _MAX_DEPTH = 64
 # Longer than any /proc/PID/stat line (52 numbers and a command name of at most 64 bytes).
 _STAT_BYTES = 4096
-_READ_CHUNK = 1 << 16
 # How psutil decodes what it reads from /proc (command names, command lines): kept so that names
 # and command lines read as they did when psutil read them.
 _FS_ENCODING = sys.getfilesystemencoding()
@@ -307,7 +307,7 @@ class ProcessSource:
             line = self._stat_line(pid)
         else:
             try:
-                line = _read_file(f"{self._procfs}/{pid}/stat", _STAT_BYTES)
+                line = read_file(f"{self._procfs}/{pid}/stat", _STAT_BYTES)
             except (FileNotFoundError, ProcessLookupError):
                 return None
         if not line:
@@ -335,7 +335,7 @@ class ProcessSource:
         when it holds GPU memory or shares the job's cgroup or id.
         """
         try:
-            raw = _read_file(f"{self._procfs}/{pid}/task/{pid}/children")
+            raw = read_file(f"{self._procfs}/{pid}/task/{pid}/children")
         except OSError:
             return []
         return [int(c) for c in raw.split()] if raw else []
@@ -348,7 +348,7 @@ class ProcessSource:
         try:
             if os.readlink("/proc/self") != str(os.getpid()):
                 return None  # /proc mounted for another PID namespace than ours
-            raw = _read_file("/proc/loadavg")
+            raw = read_file("/proc/loadavg")
             return int(raw.rsplit(None, 1)[-1]) if raw else None
         except (OSError, ValueError):
             return None
@@ -391,7 +391,7 @@ class ProcessSource:
         cmdline_raw: Optional[bytes] = None
         if not zombie:  # a zombie has no command line left to read
             try:
-                cmdline_raw = _read_file(f"{base}/cmdline")
+                cmdline_raw = read_file(f"{base}/cmdline")
             except PermissionError:
                 errors.append("command line not readable")
             except OSError:
@@ -399,7 +399,7 @@ class ProcessSource:
         uid: Optional[int] = None
         namespace_pids: tuple[int, ...] = ()
         try:
-            status = _read_file(f"{base}/status")
+            status = read_file(f"{base}/status")
         except PermissionError:
             status = None
         except (FileNotFoundError, ProcessLookupError):
@@ -410,8 +410,8 @@ class ProcessSource:
             found = _UID_LINE.search(status)
             uid = int(found.group(1)) if found else None
             namespace_pids = _namespace_pids(status)
-        cgroup_raw = _read_or_none(f"{base}/cgroup")
-        env_raw = _read_or_none(f"{base}/environ")
+        cgroup_raw = read_or_none(f"{base}/cgroup")
+        env_raw = read_or_none(f"{base}/environ")
         if env_raw is None and not zombie:
             errors.append("environment not readable (other user's process; run as root)")
         texts = (comm, cmdline_raw, uid, namespace_pids, cgroup_raw, env_raw, *errors)
@@ -476,7 +476,7 @@ class ProcessSource:
         return user
 
     def _read_proc_bytes(self, pid: int, name: str) -> Optional[bytes]:
-        return _read_or_none(f"{self._procfs}/{pid}/{name}")
+        return read_or_none(f"{self._procfs}/{pid}/{name}")
 
     def _read_proc_text(self, pid: int, name: str) -> Optional[str]:
         raw = self._read_proc_bytes(pid, name)
@@ -526,32 +526,10 @@ class ProcessSource:
 def _boot_time(procfs: str) -> float:
     """When the system booted, in seconds since the epoch (the btime line of /proc/stat): a
     process's start time is this plus its start in clock ticks since boot, as psutil has it."""
-    for line in _read_file(f"{procfs}/stat").splitlines():
+    for line in read_file(f"{procfs}/stat").splitlines():
         if line.startswith(b"btime "):
             return float(line.split()[1])
     raise RuntimeError(f"no btime line in {procfs}/stat")
-
-
-def _read_file(path: str, size: int = _READ_CHUNK) -> bytes:
-    """A whole /proc file through one descriptor, no file object: `size` bytes at a time."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        data = os.read(fd, size)
-        if len(data) < size:
-            return data
-        parts = [data]
-        while chunk := os.read(fd, size):
-            parts.append(chunk)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
-
-
-def _read_or_none(path: str) -> Optional[bytes]:
-    try:
-        return _read_file(path)
-    except OSError:
-        return None
 
 
 def _split_cmdline(raw: bytes) -> list[str]:

@@ -366,12 +366,8 @@ class ProcessSource:
             except OSError:
                 continue
             for tid in tasks:
-                try:
-                    with open(f"{self._procfs}/{pid}/task/{tid}/children", "rb") as f:
-                        children = f.read().split()
-                except OSError:
-                    continue
-                for child in map(int, children):
+                raw = read_or_none(f"{self._procfs}/{pid}/task/{tid}/children")
+                for child in map(int, raw.split() if raw else ()):
                     if child not in found:
                         found.add(child)
                         todo.append(child)

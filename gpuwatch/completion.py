@@ -20,6 +20,8 @@ from typing import Any, Optional
 import click
 from click.shell_completion import CompletionItem, ShellComplete, split_arg_string
 
+from gpuwatch.sources.proc_stat import PPID, parse_stat
+
 COMPLETE_VAR = "_GPUWATCH_COMPLETE"
 SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
 
@@ -200,7 +202,10 @@ def detect_shell() -> Optional[str]:
         name = {"powershell.exe": "powershell", "pwsh.exe": "pwsh"}.get(name, name)
         if name in _CLASSES:
             return name
-        pid = int(stat.rsplit(b")", 1)[1].split()[1])
+        try:
+            pid = int(parse_stat(stat)[1][PPID])
+        except ValueError:
+            break
     name = Path(os.environ.get("SHELL", "")).name
     return name if name in _CLASSES else None
 

@@ -47,6 +47,8 @@ from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateUnavailable, fet
 from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME
 from gpuwatch.sources.jobs import parse_cgroup
 from gpuwatch.sources.nvml import NvmlSource
+from gpuwatch.sources.proc_stat import is_kernel_thread, parse_stat
+from gpuwatch.sources.processes import has_children_files
 from gpuwatch.units import human_bytes
 
 OK = "ok"
@@ -71,7 +73,6 @@ _CAP_DAC_OVERRIDE = 1
 _CAP_DAC_READ_SEARCH = 2
 _CAP_KILL = 5
 _CAP_SYS_PTRACE = 19
-_PF_KTHREAD = 0x00200000
 # Bounds a /proc walk on a node with an absurd number of processes: the checks stay quick.
 _MAX_PROCESSES = 50_000
 _MAX_METRICS_BYTES = 32 << 20
@@ -331,8 +332,10 @@ def _is_kernel_thread(proc: Path, pid: str) -> Optional[bool]:
         text = (proc / pid / "stat").read_bytes()
     except OSError:
         return None
-    fields = text[text.rfind(b")") + 2:].split()
-    return len(fields) > 6 and bool(int(fields[6]) & _PF_KTHREAD)
+    try:
+        return is_kernel_thread(parse_stat(text)[1])
+    except ValueError:
+        return False
 
 
 def count_unreadable_environ(proc: Path, euid: int) -> tuple[int, int]:
@@ -503,6 +506,19 @@ def check_pid_namespace(ctx: Context) -> list[Check]:
             if absent else "")
     return [Check("pid-namespace", OK, f"the host's PID namespace ({where}){cross}{note}",
                   detail=detail)]
+
+
+# -- the process tree ---------------------------------------------------------------------
+def check_proc_children(ctx: Context) -> list[Check]:
+    if has_children_files(str(ctx.proc)):
+        return [Check("proc-children", OK, "the kernel lists each process's children "
+                                           "(/proc/PID/task/TID/children)")]
+    return [Check("proc-children", WARN,
+                  "the kernel has no /proc/PID/task/TID/children (built without "
+                  "CONFIG_PROC_CHILDREN): job trees are worked out from every process's parent "
+                  "PID, one scan of /proc per poll; nothing is missed, a poll costs more on a "
+                  "host with many processes",
+                  fix="a kernel built with CONFIG_PROC_CHILDREN=y (most distributions' are)")]
 
 
 def _nvml_pids_absent(ctx: Context) -> tuple[list[int], list[int]]:
@@ -843,6 +859,7 @@ CHECKS: tuple[Spec, ...] = (
     Spec("privileges", check_privileges),
     Spec("proc-mount", check_proc_mount),
     Spec("pid-namespace", check_pid_namespace),
+    Spec("proc-children", check_proc_children),
     Spec("cgroups", check_cgroups),
     Spec("daemon", check_daemon),
     Spec("agent-socket", check_agent_socket),

@@ -106,3 +106,23 @@ def real_nvml_present() -> bool:
     except OSError:
         return False
     return True
+
+
+def proc_without_children_files(root: Path, proc: str = "/proc") -> Path:
+    """`root` made a /proc as a kernel built without CONFIG_PROC_CHILDREN shows it: a directory
+    per process listed now, with links to that process's real files (stat, status, cmdline,
+    environ, cgroup, ...) and a task directory holding no children file. The node-wide files a
+    reader needs (stat for the boot time, loadavg, meminfo) are linked too."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("stat", "loadavg", "meminfo", "uptime"):
+        os.symlink(f"{proc}/{name}", root / name)
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit():
+            continue
+        pid = entry.name
+        (root / pid / "task" / pid).mkdir(parents=True)
+        for name in ("stat", "status", "cmdline", "environ", "cgroup", "comm", "wchan", "stack",
+                     "statm", "fd", "ns"):
+            os.symlink(f"{proc}/{pid}/{name}", root / pid / name)
+            os.symlink(f"{proc}/{pid}/task/{pid}/{name}", root / pid / "task" / pid / name)
+    return root

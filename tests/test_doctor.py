@@ -47,6 +47,7 @@ from gpuwatch.doctor import (
     check_nvml,
     check_pid_namespace,
     check_privileges,
+    check_proc_children,
     check_proc_mount,
     check_systemd,
     load_config_for_doctor,
@@ -58,7 +59,7 @@ from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.sinks.doctor_view import render_doctor, summary_line
 from gpuwatch.sinks.state_socket import StateServer
 from tests.daemonproc import running_daemon
-from tests.realprocs import GIB, gpuwatch, real_nvml_present
+from tests.realprocs import GIB, gpuwatch, proc_without_children_files, real_nvml_present
 
 ROOT = Path(__file__).resolve().parent.parent
 CGROUP_SAMPLES = ROOT / "tests" / "fixtures" / "cgroup"
@@ -436,6 +437,17 @@ def test_without_the_link_nvml_pids_missing_from_proc_are_the_evidence(tmp_path:
     assert check.status == WARN and "none of the PIDs NVML lists" in check.summary
     nothing = FakeProc(tmp_path / "other", ns_inode=None, nspid="")
     assert one(check_pid_namespace(context(tmp_path, nothing))).status == SKIP
+
+
+def test_a_kernel_without_children_files_is_said_and_the_trees_come_from_parents(
+        tmp_path: Path) -> None:
+    assert one(check_proc_children(context(tmp_path))).status == OK  # this machine's /proc
+    copy = proc_without_children_files(tmp_path / "proc")
+    ctx = context(tmp_path)
+    ctx.proc = copy
+    check = one(check_proc_children(ctx))
+    assert check.status == WARN and "CONFIG_PROC_CHILDREN" in check.summary
+    assert "parent PID" in check.summary and check.fix
 
 
 def test_a_real_pid_namespace_warns_and_nvml_pids_are_missing_from_its_proc(

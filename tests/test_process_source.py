@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from gpuwatch.model import GpuProcessUsage
 from gpuwatch.simulate.demo import wait_for
+from gpuwatch.sources.proc_stat import (
+    NUM_THREADS,
+    PPID,
+    RSS,
+    STATE,
+    is_kernel_thread,
+    parse_stat,
+)
 from gpuwatch.sources.processes import ProcessSource
-from tests.realprocs import GIB
+from tests.realprocs import GIB, proc_without_children_files
 from tests.scenarios import comm, pid_namespaces
 
 
@@ -169,3 +181,174 @@ def test_a_process_in_a_nested_pid_namespace_is_read_with_its_pid_there() -> Non
     finally:
         outer.kill()
         outer.wait()
+
+
+# -- the stat line: command names that look like fields --------------------------------------
+#: Reads as "state R, parent 1" to a parser that splits at the first ")" or on spaces.
+TRICKY_NAME = "x) R 1 (y z"
+
+
+def test_a_stat_line_is_split_after_the_last_parenthesis_of_the_name() -> None:
+    line = (b"4242 (" + TRICKY_NAME.encode() + b") S 77 4242 4242 0 -1 4194304 0 0 0 0 0 0 0 0 "
+            b"20 0 3 0 123456 1000 250 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 "
+            b"0 0 0 0 0 0 0 0 0 0 0\n")
+    comm, fields = parse_stat(line)
+    assert comm == TRICKY_NAME.encode()
+    assert (fields[STATE], fields[PPID], fields[NUM_THREADS], fields[RSS]) == (
+        b"S", b"77", b"3", b"250")
+    assert not is_kernel_thread(fields)
+    for broken in (b"", b"4242 no name here", b"4242 (cut) S 1 2"):
+        with pytest.raises(ValueError):
+            parse_stat(broken)
+
+
+@pytest.fixture
+def tricky_process(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A real process whose command name (its executable's, through a link) holds ")", spaces
+    and what looks like a state and a parent."""
+    link = tmp_path / TRICKY_NAME
+    link.symlink_to(shutil.which("sleep") or "/bin/sleep")
+    child = subprocess.Popen([str(link), "60"])
+    try:
+        wait_for("the tricky name", lambda: (comm(child.pid) == TRICKY_NAME
+                                             and _arguments_in_place(child.pid)) or None, 10)
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_command_name_with_parentheses_and_spaces_is_read_whole(
+        tricky_process: subprocess.Popen[bytes]) -> None:
+    pid = tricky_process.pid
+    source = ProcessSource()
+    p = source.read([pid]).processes[pid]
+    assert p.name == TRICKY_NAME
+    assert p.ppid == os.getpid() and p.state == "sleeping" and p.num_threads == 1
+    assert p.cmdline[1:] == ("60",) and p.cmdline[0].endswith(TRICKY_NAME)
+    stat = source.stat(pid)
+    assert stat is not None and stat.ppid == os.getpid() and stat.state == "sleeping"
+    assert stat.start_time == p.start_time
+    from gpuwatch.doctor import _is_kernel_thread
+
+    assert _is_kernel_thread(Path("/proc"), str(pid)) is False
+
+
+# -- command lines rewritten by the process ---------------------------------------------------
+TITLE = "ray::Trainer.train() rank=3"
+
+
+@pytest.fixture
+def titled_process() -> Iterator[subprocess.Popen[bytes]]:
+    """A real process that rewrote its command line and name with setproctitle, as Ray's and
+    gunicorn's workers do: the new title over the old arguments, padded with NULs."""
+    pytest.importorskip("setproctitle")
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import setproctitle, sys, time; "
+         f"setproctitle.setproctitle({TITLE!r}); print(flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"\n"
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_command_line_rewritten_by_setproctitle_reads_as_the_title(
+        titled_process: subprocess.Popen[bytes]) -> None:
+    p = ProcessSource().read([titled_process.pid]).processes[titled_process.pid]
+    # The kernel keeps 15 bytes of the name; the title's first argument is the whole of it.
+    assert p.name == TITLE and p.cmdline[0] == TITLE
+    assert all(arg == "" for arg in p.cmdline[1:])  # the NUL padding, as psutil has it
+
+
+def test_a_command_line_rewritten_with_spaces_is_split_on_them() -> None:
+    """Perl's $0 (and setproctitle's older C form) writes one string with spaces and one NUL:
+    split on the spaces, as psutil does (its issue 1179)."""
+    perl = shutil.which("perl")
+    if perl is None:
+        pytest.skip("no perl on this machine")
+    child = subprocess.Popen([perl, "-e", '$0 = "worker: rank 3 of 8"; $| = 1; print "\\n"; '
+                              "sleep 60"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"\n"
+        p = ProcessSource().read([child.pid]).processes[child.pid]
+        assert p.cmdline == ("worker:", "rank", "3", "of", "8")
+    finally:
+        child.kill()
+        child.wait()
+
+
+# -- kernel threads ---------------------------------------------------------------------------
+def kernel_threads(limit: int = 5) -> list[int]:
+    """Kernel threads this /proc shows (none in a PID namespace of a container's)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = parse_stat(f.read())[1]
+            except (OSError, ValueError):
+                continue
+            if is_kernel_thread(fields):
+                found.append(int(entry.name))
+                if len(found) == limit:
+                    break
+    return found
+
+
+def test_kernel_threads_read_with_their_name_and_no_command_line() -> None:
+    pids = kernel_threads()
+    if not pids:
+        pytest.skip("no kernel thread in this PID namespace's /proc")
+    reading = ProcessSource().read(pids)
+    assert reading.errors == ()
+    for pid in pids:
+        p = reading.processes[pid]
+        if not p.in_procfs:
+            continue  # a worker thread the kernel stopped since
+        assert p.name == comm(pid) and p.cmdline == ()
+        assert p.uid == 0 and p.rss_bytes == 0 and p.ppid in (0, 2)
+        assert p.job is None
+
+
+# -- a kernel without children files (CONFIG_PROC_CHILDREN unset) ------------------------------
+@pytest.fixture
+def tree() -> Iterator[tuple[int, set[int]]]:
+    """A shell with two children, one of which has a child of its own: (the shell, the rest)."""
+    shell = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60 & wait' & sleep 60 & wait"])
+    try:
+        below = wait_for("the tree", lambda: (found if len(
+            found := ProcessSource().descendants(shell.pid)) == 3 else None), 10)
+        yield shell.pid, below
+    finally:
+        for pid in ProcessSource().descendants(shell.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        shell.kill()
+        shell.wait()
+
+
+def test_without_children_files_children_come_from_parent_pids(
+        tree: tuple[int, set[int]], tmp_path: Path) -> None:
+    root, below = tree
+    real = ProcessSource()
+    mirror = ProcessSource(str(proc_without_children_files(tmp_path / "proc")))
+    assert real.children_files is True and mirror.children_files is False
+    assert mirror.descendants(root) == real.descendants(root) == below
+    assert sorted(mirror.children(root)) == sorted(real.children(root))
+    for pid in below:
+        assert sorted(mirror.children(pid)) == sorted(real.children(pid))
+    # Read through the copy, the processes are what they are through /proc.
+    mine = mirror.read(below).processes
+    theirs = real.read(below).processes
+    for pid in below:
+        assert (mine[pid].ppid, mine[pid].start_time, mine[pid].cmdline) == (
+            theirs[pid].ppid, theirs[pid].start_time, theirs[pid].cmdline)
+    # A poller's scan is kept until its poll is over, then made afresh.
+    mirror.children(root)
+    mirror.forget_others(mine.values())
+    assert mirror._by_parent is None
+    mirror.children(root)
+    assert mirror._by_parent is not None

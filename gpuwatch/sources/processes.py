@@ -35,6 +35,17 @@ from gpuwatch.sources.jobs import (
     parse_environ,
 )
 from gpuwatch.sources.kernel_files import read_file, read_or_none
+from gpuwatch.sources.proc_stat import (
+    ARG_START,
+    NUM_THREADS,
+    PGID,
+    PPID,
+    RSS,
+    SID,
+    START_TIME,
+    STATE,
+    parse_stat,
+)
 from gpuwatch.sources.redact import redact_cmdline, redact_env
 
 T = TypeVar("T")
@@ -110,6 +121,13 @@ class ProcessSource:
         self._environs: dict[bytes, Mapping[str, str]] = {}
         self._cmdlines: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._statics: dict[tuple[object, ...], _Static] = {}
+        #: Whether the kernel makes /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN; `doctor`
+        #: says when it does not). Without them children are found from every process's parent
+        #: PID: one scan of /proc per poll for a poller, per call for any other caller.
+        self.children_files = has_children_files(procfs)
+        #: Without children files, the children of each PID as the last scan of /proc found them;
+        #: kept until the poll is over (forget_others).
+        self._by_parent: Optional[dict[int, list[int]]] = None
 
     def read(self, pids: Iterable[int],
              gpu_usage: Optional[Mapping[int, tuple[GpuProcessUsage, ...]]] = None,
@@ -174,12 +192,14 @@ class ProcessSource:
         for pid in self._fds.keys() - pids:
             os.close(self._fds.pop(pid))
         self._keep_fds = True
+        self._by_parent = None
 
     def close(self) -> None:
         """Close the stat files kept open; the source stays usable (it opens them again)."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._by_parent = None
 
     def _stat_line(self, pid: int) -> Optional[bytes]:
         """The /proc/PID/stat line, None when there is no such process. Through the descriptor
@@ -220,25 +240,23 @@ class ProcessSource:
             # another PID namespace whose PIDs NVML reports. Kept, marked, never a crash.
             return HostProcess(pid=pid, in_procfs=False, gpu_usage=usage,
                                read_errors=("not in /proc (exited, or another PID namespace)",))
-        rpar = line.rfind(b")")
-        fields = line[rpar + 2:].split()
-        comm = line[line.find(b"(") + 1:rpar]
+        comm, fields = parse_stat(line)
         # What the process runs: its name and where its arguments start (0 where the kernel
         # does not say). An exec changes both, the arguments landing on a new stack, while the
         # identity stays; at 0 they are not in place yet (an exec in flight reads as an empty
         # command line). Either way what was read for the identity is read again.
-        image = (comm, fields[45] if len(fields) > 45 else b"")
+        image = (comm, fields[ARG_START] if len(fields) > ARG_START else b"")
         # State, parent, group, session, threads, start time, RSS, the image and the GPU usage:
         # everything a record holds that can change for one identity. The start time makes a
         # reused PID a different key; a process in D state is read afresh (its wait channel
         # moves).
-        key = (fields[0], fields[1], fields[2], fields[3], fields[17], fields[19], fields[21],
-               image, usage)
+        key = (fields[STATE], fields[PPID], fields[PGID], fields[SID], fields[NUM_THREADS],
+               fields[START_TIME], fields[RSS], image, usage)
         kept = self._records.get(pid)
-        if kept is not None and kept[0] == key and fields[0] != b"D":
+        if kept is not None and kept[0] == key and fields[STATE] != b"D":
             return kept[1]
-        state = _STATES.get(fields[0]) or fields[0].decode(errors="replace")
-        start_time = round(self._boot_time + int(fields[19]) / _CLOCK_TICKS, 2)
+        state = _state(fields[STATE])
+        start_time = round(self._boot_time + int(fields[START_TIME]) / _CLOCK_TICKS, 2)
         wchan, stack = self._kernel_wait(pid) if state == "disk-sleep" else (None, ())
         identity = (pid, start_time)
         known = self._static.get(identity)
@@ -255,17 +273,17 @@ class ProcessSource:
         record = build(HostProcess, {
             "pid": pid,
             "in_procfs": True,
-            "ppid": int(fields[1]),
-            "pgid": int(fields[2]),
-            "sid": int(fields[3]),
+            "ppid": int(fields[PPID]),
+            "pgid": int(fields[PGID]),
+            "sid": int(fields[SID]),
             "start_time": start_time,
             "name": static.name,
             "cmdline": static.cmdline,
             "user": static.user,
             "uid": static.uid,
             "state": state,
-            "rss_bytes": int(fields[21]) * _PAGE_SIZE,
-            "num_threads": int(fields[17]),
+            "rss_bytes": int(fields[RSS]) * _PAGE_SIZE,
+            "num_threads": int(fields[NUM_THREADS]),
             "cgroup": static.cgroup,
             "job": static.job,
             "launch_env": static.launch_env,
@@ -312,19 +330,18 @@ class ProcessSource:
                 return None
         if not line:
             return None
-        # The command name may hold spaces and parentheses: split after its last ')'.
-        return self._parse_stat(line[line.rfind(b")") + 2:].split())
+        return self._proc_stat(parse_stat(line)[1])
 
-    def _parse_stat(self, fields: list[bytes]) -> ProcStat:
+    def _proc_stat(self, fields: list[bytes]) -> ProcStat:
         # (_read_one reads the same fields in the same way, without a ProcStat in between.)
         return ProcStat(
-            state=_STATES.get(fields[0]) or fields[0].decode(errors="replace"),
-            ppid=int(fields[1]),
-            pgid=int(fields[2]),
-            sid=int(fields[3]),
-            threads=int(fields[17]),
-            start_time=round(self._boot_time + int(fields[19]) / _CLOCK_TICKS, 2),
-            rss_bytes=int(fields[21]) * _PAGE_SIZE,
+            state=_state(fields[STATE]),
+            ppid=int(fields[PPID]),
+            pgid=int(fields[PGID]),
+            sid=int(fields[SID]),
+            threads=int(fields[NUM_THREADS]),
+            start_time=round(self._boot_time + int(fields[START_TIME]) / _CLOCK_TICKS, 2),
+            rss_bytes=int(fields[RSS]) * _PAGE_SIZE,
         )
 
     def children(self, pid: int) -> list[int]:
@@ -332,8 +349,16 @@ class ProcessSource:
 
         Only the main thread's list is read: one small file, where launchers (torchrun, a
         shell, multiprocessing) fork from. A child forked by another thread is still found
-        when it holds GPU memory or shares the job's cgroup or id.
+        when it holds GPU memory or shares the job's cgroup or id. Without children files
+        (children_files), every process whose parent is `pid`, from a scan of /proc.
         """
+        if not self.children_files:
+            by_parent = self._by_parent
+            if by_parent is None:
+                by_parent = self._children_by_parent()
+                if self._keep_fds:  # a poller: it says when its poll is over
+                    self._by_parent = by_parent
+            return by_parent.get(pid, [])
         try:
             raw = read_file(f"{self._procfs}/{pid}/task/{pid}/children")
         except OSError:
@@ -356,9 +381,18 @@ class ProcessSource:
     def descendants(self, root: int) -> set[int]:
         """Every descendant of `root`, from the children lists of each of their threads (a
         process may fork from any thread, where `children` reads only the main thread's):
-        proportional to the tree, not to the host."""
+        proportional to the tree, not to the host. Without children files (children_files),
+        from one scan of every process's parent PID."""
         found: set[int] = set()
         todo = [root]
+        if not self.children_files:
+            by_parent = self._children_by_parent()
+            while todo:
+                for child in by_parent.get(todo.pop(), ()):
+                    if child not in found:
+                        found.add(child)
+                        todo.append(child)
+            return found
         while todo:
             pid = todo.pop()
             try:
@@ -372,6 +406,21 @@ class ProcessSource:
                         found.add(child)
                         todo.append(child)
         return found
+
+    def _children_by_parent(self) -> dict[int, list[int]]:
+        """Every process of this /proc by its parent PID, in PID order: for a kernel without
+        children files. A process that exits during the scan is left out, as it would be from a
+        children file read a moment later; threads are not listed (/proc lists processes)."""
+        by_parent: dict[int, list[int]] = {}
+        pids = sorted(int(e.name) for e in os.scandir(self._procfs) if e.name.isdigit())
+        for pid in pids:
+            try:
+                line = read_file(f"{self._procfs}/{pid}/stat", _STAT_BYTES)
+                ppid = int(parse_stat(line)[1][PPID])
+            except (OSError, ValueError):
+                continue  # exited since it was listed
+            by_parent.setdefault(ppid, []).append(pid)
+        return by_parent
 
     def _read_static(self, pid: int, state: str, comm: bytes) -> Optional[_Static]:
         """What never changes for one identity; None when the process exited while being read.
@@ -517,6 +566,26 @@ class ProcessSource:
             return False
         return any(key in WORKER_MARKER_KEYS for key in parse_environ(raw))
 
+
+
+def has_children_files(procfs: str = "/proc") -> bool:
+    """Whether the kernel behind `procfs` makes /proc/PID/task/TID/children, which it does when
+    built with CONFIG_PROC_CHILDREN (most distribution kernels: CRIU needs them). Looked for in
+    the directory of the first process listed that does not exit while it is looked at."""
+    with os.scandir(procfs) as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            task = f"{procfs}/{entry.name}/task/{entry.name}"
+            if os.path.exists(f"{task}/children"):
+                return True
+            if os.path.isdir(task):
+                return False  # the process is there, its children file is not
+    return True  # no process to look at: nothing says they are missing
+
+
+def _state(letter: bytes) -> str:
+    return _STATES.get(letter) or letter.decode(errors="replace")
 
 
 def _boot_time(procfs: str) -> float:

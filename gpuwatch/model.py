@@ -109,6 +109,13 @@ class GpuDevice:
         return max(0, self.memory_used_bytes - self.attributed_memory_bytes)
 
 
+def holders_unknown(gpu: GpuDevice) -> bool:
+    """Who holds memory on `gpu` is not known: a process list could not be read, the GPU is
+    lost, or not even its handle could be had (so no list was asked for)."""
+    return gpu.holders_unknown or any(e.call.startswith("nvmlDeviceGetHandle")
+                                      for e in gpu.errors)
+
+
 @_frozen
 class NvmlStatus:
     """Whether NVML answered in a poll, and the driver it reported."""

@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional, Protocol
 
 from gpuwatch.clock import SteadyClock
 from gpuwatch.jobtree import job_root, job_roots
+from gpuwatch.launch_env import run_supervisor
 from gpuwatch.model import (
     AgentReading,
     GpuDevice,
@@ -31,7 +32,6 @@ from gpuwatch.model import (
     NodeSnapshot,
     ProcessReading,
 )
-from gpuwatch.sources.jobs import run_supervisor
 from gpuwatch.sources.memory import CgroupMemory, read_mem_available
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource

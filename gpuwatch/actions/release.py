@@ -15,8 +15,8 @@ from collections.abc import Collection, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
-from gpuwatch.model import NvmlReading
-from gpuwatch.sources.nvml import NvmlSource, holders_unknown
+from gpuwatch.model import NvmlReading, holders_unknown
+from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource
 
 if TYPE_CHECKING:

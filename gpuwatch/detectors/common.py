@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 from gpuwatch.config import DetectorConfig
+from gpuwatch.launch_env import RUN_ID_KEY, WORKER_MARKER_KEYS, run_supervisor
 from gpuwatch.model import Finding, HostProcess, Job, NodeSnapshot
-from gpuwatch.sources.jobs import RUN_ID_KEY, WORKER_MARKER_KEYS, run_supervisor
 from gpuwatch.units import human_bytes, short_command
 
 # Guards the climb against a corrupt or cyclic parent chain.

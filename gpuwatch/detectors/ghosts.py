@@ -20,8 +20,7 @@ from collections.abc import Iterator
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import finding
 from gpuwatch.history import History
-from gpuwatch.model import Finding, NodeSnapshot
-from gpuwatch.sources.nvml import holders_unknown
+from gpuwatch.model import Finding, NodeSnapshot, holders_unknown
 from gpuwatch.units import human_bytes
 
 

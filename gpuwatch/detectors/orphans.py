@@ -36,8 +36,8 @@ from gpuwatch.detectors.common import (
 )
 from gpuwatch.history import History
 from gpuwatch.jobtree import is_launcher, is_namespace_init, is_supervisor
+from gpuwatch.launch_env import LAUNCHER_SET_KEYS
 from gpuwatch.model import Finding, HostProcess, NodeSnapshot
-from gpuwatch.sources.jobs import LAUNCHER_SET_KEYS
 from gpuwatch.units import clock_time
 
 #: Set only by a torchrun agent, for the workers it starts (each in a session of its own).

@@ -19,8 +19,8 @@ from gpuwatch.model import (
     HostProcess,
     Job,
     NodeReport,
+    holders_unknown,
 )
-from gpuwatch.sources.nvml import holders_unknown
 
 SCHEMA_VERSION = 1
 

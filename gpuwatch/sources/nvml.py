@@ -464,12 +464,5 @@ def _is_lost(nv: Any, errors: list[NvmlCallError]) -> bool:
     return any(e.code in lost_codes for e in errors)
 
 
-def holders_unknown(gpu: GpuDevice) -> bool:
-    """Who holds memory on `gpu` is not known: a process list could not be read, the GPU is
-    lost, or not even its handle could be had (so no list was asked for)."""
-    return gpu.holders_unknown or any(e.call.startswith("nvmlDeviceGetHandle")
-                                      for e in gpu.errors)
-
-
 def _with_count(status: NvmlStatus, count: int) -> NvmlStatus:
     return status if status.device_count == count else replace(status, device_count=count)

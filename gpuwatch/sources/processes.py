@@ -26,9 +26,9 @@ from types import MappingProxyType
 from typing import NamedTuple, Optional, TypeVar, Union
 
 from gpuwatch.frozen import build, evolve
+from gpuwatch.launch_env import WORKER_MARKER_KEYS
 from gpuwatch.model import GpuProcessUsage, HostProcess, Job, ProcessReading, SourceError
 from gpuwatch.sources.jobs import (
-    WORKER_MARKER_KEYS,
     CgroupInfo,
     attribute_job,
     parse_cgroup,

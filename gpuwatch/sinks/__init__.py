@@ -1,1 +1,2 @@
-"""Sinks: the exporter, the CLI views and the reaper; they read snapshots and findings only."""
+"""Sinks: the document, the exporter, the CLI views and the sockets that serve them; they render
+snapshots, findings and documents only (the sinks-render contract in .importlinter)."""

@@ -29,6 +29,7 @@ from pathlib import Path
 from node import parse_args, write_figures
 
 from gpuwatch.sources.agent_socket import AgentReceiver
+from gpuwatch.sources.proc_stat import STIME, UTIME, parse_stat
 
 GOAL = 20_000
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -102,9 +103,9 @@ print(json.dumps({"sent": sent, "dropped": dropped}), flush=True)
 
 
 def thread_cpu_seconds(native_id: int) -> float:
-    with open(f"/proc/self/task/{native_id}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+    with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
+        fields = parse_stat(f.read())[1]
+    return (int(fields[UTIME]) + int(fields[STIME])) / _TICKS
 
 
 def measure_end_to_end(seconds: float, blocking: bool) -> dict[str, float]:

@@ -97,6 +97,7 @@ from gpuwatch.simulate.fakenvml import (  # noqa: E402
     build_fake_nvml,
 )
 from gpuwatch.simulate.job import launch_env  # noqa: E402
+from gpuwatch.sources.proc_stat import START_TIME, STATE, parse_stat  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -185,7 +186,7 @@ def quick_options(**changes: Any) -> ChaosOptions:
 def _start_ticks(pid: int) -> Optional[int]:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
+            return int(parse_stat(f.read())[1][START_TIME])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -193,8 +194,8 @@ def _start_ticks(pid: int) -> Optional[int]:
 def _state(pid: int) -> Optional[str]:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
+            return parse_stat(f.read())[1][STATE].decode()
+    except (OSError, ValueError):
         return None
 
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpuwatch.simulate.fakenvml import FakeNode, FakeProcess, build_fake_nvml
+from gpuwatch.sources.proc_stat import STATE, STIME, UTIME, parse_stat
 
 __all__ = ["FakeNode", "FakeProcess"]
 
@@ -108,8 +109,8 @@ def _stop_tree(launcher: int, pids: list[int]) -> None:
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
+            return parse_stat(f.read())[1][STATE] != b"Z"
+    except (OSError, ValueError):
         return False
 
 
@@ -227,8 +228,8 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far, from /proc/PID/stat."""
     with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        fields = parse_stat(f.read())[1]
+    return (int(fields[UTIME]) + int(fields[STIME])) / CLOCK_TICKS
 
 
 def cpu_seconds_exact(pid: int) -> float:

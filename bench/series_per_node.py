@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.node import bench_node, free_port, scrape, start_daemon, wait_http
+from gpuwatch.sources.proc_stat import PPID, parse_stat
 
 #: Families with a series per process, per finding or per watched buffer: they grow with the
 #: node's work, the rest with its GPUs.
@@ -81,8 +82,8 @@ def main() -> int:
                 wait_http(url, daemon)
                 healthy = scrape_when(
                     url, lambda c, n=procs: c["gpuwatch_process_gpu_memory_bytes"] == n)
-                with open(f"/proc/{b.holders[0]}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{b.holders[0]}/stat", "rb") as f:
+                    parent = int(parse_stat(f.read())[1][PPID])
                 os.kill(parent, signal.SIGKILL)
                 orphaned = scrape_when(url, lambda c, n=procs: c["gpuwatch_finding"] == n)
             finally:

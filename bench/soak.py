@@ -58,6 +58,7 @@ from gpuwatch.simulate.fakenvml import (
     FakeProcess,
     build_fake_nvml,
 )
+from gpuwatch.sources.proc_stat import STIME, UTIME, parse_stat
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -506,10 +507,10 @@ def _rss_bytes(pid: int) -> Optional[int]:
 
 def _cpu_seconds(pid: int) -> Optional[float]:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+        fields = parse_stat(Path(f"/proc/{pid}/stat").read_bytes())[1]
+    except (OSError, ValueError):
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[UTIME]) + int(fields[STIME])) / os.sysconf("SC_CLK_TCK")
 
 
 class _Processes:

@@ -108,7 +108,8 @@ class FakeProc:
         (d / "comm").write_text(comm + "\n")
         (d / "cgroup").write_text(cgroup)
         flags = 0x00208040 if kernel_thread else 0x00400100
-        (d / "stat").write_text(f"{pid} ({comm}) S 1 {pid} {pid} 0 -1 {flags} 120 0 0 0\n")
+        rest = " ".join(["0"] * 40)  # a whole line: 52 fields, as the kernel writes it
+        (d / "stat").write_text(f"{pid} ({comm}) S 1 {pid} {pid} 0 -1 {flags} 120 0 0 {rest}\n")
         (d / "environ").write_bytes(b"PATH=/usr/bin\0")
 
 

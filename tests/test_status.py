@@ -233,9 +233,12 @@ def test_a_leak_shows_its_culprit_how_it_was_found_and_the_culprits_own_growth()
     assert note.index("culprit") == row.index("RSS grows")
     assert note.strip() == ("culprit `areal.infra.rpc.rtensor._fetch_buffer` (discovered): "
                             "+16 items/step, ~2.0 GiB/step")
-    # A narrow terminal cuts the row, never the culprit.
+    # A narrow terminal wraps the reason under itself and never cuts the culprit.
     narrow = _leak_lines(render_status(doc, width=80), 701)
-    assert len(narrow[0]) == 80 and narrow[1] == note
+    assert all(len(line) <= 80 for line in narrow[:-1])
+    assert narrow[-1].strip() == note.strip()
+    assert "".join(line.strip() for line in narrow[:-1]).endswith(
+        "(discovered)[+2.0 GiB/step]")
     row, note = _leak_lines(text, 700)
     assert note.strip() == "culprit `fetch_buffer` (watched): +1 items/step, ~2.0 MiB/step"
     assert "items/step" not in row  # the culprit's figures are on its own line, once

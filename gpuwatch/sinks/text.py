@@ -1,0 +1,176 @@
+"""Text as every human view writes it: what came from a process made safe for a terminal, counts
+with their nouns, a finding's evidence in words, and tables fitted to a terminal's width.
+
+Every text sink (`status`, `top`, `reap`, `doctor`, `run`'s summary, the daemon's text log lines)
+renders what a process chose (its command line, name, user, cgroup, job id, buffer names, a
+reason quoting any of them) through `clean`, here and nowhere else. JSON output is never passed
+through it: it stays exact.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import unicodedata
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from gpuwatch.units import human_bytes, human_duration
+
+# ---- text from processes -------------------------------------------------------------------------
+
+
+def clean(text: str) -> str:
+    """`text` with what is not one printable column each as `?`, as ps and top show it. A command
+    line is the process's to choose: an escape sequence in it must not reach the terminal (clear
+    it, retitle it, paint a forged row), nor a newline or a carriage return start a line of its
+    own, nor a zero-width mark, a bidi override or a double-width character break the columns
+    (every width here is a count of characters)."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(c if _one_column(c) else "?" for c in text)
+
+
+def _one_column(c: str) -> bool:
+    if c.isascii():
+        return c.isprintable()
+    return (unicodedata.category(c)[0] not in "CZM"
+            and unicodedata.east_asian_width(c) not in ("W", "F"))
+
+
+# ---- words ---------------------------------------------------------------------------------------
+
+
+def plural(n: int, one: str, many: Optional[str] = None) -> str:
+    """'1 thread', '2 threads', '0 processes' (`many` where adding an s is wrong)."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def evidence(key: str, value: Any) -> str:
+    """One item of a finding's evidence (its `details`) as people read it: sizes in binary
+    units, durations and moments in words, nothing as a Python repr (None is 'none', True 'yes'),
+    and text from a process cleaned. The JSON document keeps the exact values."""
+    return f"{clean(key)}: {evidence_value(key, value)}"
+
+
+def evidence_value(key: str, value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        if key.endswith("_bytes") or key.endswith("_bytes_per_step"):
+            return human_bytes(int(value)) + ("/step" if key.endswith("_per_step") else "")
+        if key.endswith("_bytes_per_second"):
+            return human_bytes(int(value)) + "/s"
+        if key.endswith("_seconds"):
+            return human_duration(float(value))
+        if key.endswith("_at"):
+            return _dt.datetime.fromtimestamp(float(value), tz=_dt.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M:%SZ")
+        return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{clean(str(k))}: {evidence_value(str(k), v)}"
+                               for k, v in value.items()) + "}" if value else "none"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(evidence_value(key, v) for v in value) if value else "none"
+    return clean(str(value))
+
+
+# ---- tables fitted to a width ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Glyphs:
+    spark: str
+    bar_used: str
+    bar_free: str
+    ellipsis: str
+    descending: str
+    ascending: str
+    #: Applied to the tree prefixes (None: kept as they are).
+    tree: Optional[Mapping[int, str]] = None
+
+
+UNICODE = Glyphs("▁▂▃▄▅▆▇█", "█", "░", "…", "▼", "▲")
+ASCII = Glyphs("_.-~=+*#", "#", ".", "~", "v", "^", str.maketrans("├└─│", "|`-|"))
+
+
+def glyphs_for(encoding: Optional[str]) -> Glyphs:
+    return UNICODE if (encoding or "").lower().replace("-", "") in ("utf8", "utf_8") else ASCII
+
+
+def cut(text: str, width: int, glyphs: Glyphs = UNICODE) -> str:
+    if len(text) <= width:
+        return text
+    if width <= len(glyphs.ellipsis):
+        return text[:max(0, width)]
+    return text[:width - len(glyphs.ellipsis)] + glyphs.ellipsis
+
+
+def cut_left(text: str, width: int, glyphs: Glyphs = UNICODE) -> str:
+    """`text` cut at its start: what tells job ids (and a deep tree's PIDs) apart is at their
+    end."""
+    if len(text) <= width:
+        return text
+    if width <= len(glyphs.ellipsis):
+        return text[len(text) - max(0, width):] if width > 0 else ""
+    return glyphs.ellipsis + text[len(text) - width + len(glyphs.ellipsis):]
+
+
+#: A step that makes room for the last column once it is down to its minimum: ("shrink", column,
+#: to this width) or ("hide", column, 0), as ps, top and nvitop give way on a narrow terminal.
+Narrowing = tuple[str, int, int]
+
+
+def fit_widths(natural: Sequence[int], width: int, steps: Sequence[Narrowing],
+               min_last: int, gap: int = 2) -> list[int]:
+    """Each column's width for a line of `width` characters (0: hidden). The last column (the
+    command, the reason: what says what a row is) takes what the others leave; while that is
+    less than `min_last`, `steps` are taken one at a time, in order. `width` 0: no limit."""
+    widths = list(natural)
+    if width <= 0:
+        return widths
+    last = len(widths) - 1
+
+    def room() -> int:
+        return width - sum(w + gap for w in widths[:last] if w)
+
+    for step, column, size in steps:
+        if room() >= min(min_last, widths[last]):
+            break
+        if step == "hide":
+            widths[column] = 0
+        elif widths[column] > size:
+            widths[column] = size
+    widths[last] = max(0, min(widths[last], room()))
+    return widths
+
+
+def table_lines(rows: Sequence[Sequence[str]], widths: Sequence[int], *,
+                right: Collection[int] = (), cut_at_start: Collection[int] = (),
+                paint: Optional[Callable[[int, int, str], str]] = None,
+                glyphs: Glyphs = UNICODE, gap: int = 2) -> list[str]:
+    """`rows` (the first: the column names) in columns of `widths` (0: hidden). A cell longer
+    than its column is cut, marked with the ellipsis (at its start for `cut_at_start`); `paint`
+    (row, column, the cell padded) may wrap a cell in colour, after it is cut and padded, so
+    that an escape sequence is never cut nor counted as columns."""
+    last = max((i for i, w in enumerate(widths) if w), default=-1)
+    out = []
+    for r, row in enumerate(rows):
+        cells = []
+        for i, text in enumerate(row):
+            w = widths[i]
+            if not w:
+                continue
+            if len(text) > w:
+                text = cut_left(text, w, glyphs) if i in cut_at_start else cut(text, w, glyphs)
+            if i != last:
+                text = text.rjust(w) if i in right else text.ljust(w)
+            cells.append(paint(r, i, text) if paint is not None else text)
+        out.append((" " * gap).join(cells).rstrip())
+    return out
+
+
+def natural_widths(rows: Sequence[Sequence[str]]) -> list[int]:
+    return [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

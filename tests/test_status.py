@@ -238,7 +238,7 @@ def test_a_leak_shows_its_culprit_how_it_was_found_and_the_culprits_own_growth()
     assert all(len(line) <= 80 for line in narrow[:-1])
     assert narrow[-1].strip() == note.strip()
     assert "".join(line.strip() for line in narrow[:-1]).endswith(
-        "(discovered)[+2.0 GiB/step]")
+        "it (discovered) [+2.0 GiB/step]")
     row, note = _leak_lines(text, 700)
     assert note.strip() == "culprit `fetch_buffer` (watched): +1 items/step, ~2.0 MiB/step"
     assert "items/step" not in row  # the culprit's figures are on its own line, once

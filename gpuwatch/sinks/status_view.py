@@ -22,11 +22,12 @@ from gpuwatch.sinks.text import (
     natural_widths,
     plural,
     table_lines,
+    wrapped_table,
 )
 from gpuwatch.units import human_bytes, human_duration, short_command
 
 
-def render_status(doc: dict[str, Any], width: int = 120, verbose: bool = False,
+def render_status(doc: dict[str, Any], width: int = 0, verbose: bool = False,
                   colour: bool = False, glyphs: Glyphs = UNICODE) -> str:
     """The table view fitted to `width` (0: never cut, for a pipe or a file): on a narrow
     terminal the less telling columns give way first, as in ps, top and nvitop, and a row
@@ -81,32 +82,12 @@ def _findings_table(doc: dict[str, Any], width: int, verbose: bool = False,
         if f["kind"] == "leak":
             notes[len(rows) - 1] = [clean(note) for note in leak_notes(details, verbose)]
     widths = fit_widths(natural_widths(rows), width, _FINDING_NARROWING, _MIN_REASON)
-    reason_width = widths[-1]
-    # A reason longer than its column is wrapped under itself, not cut: its end (what to do,
-    # the limit it runs out against) is what the reader needs.
-    wrapped: dict[int, list[str]] = {}
-    if width > 0:
-        for i, row in enumerate(rows):
-            if len(row[-1]) > reason_width > 0:
-                wrapped[i] = textwrap.wrap(row[-1], reason_width,
-                                           break_on_hyphens=False) or [""]
-                rows[i] = (*row[:-1], wrapped[i][0])
 
     def painted(r: int, column: int, text: str) -> str:
         return paint(text, rows[r][1]) if colour and r > 0 and column == 1 else text
 
-    table = table_lines(rows, widths, paint=painted, glyphs=glyphs)
-    # Notes sit under the reason they go with, so the columns to the left stay readable. They
-    # are never cut at the width as rows are: a culprit's name or a traceback's file cut short
-    # is of no use, wrapped it still is.
-    at = sum(w + 2 for w in widths[:-1] if w)
-    indent = " " * at
-    out = []
-    for i, line in enumerate(table):
-        out.append(line)
-        out += [indent + more for more in wrapped.get(i, [])[1:]]
-        out += [indent + note for note in notes.get(i, ())]
-    return out
+    # Notes sit under the reason they go with, so the columns to the left stay readable.
+    return wrapped_table(rows, widths, width, notes=notes, paint=painted, glyphs=glyphs)
 
 
 def leak_notes(d: dict[str, Any], verbose: bool = False) -> list[str]:

@@ -10,6 +10,7 @@ through it: it stays exact.
 from __future__ import annotations
 
 import datetime as _dt
+import textwrap
 import unicodedata
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -174,3 +175,26 @@ def table_lines(rows: Sequence[Sequence[str]], widths: Sequence[int], *,
 
 def natural_widths(rows: Sequence[Sequence[str]]) -> list[int]:
     return [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+
+def wrapped_table(rows: Sequence[Sequence[str]], widths: Sequence[int], width: int, *,
+                  notes: Optional[Mapping[int, Sequence[str]]] = None,
+                  **how: Any) -> list[str]:
+    """table_lines, with the last column (a reason: its end says what to do) wrapped under
+    itself instead of cut when `width` is set, and `notes` (row -> lines) under the last column
+    of their row, never cut (a culprit's file path cut short is of no use)."""
+    rows = [list(row) for row in rows]
+    room = widths[-1]
+    wrapped: dict[int, list[str]] = {}
+    if width > 0 and room > 0:
+        for i, row in enumerate(rows):
+            if len(row[-1]) > room:
+                wrapped[i] = textwrap.wrap(row[-1], room, break_on_hyphens=False) or [""]
+                row[-1] = wrapped[i][0]
+    indent = " " * sum(w + how.get("gap", 2) for w in widths[:-1] if w)
+    out = []
+    for i, line in enumerate(table_lines(rows, widths, **how)):
+        out.append(line)
+        out += [indent + more for more in wrapped.get(i, [])[1:]]
+        out += [indent + note for note in (notes or {}).get(i, ())]
+    return out

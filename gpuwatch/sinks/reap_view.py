@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import textwrap
 from typing import Any, Optional
 
 from gpuwatch.sinks.text import (
@@ -18,10 +19,11 @@ from gpuwatch.units import human_bytes
 
 #: PID NAME USER JOB KIND GPU-MEMORY ACTION SIGNALS|RESULT WHY: what gives way on a narrow
 #: terminal, in order, for WHY (wrapped in what is left); never the PID, the name, the action.
-_R_USER, _R_JOB, _R_MEMORY, _R_OUTCOME = 2, 3, 5, 7
+_R_NAME, _R_USER, _R_JOB, _R_MEMORY, _R_OUTCOME = 1, 2, 3, 5, 7
 _NARROWING: tuple[Narrowing, ...] = (
     ("shrink", _R_JOB, 20), ("hide", _R_USER, 0), ("shrink", _R_JOB, 14),
-    ("hide", _R_MEMORY, 0), ("shrink", _R_OUTCOME, 16), ("hide", _R_JOB, 0))
+    ("hide", _R_MEMORY, 0), ("shrink", _R_OUTCOME, 16), ("hide", _R_JOB, 0),
+    ("hide", _R_OUTCOME, 0), ("shrink", _R_NAME, 8))
 _MIN_WHY = 24
 
 
@@ -52,9 +54,12 @@ def render_reap(doc: dict[str, Any], rows: list[tuple[Any, str, str]], dry_run: 
                 if result in ("planned", "exited", "killed", "reaped", "gone")
                 and a.action != "refuse")
     verb = "would free" if dry_run else "freed"
-    lines = [head, "", *wrapped_table(table, widths, width, cut_at_start={_R_JOB},
-                                      glyphs=glyphs),
-             "", f"{verb} up to {human_bytes(freed)} of GPU memory"]
+    rows_text = wrapped_table(table, widths, width, cut_at_start={_R_JOB}, glyphs=glyphs)
+    if width > 0:
+        # Narrower than what every step above leaves (PID, name, kind, action): cut.
+        rows_text = [line[:width] for line in rows_text]
+    lines = [*(textwrap.wrap(head, width, subsequent_indent="  ") if width > 0 else [head]),
+             "", *rows_text, "", f"{verb} up to {human_bytes(freed)} of GPU memory"]
     if not dry_run:
         lines.append("GPU memory still held by PID " + ", ".join(map(str, sorted(held)))
                      if held else "no GPU memory the plan named is still held")

@@ -177,16 +177,20 @@ def natural_widths(rows: Sequence[Sequence[str]]) -> list[int]:
     return [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
 
 
+#: Narrower than this, a last column is cut (marked), not wrapped into a column of syllables.
+_MIN_WRAP = 16
+
+
 def wrapped_table(rows: Sequence[Sequence[str]], widths: Sequence[int], width: int, *,
                   notes: Optional[Mapping[int, Sequence[str]]] = None,
                   **how: Any) -> list[str]:
     """table_lines, with the last column (a reason: its end says what to do) wrapped under
-    itself instead of cut when `width` is set, and `notes` (row -> lines) under the last column
+    itself instead of cut when `width` is set and leaves it room enough, and `notes` (row -> lines) under the last column
     of their row, never cut (a culprit's file path cut short is of no use)."""
     rows = [list(row) for row in rows]
     room = widths[-1]
     wrapped: dict[int, list[str]] = {}
-    if width > 0 and room > 0:
+    if width > 0 and room >= _MIN_WRAP:
         for i, row in enumerate(rows):
             if len(row[-1]) > room:
                 wrapped[i] = textwrap.wrap(row[-1], room, break_on_hyphens=False) or [""]

@@ -237,8 +237,9 @@ _P_PID, _P_USER, _P_JOB, _P_STATE, _P_RSS, _P_GPU, _P_COMMAND = range(7)
 PROCESS_NARROWING: tuple[Narrowing, ...] = (
     ("shrink", _P_JOB, 20), ("hide", _P_STATE, 0), ("hide", _P_USER, 0), ("shrink", _P_JOB, 14),
     ("hide", _P_RSS, 0), ("hide", _P_JOB, 0), ("shrink", _P_PID, 10))
-#: COMMAND keeps at least this much, and always each row's markers and program name.
-MIN_COMMAND = 20
+#: COMMAND keeps at least this much, and always each row's markers and program name: a little
+#: more than top's, which has a panel and a details page for the rest.
+MIN_COMMAND = 30
 
 
 def _process_table(doc: dict[str, Any], width: int, colour: bool = False,

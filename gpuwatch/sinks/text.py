@@ -135,7 +135,9 @@ def fit_widths(natural: Sequence[int], width: int, steps: Sequence[Narrowing],
     last = len(widths) - 1
 
     def room() -> int:
-        return width - sum(w + gap for w in widths[:last] if w)
+        # An empty last column (a GPU's note when it has none) takes no gap before it either.
+        return width - sum(w + gap for w in widths[:last] if w) + (gap if not natural[last]
+                                                                   else 0)
 
     for step, column, size in steps:
         if room() >= min(min_last, widths[last]):
@@ -185,8 +187,9 @@ def wrapped_table(rows: Sequence[Sequence[str]], widths: Sequence[int], width: i
                   notes: Optional[Mapping[int, Sequence[str]]] = None,
                   **how: Any) -> list[str]:
     """table_lines, with the last column (a reason: its end says what to do) wrapped under
-    itself instead of cut when `width` is set and leaves it room enough, and `notes` (row -> lines) under the last column
-    of their row, never cut (a culprit's file path cut short is of no use)."""
+    itself instead of cut when `width` is set and leaves it room enough, and `notes` (row ->
+    lines) under the last column of their row, never cut (a culprit's file path cut short is of
+    no use)."""
     rows = [list(row) for row in rows]
     room = widths[-1]
     wrapped: dict[int, list[str]] = {}

@@ -80,7 +80,8 @@ def test_demo_tells_its_story_of_orphans_and_leftovers_and_cleans_up_on_ctrl_c(
         text = wait_for("the story's end", lambda: out.read_text() if "story done:" in
                         out.read_text() else None, 60, alive=demo)
         assert "$ gpuwatch reap --dry-run" in text and "would free up to" in text
-        done = text[text.index("gpuwatch demo: story done:"):].split("\n\n")[0]
+        done = " ".join(text[text.index("gpuwatch demo: story done:"):].split("\n\n")[0]
+                        .split())
         assert "3 leftovers of job B, job A's orphans reaped" in done, done
         assert "Ctrl+C stops the demo and everything it started" in done, done
         # The banner's environment is all another shell needs: doctor there finds the fake

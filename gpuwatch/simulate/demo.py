@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -470,7 +471,7 @@ Ctrl+C stops the demo and everything it started.""")
             if not reaped and time.monotonic() - started >= 6 * pace:
                 reaped = True
                 _reap(gpuwatch_cmd, sim, pause)
-                _say(story_done(sim, duration, time.monotonic() - started))
+                _say(story_done(sim, duration, time.monotonic() - started, pause))
             pause(0.1)
     return 0
 
@@ -485,15 +486,25 @@ def demo_environment(sim: SimulatedNode) -> str:
     return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
 
 
-def story_done(sim: SimulatedNode, duration: Optional[float], elapsed: float) -> str:
-    """What the story showed, as the daemon sees the node once it is over, and how to stop
-    what is left of it."""
+def story_done(sim: SimulatedNode, duration: Optional[float], elapsed: float,
+               pause: Callable[[float], None] = time.sleep) -> str:
+    """What the story showed, as the daemon sees the node after its reap (its first poll
+    since), and how to stop what is left of it."""
     from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 
+    since = time.time()
+
+    def after_the_reap() -> Optional[dict[str, Any]]:
+        try:
+            doc = fetch_status(sim.runtime_dir / STATE_SOCKET_NAME)
+        except StateUnavailable:
+            return None
+        return doc if doc.get("taken_at", 0) > since else None
+
     try:
-        doc = fetch_status(sim.runtime_dir / STATE_SOCKET_NAME)
-    except StateUnavailable as exc:
-        shown = f"the daemon did not answer ({exc})"
+        doc = wait_for("the daemon's poll after the reap", after_the_reap, 10, pause=pause)
+    except DemoError as exc:
+        shown = str(exc)
     else:
         kinds = [f["kind"] for f in doc["findings"]]
         orphans_left = sum(1 for k in kinds if k == "orphan")
@@ -504,8 +515,9 @@ def story_done(sim: SimulatedNode, duration: Optional[float], elapsed: float) ->
     stop = ("Ctrl+C stops the demo and everything it started" if duration is None else
             f"it stops by itself in {max(0.0, duration - elapsed):.0f} s, or at Ctrl+C, with "
             "everything it started")
-    return (f"\ngpuwatch demo: story done: {shown}. The daemon and jobs B and C keep running "
-            f"for status, top and doctor; {stop}.")
+    return "\n" + textwrap.fill(
+        f"gpuwatch demo: story done: {shown}. The daemon and jobs B and C keep running for "
+        f"status, top and doctor; {stop}.", 100)
 
 
 def _keep_exit_quiet() -> None:

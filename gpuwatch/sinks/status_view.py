@@ -22,6 +22,7 @@ from gpuwatch.sinks.text import (
     natural_widths,
     plural,
     table_lines,
+    wrap_parts,
     wrapped_table,
 )
 from gpuwatch.units import human_bytes, human_duration, short_command
@@ -44,12 +45,12 @@ def render_status(doc: dict[str, Any], width: int = 0, verbose: bool = False,
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _wrap(text: str, width: int, indent: str = "") -> list[str]:
+def _wrap(text: str, width: int) -> list[str]:
     """Sentences are wrapped, not cut: the end of one (a socket's path, why NVML failed) is
     what the reader needs."""
     if width <= 0:
-        return [indent + line for line in text.splitlines()]
-    return [indent + wrapped for line in text.splitlines()
+        return text.splitlines()
+    return [wrapped for line in text.splitlines()
             for wrapped in textwrap.wrap(line, width, subsequent_indent="  ") or [""]]
 
 
@@ -347,31 +348,6 @@ def agent_parts(agent: dict[str, Any], taken_at: float) -> list[str]:
     if buffers:
         parts += [f"buffer {buffers[0]}", *buffers[1:]]
     return [clean(part) for part in parts]
-
-
-def wrap_parts(parts: Sequence[str], width: int, indent: str, separator: str = "; "
-               ) -> list[str]:
-    """`parts` joined by `separator` on lines of at most `width` (0: one line), each starting
-    with `indent`; a line breaks between parts, never inside a figure, unless one part alone is
-    wider than the room."""
-    room = width - len(indent)
-    if width <= 0:
-        return [indent + separator.join(parts)]
-    lines: list[str] = []
-    line = ""
-    for part in parts:
-        candidate = f"{line}{separator}{part}" if line else part
-        if len(candidate) + len(separator.rstrip()) <= room or not line:
-            line = candidate
-            continue
-        lines.append(line + separator.rstrip())
-        line = "  " + part
-    lines.append(line)
-    out = []
-    for text in lines:
-        out += textwrap.wrap(text, max(10, room), subsequent_indent="  ",
-                             break_on_hyphens=False) or [""] if len(text) > room else [text]
-    return [indent + text for text in out]
 
 
 def clock(epoch: Optional[float]) -> str:

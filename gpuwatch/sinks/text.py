@@ -78,6 +78,31 @@ def evidence_value(key: str, value: Any) -> str:
     return clean(str(value))
 
 
+def wrap_parts(parts: Sequence[str], width: int, indent: str, separator: str = "; "
+               ) -> list[str]:
+    """`parts` joined by `separator` on lines of at most `width` (0: one line), each starting
+    with `indent`; a line breaks between parts, never inside a figure, unless one part alone is
+    wider than the room."""
+    room = width - len(indent)
+    if width <= 0:
+        return [indent + separator.join(parts)]
+    lines: list[str] = []
+    line = ""
+    for part in parts:
+        candidate = f"{line}{separator}{part}" if line else part
+        if len(candidate) + len(separator.rstrip()) <= room or not line:
+            line = candidate
+            continue
+        lines.append(line + separator.rstrip())
+        line = "  " + part
+    lines.append(line)
+    out = []
+    for text in lines:
+        out += ((textwrap.wrap(text, max(10, room), subsequent_indent="  ",
+                               break_on_hyphens=False) or [""]) if len(text) > room else [text])
+    return [indent + text for text in out]
+
+
 # ---- tables fitted to a width ------------------------------------------------------------------
 
 

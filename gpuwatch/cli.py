@@ -175,9 +175,11 @@ def _print_status(doc: dict[str, Any], as_json: bool, verbose: bool, *,
 
         from gpuwatch.sinks.colour import wants_colour
         from gpuwatch.sinks.status_view import render_status
+        from gpuwatch.sinks.text import glyphs_for
 
         text = render_status(doc, width=shutil.get_terminal_size().columns if tty else 0,
-                             verbose=verbose, colour=wants_colour(sys.stdout))
+                             verbose=verbose, colour=wants_colour(sys.stdout),
+                             glyphs=glyphs_for(sys.stdout.encoding))
         if watching:
             # On a terminal, home and clear before drawing, as `watch` does; piped, each view
             # after a blank line.
@@ -314,7 +316,8 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
             click.echo("gpuwatch reap: refusing to signal without --yes (no terminal to "
                        "confirm on); --dry-run shows the plan", err=True)
             sys.exit(EXIT_USAGE)
-        sys.stdout.write(render_reap(doc, [(a, "planned", "") for a in actions], True))
+        sys.stdout.write(render_reap(doc, [(a, "planned", "") for a in actions], True,
+                                     **_fitted()))
         if not click.confirm(f"Reap {len(actions)} process(es)?"):
             sys.exit(EXIT_NOTHING_TO_DO)
     results = reaper.execute(actions, grace=grace)
@@ -339,7 +342,19 @@ def _print_reap(as_json: bool, doc: dict[str, Any], rows: list[Any], dry_run: bo
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render(doc, rows, dry_run, held))
+        sys.stdout.write(render(doc, rows, dry_run, held, **_fitted()))
+
+
+def _fitted() -> dict[str, Any]:
+    """How a human view fits where it is written: a terminal's width and glyphs; piped, every
+    line in full."""
+    import shutil
+
+    from gpuwatch.sinks.text import glyphs_for
+
+    tty = sys.stdout.isatty()
+    return {"width": shutil.get_terminal_size().columns if tty else 0,
+            "glyphs": glyphs_for(sys.stdout.encoding)}
 
 
 def _released(r: Any, still_held: Optional[set[int]]) -> str:
@@ -425,7 +440,8 @@ def doctor(as_json: bool, only: tuple[str, ...], timeout: float, runtime_dir: Op
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
-        sys.stdout.write(render_doctor(doc, colour=wants_colour(sys.stdout)))
+        sys.stdout.write(render_doctor(doc, colour=wants_colour(sys.stdout),
+                                       width=_fitted()["width"]))
     sys.exit(code)
 
 

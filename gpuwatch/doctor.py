@@ -44,6 +44,7 @@ from gpuwatch.config import (
 from gpuwatch.model import GpuDevice, NvmlReading
 from gpuwatch.runtime_dir import DAEMON_INFO_NAME
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+from gpuwatch.sinks.text import plural
 from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME
 from gpuwatch.sources.jobs import parse_cgroup
 from gpuwatch.sources.nvml import NvmlSource
@@ -482,7 +483,7 @@ def check_pid_namespace(ctx: Context) -> list[Check]:
     listed, absent = _nvml_pids_absent(ctx)
     cross = ""
     if listed:
-        cross = (f"; NVML lists {_plural(len(listed), 'PID', 'PIDs')}, "
+        cross = (f"; NVML lists {plural(len(listed), 'PID', 'PIDs')}, "
                  + (f"{len(absent)} of them not in this /proc" if absent
                     else "all in this /proc"))
     nested = (inode is not None and inode != INIT_PID_NS_INODE) or len(nspid) > 1
@@ -573,9 +574,6 @@ def _scan_attribution(proc: Path) -> _Attribution:
     return seen
 
 
-def _plural(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
-
 
 def check_cgroups(ctx: Context) -> list[Check]:
     layout = cgroup_layout(ctx.sys_cgroup)
@@ -585,12 +583,12 @@ def check_cgroups(ctx: Context) -> list[Check]:
             "v1": "cgroup v1", "none": f"no cgroup hierarchy under {ctx.sys_cgroup}"}[layout]
     sources = []
     if seen.slurm_jobs:
-        sources.append(f"Slurm ({_plural(len(seen.slurm_jobs), 'job', 'jobs')})")
+        sources.append(f"Slurm ({plural(len(seen.slurm_jobs), 'job', 'jobs')})")
     if seen.pods:
-        sources.append(f"Kubernetes ({_plural(len(seen.pods), 'pod', 'pods')})")
+        sources.append(f"Kubernetes ({plural(len(seen.pods), 'pod', 'pods')})")
     if seen.containers:
         sources.append(f"containers ({len(seen.containers)})")
-    among = _plural(seen.processes, "process", "processes")
+    among = plural(seen.processes, "process", "processes")
     found = (f"job cgroups among {among}: {', '.join(sources)}" if sources
              else f"no Slurm, pod or container cgroup among {among} (jobs then come from launch "
                   "environments and systemd units)")
@@ -777,8 +775,39 @@ def check_metrics(ctx: Context) -> list[Check]:
         return [Check("metrics", FAIL, f"{url} ({where}) answers, but with no gpuwatch_ metric",
                       fix="another program holds the port: `ss -ltnp` names it; give the daemon "
                           "a free one (daemon.listen)")]
-    return [Check("metrics", OK, f"{url} serves {len(families)} gpuwatch_ metric families",
-                  detail=where)]
+    found = (f"{url} serves "
+             + plural(len(families), "gpuwatch_ metric family", "gpuwatch_ metric families"))
+    served = served_by(body)
+    if served is None:  # a daemon from before the `pid` label: whose it is cannot be told
+        return [Check("metrics", OK, found, detail=where)]
+    expected = info.get("pid") if info is not None else None
+    if isinstance(expected, int) and expected != served:
+        return [Check("metrics", FAIL, f"{url} ({where}) is served by gpuwatch PID {served}, "
+                                       f"not by the daemon {DAEMON_INFO_NAME} names (PID "
+                                       f"{expected})",
+                      fix="another daemon holds the port: `ss -ltnp` names it; stop one of "
+                          "them, or give it another port (daemon.listen)")]
+    if expected is None and not os.path.lexists(ctx.runtime_dir / DAEMON_INFO_NAME):
+        return [Check("metrics", FAIL, f"{url} ({where}) is another daemon's (gpuwatch PID "
+                                       f"{served}): no daemon runs on {ctx.runtime_dir}",
+                      fix=f"that daemon has a runtime directory of its own: `gpuwatch doctor "
+                          f"--runtime-dir DIR` checks it (`cat /proc/{served}/cmdline` shows "
+                          f"its options); or {_START_SHORT} on another port")]
+    if expected is None:
+        return [Check("metrics", OK, f"{found}, from gpuwatch PID {served} ({DAEMON_INFO_NAME} "
+                                     "is unreadable here: whose it is is not confirmed)",
+                      detail=where)]
+    return [Check("metrics", OK, f"{found}, from the daemon (PID {served})", detail=where)]
+
+
+_BUILD_INFO_PID = re.compile(r'^gpuwatch_build_info\{[^}\n]*\bpid="(\d+)"', re.M)
+
+
+def served_by(body: str) -> Optional[int]:
+    """The PID of the daemon whose metrics `body` is (its `gpuwatch_build_info` says), or None
+    for a daemon that does not say."""
+    match = _BUILD_INFO_PID.search(body)
+    return int(match.group(1)) if match else None
 
 
 # -- systemd --------------------------------------------------------------------------------------

@@ -14,11 +14,24 @@ import os
 import sys
 from typing import Any
 
+from gpuwatch.sinks.text import clean
+
+
+class _TextFormatter(logging.Formatter):
+    """A text line whose message is cleaned (gpuwatch.sinks.text.clean): a message may quote a
+    process's command line, name or cgroup, and another user's escape sequence or newline must
+    neither reach an admin's terminal nor forge a log line of its own. A traceback appended
+    after it keeps its lines; JSON lines are exact (json.dumps escapes what it must)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return clean(super().formatMessage(record))
+
+
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
              logging.CRITICAL: 2}
 
 
-class _JournalFormatter(logging.Formatter):
+class _JournalFormatter(_TextFormatter):
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record).replace("\n", "\n  ")
         return f"<{_PRIORITY.get(record.levelno, 6)}>{text}"
@@ -48,7 +61,7 @@ def setup_logging(fmt: str = "text", level: str = "info") -> None:
     elif os.environ.get("JOURNAL_STREAM"):
         handler.setFormatter(_JournalFormatter("%(name)s: %(message)s"))
     else:
-        handler.setFormatter(logging.Formatter(
+        handler.setFormatter(_TextFormatter(
             "%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S"))
     root = logging.getLogger()
     for old in list(root.handlers):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -76,8 +77,28 @@ def test_demo_tells_its_story_of_orphans_and_leftovers_and_cleans_up_on_ctrl_c(
         # The end of the story: a dry run, then the orphans reaped and their memory released.
         wait_for("the demo's reap", lambda: out.read_text().count("GPU memory released") >= 3
                  or None, 60, alive=demo)
-        text = out.read_text()
+        text = wait_for("the story's end", lambda: out.read_text() if "story done:" in
+                        out.read_text() else None, 60, alive=demo)
         assert "$ gpuwatch reap --dry-run" in text and "would free up to" in text
+        done = " ".join(text[text.index("gpuwatch demo: story done:"):].split("\n\n")[0]
+                        .split())
+        assert "3 leftovers of job B, job A's orphans reaped" in done, done
+        assert "Ctrl+C stops the demo and everything it started" in done, done
+        # The banner's environment is all another shell needs: doctor there finds the fake
+        # driver and the demo's daemon, as status does.
+        (export,) = re.findall(r"^  export (.+)$", text, re.M)
+        shell = {k: v for k, v in env.items()
+                 if k != "LD_LIBRARY_PATH" and not k.startswith("GPUWATCH_")}
+        shell.update(item.split("=", 1) for item in shlex.split(export))
+        doctor = subprocess.run(
+            [sys.executable, "-m", "gpuwatch", "doctor", "--json", "--check", "nvml",
+             "--check", "daemon", "--check", "metrics"],
+            text=True, capture_output=True, timeout=60, env=shell)
+        checks = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+        assert checks["nvml"]["status"] == "ok" and "2 GPUs" in checks["nvml"]["summary"], \
+            checks
+        assert checks["daemon"]["status"] == "ok" and checks["metrics"]["status"] == "ok", \
+            checks
         for pid in workers:
             wait_for(f"orphan {pid} to be gone", lambda pid=pid: not _alive(pid) or None, 10)
         runtime = re.search(r"GPUWATCH_RUNTIME_DIR=(\S+)", text).group(1)

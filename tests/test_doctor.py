@@ -541,7 +541,8 @@ def test_with_the_daemon_running_its_checks_pass_and_doctor_exits_0(
     assert checks["agent-socket"]["summary"] == (f"{d.runtime_dir / 'agent.sock'} accepts "
                                                  "reports (mode 0666)")
     families = re.fullmatch(rf"{re.escape(d.metrics_url)} serves (\d+) gpuwatch_ metric "
-                            "families", checks["metrics"]["summary"])
+                            rf"families, from the daemon \(PID {d.proc.pid}\)",
+                            checks["metrics"]["summary"])
     assert families is not None and int(families.group(1)) > 10, checks["metrics"]
     assert human.returncode == EXIT_OK
     lines = human.stdout.splitlines()
@@ -569,6 +570,63 @@ def test_without_a_daemon_its_checks_fail_saying_how_to_start_it(
     assert checks["metrics"]["status"] == FAIL
     assert checks["metrics"]["summary"] == (f"nothing listens on http://127.0.0.1:{port}/metrics "
                                             "(from daemon.listen)")
+
+
+def test_without_a_daemon_another_daemons_metrics_on_the_port_fail_the_metrics_check(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    """No daemon on this runtime directory, another one on the port its configuration names:
+    the metrics are that one's, and doctor says so instead of `ok metrics` beside `fail
+    daemon`."""
+    other_env = {**cli_env, "GPUWATCH_RUNTIME_DIR": str(tmp_path / "other-run")}
+    with running_daemon(other_env, tmp_path / "other") as other:
+        config = tmp_path / "gpuwatch.toml"
+        config.write_text(f'[daemon]\nlisten = "{other.metrics_url.split("/")[2]}"\n')
+        code, doc = doctor_json(cli_env, "--config", str(config), *DAEMON_CHECKS)
+    assert code == EXIT_DOCTOR_FAILURES
+    checks = by_name(doc)
+    assert checks["daemon"]["status"] == FAIL
+    assert checks["metrics"]["status"] == FAIL, checks["metrics"]
+    assert checks["metrics"]["summary"] == (
+        f"{other.metrics_url} (from daemon.listen) is another daemon's (gpuwatch PID "
+        f"{other.proc.pid}): no daemon runs on {cli_env['GPUWATCH_RUNTIME_DIR']}")
+    assert "--runtime-dir" in checks["metrics"]["fix"]
+
+
+class _GpuwatchMetrics(http.server.BaseHTTPRequestHandler):
+    body = (b'# HELP gpuwatch_build_info Version.\n# TYPE gpuwatch_build_info gauge\n'
+            b'gpuwatch_build_info{version="1",python="3.11",pid="4242"} 1.0\n')
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_metrics_served_by_a_daemon_other_than_daemon_json_names_fail(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GpuwatchMetrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    try:
+        (run / "daemon.json").write_text(json.dumps({"pid": 4243, "metrics_url": url}))
+        check = one(check_metrics(context(tmp_path)))
+        assert check.status == FAIL
+        assert check.summary == (f"{url} (from daemon.json) is served by gpuwatch PID 4242, "
+                                 "not by the daemon daemon.json names (PID 4243)")
+        (run / "daemon.json").write_text(json.dumps({"pid": 4242, "metrics_url": url}))
+        check = one(check_metrics(context(tmp_path)))
+        assert check.status == OK
+        assert check.summary == f"{url} serves 1 gpuwatch_ metric family, from the daemon " \
+                                "(PID 4242)"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _dead_pid() -> int:

@@ -4,6 +4,7 @@ the table view show what a leak finding carries."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -233,9 +234,12 @@ def test_a_leak_shows_its_culprit_how_it_was_found_and_the_culprits_own_growth()
     assert note.index("culprit") == row.index("RSS grows")
     assert note.strip() == ("culprit `areal.infra.rpc.rtensor._fetch_buffer` (discovered): "
                             "+16 items/step, ~2.0 GiB/step")
-    # A narrow terminal cuts the row, never the culprit.
+    # A narrow terminal wraps the reason under itself and never cuts the culprit.
     narrow = _leak_lines(render_status(doc, width=80), 701)
-    assert len(narrow[0]) == 80 and narrow[1] == note
+    assert all(len(line) <= 80 for line in narrow[:-1])
+    assert narrow[-1].strip() == note.strip()
+    assert "".join(line.strip() for line in narrow[:-1]).endswith(
+        "it (discovered) [+2.0 GiB/step]")
     row, note = _leak_lines(text, 700)
     assert note.strip() == "culprit `fetch_buffer` (watched): +1 items/step, ~2.0 MiB/step"
     assert "items/step" not in row  # the culprit's figures are on its own line, once
@@ -326,3 +330,28 @@ def test_status_takes_verbose(fake_node: FakeNode, cli_env: dict[str, str]) -> N
     result = gpuwatch(["status", "--verbose"], cli_env)
     assert result.returncode == EXIT_OK, result.stderr
     assert "GPU  NAME" in result.stdout
+
+
+def test_an_instrumented_process_shows_its_agents_step_and_buffers_under_its_row() -> None:
+    doc = status_document(leakreports.leak_report())
+    lines = render_status(doc, width=0).splitlines()
+    at = next(i for i, line in enumerate(lines) if re.match(r"^700\s", line))
+    assert lines[at + 1].strip() == (
+        "agent: step 74 (advanced 1 s ago); CUDA allocated 3.0 GiB, reserved 5.0 GiB; "
+        "buffer `fetch_buffer`: 74 items, 148.0 MiB")
+    # The command's column, where top's notes go too; the same phrases as top's details.
+    assert lines[at + 1].index("agent") == 16
+    from gpuwatch.sinks.top.view import details_lines
+    details = " ".join(line.text for line in details_lines(doc, 700, None, 200))
+    assert "step 74 (advanced 1 s ago)" in details and "`fetch_buffer`: 74 items" in details
+    # On an 80-column terminal the line breaks between its parts, never inside a figure.
+    narrow = render_status(doc, width=80).splitlines()
+    at = next(i for i, line in enumerate(narrow) if re.match(r"^700\s", line))
+    under = []
+    for line in narrow[at + 1:]:
+        if not line.startswith(" "):
+            break
+        under.append(line)
+    assert all(len(line) <= 80 for line in under)
+    assert " ".join(line.strip() for line in under).replace("; ", ";") == lines[at + 1].strip(
+        ).replace("; ", ";")

@@ -27,12 +27,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -43,7 +45,8 @@ from typing import Any, Callable, Optional, TextIO, TypeVar
 import gpuwatch
 from gpuwatch.actions.signals import SAME, ProcessRef, Signaller
 from gpuwatch.config import DEFAULT_PORT, split_listen
-from gpuwatch.simulate.fakenvml import FakeNode, FakeNvmlBuildError, build_fake_nvml
+from gpuwatch.simulate.fakenvml import STATE_ENV, FakeNode, FakeNvmlBuildError, build_fake_nvml
+from gpuwatch.sinks.text import plural
 from gpuwatch.sources.processes import ProcessSource
 
 T = TypeVar("T")
@@ -433,9 +436,15 @@ run {c.run_id}
          its fetch_buffer keeps every batch (2 MiB a step)
 
   metrics  {sim.metrics_url}
-  status   GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {shown} status
-  JSON     GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {shown} status --json
-  top      GPUWATCH_RUNTIME_DIR={sim.runtime_dir} {shown} top
+
+In another shell, this node's environment first (its fake NVML driver, its daemon's runtime and
+state directories), so that every command there sees the node as the daemon does:
+  {demo_environment(sim)}
+  status   {shown} status
+  JSON     {shown} status --json
+  top      {shown} top
+  doctor   {shown} doctor
+  reap     {shown} reap --dry-run
 
 What happens:
   after {3 * pace:g} s  job B's trainer finishes; {2 * pace:g} s later its helpers are leftovers
@@ -462,8 +471,53 @@ Ctrl+C stops the demo and everything it started.""")
             if not reaped and time.monotonic() - started >= 6 * pace:
                 reaped = True
                 _reap(gpuwatch_cmd, sim, pause)
+                _say(story_done(sim, duration, time.monotonic() - started, pause))
             pause(0.1)
     return 0
+
+
+def demo_environment(sim: SimulatedNode) -> str:
+    """The `export` line that gives another shell this node: the fake driver (without it,
+    `doctor` and `status --poll` find no NVML library), the daemon's runtime directory (without
+    it, `status` finds no daemon) and its state directory (the reap audit log)."""
+    env = {"LD_LIBRARY_PATH": str(sim.node.lib_dir), STATE_ENV: str(sim.node.state_path),
+           "GPUWATCH_RUNTIME_DIR": str(sim.runtime_dir),
+           "GPUWATCH_STATE_DIR": str(sim.work_dir / "state")}
+    return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+
+
+def story_done(sim: SimulatedNode, duration: Optional[float], elapsed: float,
+               pause: Callable[[float], None] = time.sleep) -> str:
+    """What the story showed, as the daemon sees the node after its reap (its first poll
+    since), and how to stop what is left of it."""
+    from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+
+    since = time.time()
+
+    def after_the_reap() -> Optional[dict[str, Any]]:
+        try:
+            doc = fetch_status(sim.runtime_dir / STATE_SOCKET_NAME)
+        except StateUnavailable:
+            return None
+        return doc if doc.get("taken_at", 0) > since else None
+
+    try:
+        doc = wait_for("the daemon's poll after the reap", after_the_reap, 10, pause=pause)
+    except DemoError as exc:
+        shown = str(exc)
+    else:
+        kinds = [f["kind"] for f in doc["findings"]]
+        orphans_left = sum(1 for k in kinds if k == "orphan")
+        shown = (f"{plural(kinds.count('leftover'), 'leftover')} of job B, job A's orphans "
+                 + ("reaped" if not orphans_left else f"reaped but {orphans_left} still there")
+                 + (", job C's leak named with its buffer and the step it runs out at"
+                    if "leak" in kinds else ", job C's leak not named yet (see `status`)"))
+    stop = ("Ctrl+C stops the demo and everything it started" if duration is None else
+            f"it stops by itself in {max(0.0, duration - elapsed):.0f} s, or at Ctrl+C, with "
+            "everything it started")
+    return "\n" + textwrap.fill(
+        f"gpuwatch demo: story done: {shown}. The daemon and jobs B and C keep running for "
+        f"status, top and doctor; {stop}.", 100)
 
 
 def _keep_exit_quiet() -> None:

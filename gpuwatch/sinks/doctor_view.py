@@ -6,17 +6,21 @@ It renders the same document `gpuwatch doctor --json` prints, so both views alwa
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuwatch.sinks.colour import paint
+from gpuwatch.sinks.text import clean
 
 _STATUS_WIDTH = 4
 
 
-def render_doctor(doc: Mapping[str, Any], colour: bool = False) -> str:
-    """`colour`: the status words in colour (gpuwatch.sinks.colour.wants_colour decides)."""
+def render_doctor(doc: Mapping[str, Any], colour: bool = False, width: int = 0) -> str:
+    """`colour`: the status words in colour (gpuwatch.sinks.colour.wants_colour decides);
+    `width`: a terminal's, each summary and fix wrapped under itself (0: lines in full). A
+    summary may quote what a process or a file holds: it is cleaned."""
     checks: Sequence[Mapping[str, Any]] = doc["checks"]
     name_width = max((len(c["name"]) for c in checks), default=0)
     indent = " " * (_STATUS_WIDTH + 2 + name_width + 2)
@@ -26,11 +30,22 @@ def render_doctor(doc: Mapping[str, Any], colour: bool = False) -> str:
         if colour:
             # Padded before painting: escape codes take no columns but count as characters.
             status = paint(status, c["status"])
-        lines.append(f"{status}  {c['name']:<{name_width}}  {c['summary']}")
+        summary = _wrapped(clean(c["summary"]), width, len(indent))
+        lines.append(f"{status}  {c['name']:<{name_width}}  {summary[0]}")
+        lines += [indent + more for more in summary[1:]]
         if c.get("fix") and c["status"] in ("warn", "fail"):
-            lines.append(f"{indent}→ {c['fix']}")
+            fix = _wrapped(clean(c["fix"]), width, len(indent) + 2)
+            lines.append(f"{indent}→ {fix[0]}")
+            lines += [f"{indent}  {more}" for more in fix[1:]]
     lines += ["", summary_line(checks)]
     return "\n".join(lines) + "\n"
+
+
+def _wrapped(text: str, width: int, indent: int) -> list[str]:
+    room = width - indent
+    if width <= 0 or room < 20 or len(text) <= room:
+        return [text]
+    return textwrap.wrap(text, room, break_on_hyphens=False) or [""]
 
 
 def summary_line(checks: Sequence[Mapping[str, Any]]) -> str:

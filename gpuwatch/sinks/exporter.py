@@ -7,6 +7,7 @@ docs/metrics.md lists every metric; names and labels are an interface for dashbo
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
@@ -146,8 +147,12 @@ class ReportCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        build = InfoMetricFamily("gpuwatch_build", "Version of the running gpuwatch.")
-        build.add_metric([], {"version": __version__, "python": platform.python_version()})
+        build = InfoMetricFamily("gpuwatch_build", "Version of the running gpuwatch, and the "
+                                 "PID of the daemon serving it (as daemon.json names it).")
+        # `pid` tells whose /metrics a port serves: `gpuwatch doctor` matches it against the
+        # daemon.json of the runtime directory it checks.
+        build.add_metric([], {"version": __version__, "python": platform.python_version(),
+                              "pid": str(os.getpid())})
         yield build
         if self._agent_counts is not None:
             yield from self._agent_totals(*self._agent_counts())

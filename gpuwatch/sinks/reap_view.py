@@ -3,36 +3,63 @@
 from __future__ import annotations
 
 import datetime as _dt
+import textwrap
 from typing import Any, Optional
 
-from gpuwatch.sinks.status_view import columns
+from gpuwatch.sinks.text import (
+    UNICODE,
+    Glyphs,
+    Narrowing,
+    clean,
+    fit_widths,
+    natural_widths,
+    wrapped_table,
+)
 from gpuwatch.units import human_bytes
+
+#: PID NAME USER JOB KIND GPU-MEMORY ACTION SIGNALS|RESULT WHY: what gives way on a narrow
+#: terminal, in order, for WHY (wrapped in what is left); never the PID, the name, the action.
+_R_NAME, _R_USER, _R_JOB, _R_MEMORY, _R_OUTCOME = 1, 2, 3, 5, 7
+_NARROWING: tuple[Narrowing, ...] = (
+    ("shrink", _R_JOB, 20), ("hide", _R_USER, 0), ("shrink", _R_JOB, 14),
+    ("hide", _R_MEMORY, 0), ("shrink", _R_OUTCOME, 16), ("hide", _R_JOB, 0),
+    ("hide", _R_OUTCOME, 0), ("shrink", _R_NAME, 8))
+_MIN_WHY = 24
 
 
 def render_reap(doc: dict[str, Any], rows: list[tuple[Any, str, str]], dry_run: bool,
-                held: Optional[list[int]] = None) -> str:
+                held: Optional[list[int]] = None, width: int = 0,
+                glyphs: Glyphs = UNICODE) -> str:
     """The plan (`dry_run`) or its results; `held`: the PIDs whose GPU memory the plan named is
-    still held after acting (release.still_held)."""
+    still held after acting (release.still_held). Fitted to `width` as `status` is (0: lines in
+    full); every text a process chose is cleaned."""
     when = _dt.datetime.fromtimestamp(doc["taken_at"], tz=_dt.timezone.utc)
     via = "from the running daemon" if doc["source"] == "daemon" else "one poll"
-    head = (f"gpuwatch reap · node {doc['node']} · findings of {when:%H:%M:%S}Z, {via}"
-            + (" · dry run: nothing is sent" if dry_run else ""))
+    head = clean(f"gpuwatch reap · node {doc['node']} · findings of {when:%H:%M:%S}Z, {via}"
+                 + (" · dry run: nothing is sent" if dry_run else ""))
     if not rows:
         return f"{head}\nnothing to do\n"
-    table: list[tuple[str, ...]] = [("PID", "USER", "JOB", "KIND", "GPU MEMORY", "ACTION",
-                                     "SIGNALS" if dry_run else "RESULT", "WHY")]
+    table: list[tuple[str, ...]] = [("PID", "NAME", "USER", "JOB", "KIND", "GPU MEMORY",
+                                     "ACTION", "SIGNALS" if dry_run else "RESULT", "WHY")]
     for a, result, detail in rows:
         job = f"{a.job['source']}:{a.job['id']}" if a.job else "-"
         memory = human_bytes(a.gpu_memory_bytes) if a.gpu_memory_bytes is not None else "-"
         outcome = ", ".join(a.signals) if dry_run else f"{result}: {detail}" if detail else result
         why = a.refused or a.reason
-        table.append((str(a.pid) if a.pid is not None else "-", a.user or "?", job, a.kind,
-                      memory, a.action, outcome or "-", why))
+        table.append((str(a.pid) if a.pid is not None else "-", clean(a.name or "?"),
+                      clean(a.user or "?"), clean(job), clean(a.kind), memory, a.action,
+                      clean(outcome or "-"), clean(why)))
+    widths = fit_widths(natural_widths(table), width, _NARROWING, _MIN_WHY)
     freed = sum(a.gpu_memory_bytes or 0 for a, result, _ in rows
                 if result in ("planned", "exited", "killed", "reaped", "gone")
                 and a.action != "refuse")
     verb = "would free" if dry_run else "freed"
-    lines = [head, "", *columns(table), "", f"{verb} up to {human_bytes(freed)} of GPU memory"]
+    rows_text = wrapped_table(table, widths, width, cut_at_start={_R_JOB}, glyphs=glyphs)
+    if width > 0:
+        # Narrower than what every step above leaves (PID, name, kind, action): cut.
+        rows_text = [line[:width] for line in rows_text]
+    lines = [*(textwrap.wrap(head, width, subsequent_indent="  ") if width > 0 else [head]),
+             "", *rows_text, "", f"{verb} up to {human_bytes(freed)} of GPU memory"]
     if not dry_run:
         lines.append("GPU memory still held by PID " + ", ".join(map(str, sorted(held)))
                      if held else "no GPU memory the plan named is still held")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpuwatch.sinks.status_view import columns
+from gpuwatch.sinks.text import clean
 from gpuwatch.units import human_bytes, human_duration
 
 if TYPE_CHECKING:
@@ -23,11 +24,11 @@ def render_run(result: RunResult) -> str:
         how = f"its command was ended by {signal.Signals(-status).name}"
     else:
         how = f"its command exited with {status}"
-    lines = [f"gpuwatch run: job run:{result.job_id} ran "
+    lines = [f"gpuwatch run: job run:{clean(result.job_id)} ran "
              f"{human_duration(result.ended_at - result.started_at)}; {how}; "
              f"exit {result.exit_code}",
-             "  cgroup: " + (result.cgroup or f"none ({result.cgroup_reason}); "
-                                                "the process tree alone")]
+             "  cgroup: " + clean(result.cgroup or f"none ({result.cgroup_reason}); "
+                                                      "the process tree alone")]
     if result.members:
         rows: list[Sequence[str]] = [("PID", "GPU MEMORY", "SENT", "ENDED", "COMMAND")]
         for m in result.members:
@@ -35,7 +36,7 @@ def render_run(result: RunResult) -> str:
                    if m.gpus else "-")
             rows.append((str(m.ref.pid), gpu, ",".join(m.signals) or "-",
                          (m.ended or "still running") + (" (leftover)" if m.leftover else ""),
-                         m.command))
+                         clean(m.command)))
         lines += ["  " + line for line in columns(rows)]
     g = result.gpu
     if not g.nvml:

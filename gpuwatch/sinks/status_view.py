@@ -13,20 +13,35 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Optional
 
 from gpuwatch.sinks.colour import paint
+from gpuwatch.sinks.text import (
+    UNICODE,
+    Glyphs,
+    Narrowing,
+    clean,
+    fit_widths,
+    natural_widths,
+    plural,
+    table_lines,
+    wrap_parts,
+    wrapped_table,
+)
 from gpuwatch.units import human_bytes, human_duration, short_command
 
 
-def render_status(doc: dict[str, Any], width: int = 120, verbose: bool = False,
-                  colour: bool = False) -> str:
-    """The table view, each line cut at `width` (0: never cut, for a pipe or a file); `verbose`
-    adds what a leak's allocation trace found: its sites and the traceback of the largest;
-    `colour` paints severities and finding markers with ANSI colours."""
+def render_status(doc: dict[str, Any], width: int = 0, verbose: bool = False,
+                  colour: bool = False, glyphs: Glyphs = UNICODE) -> str:
+    """The table view fitted to `width` (0: never cut, for a pipe or a file): on a narrow
+    terminal the less telling columns give way first, as in ps, top and nvitop, and a row
+    always keeps its command's name; sentences and reasons are wrapped. `verbose` adds what a
+    leak's allocation trace found: its sites and the traceback of the largest; `colour` paints
+    severities and finding markers with ANSI colours. Every text a process chose is cleaned
+    (gpuwatch.sinks.text.clean)."""
     lines = [*_wrap(_header(doc), width), ""]
-    lines += [_fit(line, width) for line in _gpu_table(doc)]
+    lines += _gpu_table(doc, width, glyphs)
     lines.append("")
-    lines += _process_table(doc, width, colour)
+    lines += _process_table(doc, width, colour, glyphs)
     if doc["findings"]:
-        lines += ["", *_findings_table(doc, width, verbose, colour)]
+        lines += ["", *_findings_table(doc, width, verbose, colour, glyphs)]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -39,20 +54,17 @@ def _wrap(text: str, width: int) -> list[str]:
             for wrapped in textwrap.wrap(line, width, subsequent_indent="  ") or [""]]
 
 
-def _fit(line: str, width: int) -> str:
-    return line[:width] if width > 0 else line
-
-
-def _paint_cell(line: str, at: int, cell: str, style: str) -> str:
-    """`line` with `cell`, which starts at column `at`, painted; only where the whole cell is
-    still on the (possibly cut) line, so an escape sequence is never cut in half."""
-    if line[at:at + len(cell)] != cell:
-        return line
-    return line[:at] + paint(cell, style) + line[at + len(cell):]
+#: The findings table: FINDING SEVERITY PID NAME GPU-MEMORY FOR REASON; what gives way first
+#: for the reason, which is wrapped in the room left (never less than _MIN_REASON columns).
+_F_SEVERITY, _F_NAME, _F_MEMORY, _F_FOR = 1, 3, 4, 5
+_FINDING_NARROWING: tuple[Narrowing, ...] = (
+    ("hide", _F_FOR, 0), ("shrink", _F_NAME, 10), ("hide", _F_MEMORY, 0),
+    ("hide", _F_SEVERITY, 0), ("hide", _F_NAME, 0))
+_MIN_REASON = 30
 
 
 def _findings_table(doc: dict[str, Any], width: int, verbose: bool = False,
-                    colour: bool = False) -> list[str]:
+                    colour: bool = False, glyphs: Glyphs = UNICODE) -> list[str]:
     rows: list[Sequence[str]] = [("FINDING", "SEVERITY", "PID", "NAME", "GPU MEMORY", "FOR",
                                   "REASON")]
     notes: dict[int, list[str]] = {}
@@ -61,29 +73,22 @@ def _findings_table(doc: dict[str, Any], width: int, verbose: bool = False,
         memory = human_bytes(f["gpu_memory_bytes"]) if f["gpu_memory_bytes"] is not None else "-"
         details = f.get("details") or {}
         rows.append((
-            f["kind"], f["severity"],
+            clean(f["kind"]), clean(f["severity"]),
             str(f["pid"]) if f["pid"] is not None else f"GPU {gpus}",
-            f["name"] or "-",
+            clean(f["name"] or "-"),
             f"{gpus}:{memory}" if f["gpu_memory_bytes"] is not None and f["pid"] else memory,
             human_duration(doc["taken_at"] - f["since"]),
-            f["reason"] + finding_figures(details),
+            clean(f["reason"] + finding_figures(details)),
         ))
         if f["kind"] == "leak":
-            notes[len(rows) - 1] = leak_notes(details, verbose)
-    table = columns(rows)
-    # Notes sit under the reason they go with, so the columns to the left stay readable. They
-    # are never cut at the width as rows are: a culprit's name or a traceback's file cut short
-    # is of no use, wrapped it still is.
-    indent = " " * table[0].rindex("REASON")
-    severity_at = table[0].index("SEVERITY")
-    out = []
-    for i, line in enumerate(table):
-        line = _fit(line, width)
-        if colour and i > 0:
-            line = _paint_cell(line, severity_at, rows[i][1], rows[i][1])
-        out.append(line)
-        out += [indent + note for note in notes.get(i, ())]
-    return out
+            notes[len(rows) - 1] = [clean(note) for note in leak_notes(details, verbose)]
+    widths = fit_widths(natural_widths(rows), width, _FINDING_NARROWING, _MIN_REASON)
+
+    def painted(r: int, column: int, text: str) -> str:
+        return paint(text, rows[r][1]) if colour and r > 0 and column == 1 else text
+
+    # Notes sit under the reason they go with, so the columns to the left stay readable.
+    return wrapped_table(rows, widths, width, notes=notes, paint=painted, glyphs=glyphs)
 
 
 def leak_notes(d: dict[str, Any], verbose: bool = False) -> list[str]:
@@ -168,14 +173,18 @@ def _header(doc: dict[str, Any]) -> str:
     else:
         driver = (f"NVML unavailable: {nvml['error']} - showing host processes that look like "
                   "GPU work")
-    return f"node {doc['node']} · {when:%Y-%m-%d %H:%M:%S}Z · {via}\n{driver}"
+    return clean(f"node {doc['node']} · {when:%Y-%m-%d %H:%M:%S}Z · {via}") + "\n" + clean(driver)
 
 
-def _gpu_table(doc: dict[str, Any]) -> list[str]:
+_GPU_NARROWING: tuple[Narrowing, ...] = (("shrink", 1, 12), ("hide", 3, 0), ("hide", 1, 0))
+
+
+def _gpu_table(doc: dict[str, Any], width: int = 0, glyphs: Glyphs = UNICODE) -> list[str]:
     gpus = doc["gpus"]
     if not gpus:
         return ["no GPUs" if doc["nvml"]["available"] else "no GPU information"]
-    rows = [("GPU", "NAME", "MEMORY USED / TOTAL", "UNATTRIBUTED", "UTIL", "PROCS", "")]
+    rows: list[Sequence[str]] = [("GPU", "NAME", "MEMORY USED / TOTAL", "UNATTRIBUTED", "UTIL",
+                                  "PROCS", "")]
     for g in gpus:
         note = ""
         if g["lost"]:
@@ -184,14 +193,16 @@ def _gpu_table(doc: dict[str, Any]) -> list[str]:
             note += "; ".join(f"{e['call']}: {e['message']}" for e in g["errors"])
         rows.append((
             str(g["index"]),
-            g["name"] or "?",
+            clean(g["name"] or "?"),
             _memory_cell(g["memory_used_bytes"], g["memory_total_bytes"]),
             human_bytes(g["unattributed_memory_bytes"]),
             f"{g['utilization_gpu_percent']}%" if g["utilization_gpu_percent"] is not None else "?",
             "?" if g.get("holders_unknown") else str(g["process_count"]),
-            note,
+            clean(note),
         ))
-    return columns(rows, right={0, 3, 4, 5})
+    widths = fit_widths(natural_widths(rows), width, _GPU_NARROWING, 20)
+    return [line[:width] if width > 0 else line
+            for line in table_lines(rows, widths, right={0, 3, 4, 5}, glyphs=glyphs)]
 
 
 def finding_figures(d: dict[str, Any]) -> str:
@@ -221,40 +232,128 @@ def _memory_cell(used: Optional[int], total: Optional[int]) -> str:
     return f"{human_bytes(used)} / {human_bytes(total)} ({share:.0f}%)"
 
 
-def _process_table(doc: dict[str, Any], width: int, colour: bool = False) -> list[str]:
+#: The process table: PID USER JOB STATE RSS GPU-MEMORY COMMAND, and what gives way, in order,
+#: once COMMAND is down to what shows each row's markers and program name (as top does).
+_P_PID, _P_USER, _P_JOB, _P_STATE, _P_RSS, _P_GPU, _P_COMMAND = range(7)
+PROCESS_NARROWING: tuple[Narrowing, ...] = (
+    ("shrink", _P_JOB, 20), ("hide", _P_STATE, 0), ("hide", _P_USER, 0), ("shrink", _P_JOB, 14),
+    ("hide", _P_RSS, 0), ("hide", _P_JOB, 0), ("shrink", _P_PID, 10))
+#: COMMAND keeps at least this much, and always each row's markers and program name: a little
+#: more than top's, which has a panel and a details page for the rest.
+MIN_COMMAND = 30
+
+
+def _process_table(doc: dict[str, Any], width: int, colour: bool = False,
+                   glyphs: Glyphs = UNICODE) -> list[str]:
     procs = {p["pid"]: p for p in doc["processes"]}
     kinds: dict[int, list[str]] = {}
     severities: dict[int, list[str]] = {}
     for f in doc["findings"]:
         if f["pid"] is not None:
-            kinds.setdefault(f["pid"], []).append(f["kind"])
+            kinds.setdefault(f["pid"], []).append(clean(f["kind"]))
             severities.setdefault(f["pid"], []).append(f["severity"])
     shown = shown_pids(procs, doc["nvml"]["available"], set(kinds))
     if not shown:
         return [no_holders_sentence(doc)]
     rows: list[Sequence[str]] = [("PID", "USER", "JOB", "STATE", "RSS", "GPU MEMORY", "COMMAND")]
     pids: list[int] = []
+    under: dict[int, list[str]] = {}  # row -> parts of the agent's line
+    needed = MIN_COMMAND
     for depth_prefix, p in walk_trees(procs, shown):
         pids.append(p["pid"])
+        if glyphs.tree is not None:
+            depth_prefix = depth_prefix.translate(glyphs.tree)
+        markers = "".join(f"[{k}] " for k in kinds.get(p["pid"], ()))
+        command = clean(command_cell(p, procs, shown))
+        needed = max(needed, len(markers) + len(command.split(" ", 1)[0]))
         rows.append((
             depth_prefix + str(p["pid"]),
-            p["user"] or "?",
-            job_cell(p["job"]),
+            clean(p["user"] or "?"),
+            clean(job_cell(p["job"])),
             p["state"] or "-",
             human_bytes(p["rss_bytes"]) if p["rss_bytes"] is not None else "-",
             gpu_cell(p),
-            "".join(f"[{k}] " for k in kinds.get(p["pid"], ())) + command_cell(p, procs, shown),
+            markers + command,
         ))
-    table = [_fit(line, width) for line in columns(rows)]
-    if colour:
-        command_at = table[0].index("COMMAND")
-        for i, pid in enumerate(pids, start=1):
-            at = command_at
-            for kind, severity in zip(kinds.get(pid, ()), severities.get(pid, ())):
-                marker = f"[{kind}]"
-                table[i] = _paint_cell(table[i], at, marker, severity)
-                at += len(marker) + 1 + len(paint("", severity))
-    return table
+        if p.get("agent"):
+            under[len(rows) - 1] = agent_parts(p["agent"], doc["taken_at"])
+    widths = fit_widths(natural_widths(rows), width, PROCESS_NARROWING, needed)
+
+    def painted(r: int, column: int, text: str) -> str:
+        if not colour or r == 0 or column != _P_COMMAND:
+            return text
+        pid = pids[r - 1]
+        at = 0
+        for kind, severity in zip(kinds.get(pid, ()), severities.get(pid, ())):
+            marker = f"[{kind}]"
+            if text[at:at + len(marker)] != marker:
+                break  # cut short: an escape sequence is never cut in half
+            coloured = paint(marker, severity)
+            text = text[:at] + coloured + text[at + len(marker):]
+            at += len(coloured) + 1
+        return text
+
+    table = table_lines(rows, widths, cut_at_start={_P_PID, _P_JOB}, paint=painted,
+                        glyphs=glyphs)
+    # What an instrumented process's agent reports, under its row at its command's column.
+    indent = " " * min(sum(w + 2 for w in widths[:_P_COMMAND] if w), 16)
+    out = []
+    for i, line in enumerate(table):
+        out.append(line)
+        if i in under:
+            out += wrap_parts(under[i], width, indent)
+    return out
+
+
+def agent_step_phrase(agent: dict[str, Any], taken_at: float) -> str:
+    """'step 74 (advanced 1 s ago)': where an instrumented process's training loop is."""
+    changed = agent.get("step_changed_at")
+    ago = "?" if changed is None else f"{human_duration(taken_at - changed)} ago"
+    return f"step {agent['step']} (advanced {ago})"
+
+
+def agent_cuda_phrase(agent: dict[str, Any]) -> str:
+    return (f"CUDA allocated {human_bytes(agent['cuda_allocated_bytes'])}, reserved "
+            f"{human_bytes(agent['cuda_reserved_bytes'])}")
+
+
+def agent_phrase(agent: dict[str, Any], taken_at: float) -> str:
+    """What an instrumented process's agent reports, in one sentence: its step and when it
+    last advanced, its memory as it measures it (top's details)."""
+    return (f"{agent_step_phrase(agent, taken_at)}; RSS {human_bytes(agent['rss_bytes'])}; "
+            f"{agent_cuda_phrase(agent)}"
+            + ("; finished " + clock(agent["finished_at"]) if agent.get("finished_at") else ""))
+
+
+def buffer_phrases(agent: dict[str, Any]) -> list[str]:
+    """Each buffer the agent watches: '`fetch_buffer`: 74 items, 148.0 MiB'."""
+    out = []
+    for name, b in sorted((agent.get("buffers") or {}).items()):
+        size = f", {human_bytes(b['bytes'])}" if b.get("bytes") is not None else ""
+        items = plural(b["items"], "item") if isinstance(b.get("items"), int) else "? items"
+        out.append(clean(f"`{name}`: {items}{size}"))
+    return out
+
+
+def agent_parts(agent: dict[str, Any], taken_at: float) -> list[str]:
+    """The line `status` draws under an instrumented process, in parts a narrow terminal may
+    wrap between: its step, its CUDA memory (the row has its RSS), each buffer it watches."""
+    buffers = buffer_phrases(agent)
+    parts = [f"agent: {agent_step_phrase(agent, taken_at)}"]
+    if agent.get("cuda_allocated_bytes") is not None or agent.get("cuda_reserved_bytes") \
+            is not None:
+        parts.append(agent_cuda_phrase(agent))
+    if agent.get("finished_at"):
+        parts.append(f"finished {clock(agent['finished_at'])}")
+    if buffers:
+        parts += [f"buffer {buffers[0]}", *buffers[1:]]
+    return [clean(part) for part in parts]
+
+
+def clock(epoch: Optional[float]) -> str:
+    if epoch is None:
+        return "?"
+    return _dt.datetime.fromtimestamp(epoch, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def no_holders_sentence(doc: dict[str, Any]) -> str:

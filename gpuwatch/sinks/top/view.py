@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import shlex
-import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 from gpuwatch.sinks.status_view import (
+    agent_phrase,
+    buffer_phrases,
+    clock,
     command_cell,
     finding_figures,
     gpu_cell,
@@ -30,7 +32,21 @@ from gpuwatch.sinks.status_view import (
     shown_pids,
     walk_trees,
 )
+from gpuwatch.sinks.text import (
+    ASCII,
+    UNICODE,
+    Glyphs,
+    clean,
+    cut,
+    cut_left,
+    evidence,
+    fit_widths,
+    glyphs_for,
+    plural,
+)
 from gpuwatch.units import human_bytes, human_duration
+
+__all__ = ["ASCII", "UNICODE", "Glyphs", "clean", "cut", "cut_left", "glyphs_for"]
 
 # ---- styles: names the screen maps to attributes (colours, or bold/reverse under NO_COLOR) ----
 
@@ -89,62 +105,6 @@ def fit(line: Line, width: int, ellipsis: str = "") -> Line:
     if ellipsis and width >= len(ellipsis):
         out.add(ellipsis, out.segments[-1][1] if out.segments else PLAIN)
     return out
-
-
-# ---- glyphs: Unicode where the terminal's encoding has it, ASCII where it does not -----------
-
-@dataclass(frozen=True)
-class Glyphs:
-    spark: str
-    bar_used: str
-    bar_free: str
-    ellipsis: str
-    descending: str
-    ascending: str
-    #: Applied to status_view's tree prefixes (None: kept as they are).
-    tree: Optional[Mapping[int, str]] = None
-
-
-UNICODE = Glyphs("▁▂▃▄▅▆▇█", "█", "░", "…", "▼", "▲")
-ASCII = Glyphs("_.-~=+*#", "#", ".", "~", "v", "^", str.maketrans("├└─│", "|`-|"))
-
-
-def glyphs_for(encoding: str) -> Glyphs:
-    return UNICODE if encoding.lower().replace("-", "") in ("utf8", "utf_8") else ASCII
-
-
-def clean(text: str) -> str:
-    """`text` with what is not one printable column each as `?`. A command line is the
-    process's to choose: an escape sequence in it must not reach the terminal, nor a newline,
-    a zero-width mark or a double-width character break the columns (every width here is a
-    count of characters)."""
-    if text.isascii() and text.isprintable():
-        return text
-    return "".join(c if _one_column(c) else "?" for c in text)
-
-
-def _one_column(c: str) -> bool:
-    if c.isascii():
-        return c.isprintable()
-    return (unicodedata.category(c)[0] not in "CZM"
-            and unicodedata.east_asian_width(c) not in ("W", "F"))
-
-
-def cut(text: str, width: int, glyphs: Glyphs) -> str:
-    if len(text) <= width:
-        return text
-    if width <= len(glyphs.ellipsis):
-        return text[:max(0, width)]
-    return text[:width - len(glyphs.ellipsis)] + glyphs.ellipsis
-
-
-def cut_left(text: str, width: int, glyphs: Glyphs) -> str:
-    """`text` cut at its start: what tells job ids apart is at their end."""
-    if len(text) <= width:
-        return text
-    if width <= len(glyphs.ellipsis):
-        return text[len(text) - max(0, width):] if width > 0 else ""
-    return glyphs.ellipsis + text[len(text) - width + len(glyphs.ellipsis):]
 
 
 def sparkline(values: Sequence[Optional[float]], width: int, glyphs: Glyphs) -> str:
@@ -541,20 +501,8 @@ class TopView:
                 for i, cell in enumerate(row.cells):
                     natural[i] = max(natural[i], len(cell))
             self._widths = [min(w, _CAPS.get(i, w)) for i, w in enumerate(natural)]
-        widths = list(self._widths)
-
-        def command_room() -> int:
-            return width - sum(w + 2 for i, w in enumerate(widths[:_COMMAND]) if w)
-
-        for step, column, size in _NARROWING:
-            if command_room() >= MIN_COMMAND:
-                break
-            if step == "hide":
-                widths[column] = 0
-            elif widths[column] > size:
-                widths[column] = size
-        widths[_COMMAND] = max(0, command_room())
-        return widths
+        return fit_widths([*self._widths[:_COMMAND], 1 << 30], width, _NARROWING,
+                          MIN_COMMAND)
 
     def table(self, state: ViewState, width: int, height: int) -> list[Line]:
         """The column names, then `height` lines of the body, scrolled to keep the selected row
@@ -763,8 +711,9 @@ def details_lines(doc: dict[str, Any], pid: int, samples: Optional[SampleHistory
     state = p["state"] or "-"
     if p["wchan"]:
         state += f", waiting in {p['wchan']}"
-    say(f"{state}; {p['num_threads'] or '?'} threads; started "
-        f"{_clock(p['start_time'])}" + ("" if p["in_procfs"] else
+    threads = plural(p["num_threads"], "thread") if p["num_threads"] else "? threads"
+    say(f"{state}; {threads}; started "
+        f"{clock(p['start_time'])}" + ("" if p["in_procfs"] else
                                         "; not in /proc (exited, or another PID namespace)"),
         label="state")
     gpus = ", ".join(f"GPU {u['index']}: {human_bytes(u['memory_bytes'])} ({u['type']})"
@@ -783,7 +732,7 @@ def details_lines(doc: dict[str, Any], pid: int, samples: Optional[SampleHistory
             say(note, indent=2)
         for key, value in details.items():
             if key != "trace":  # leak_notes said what the trace found
-                say(f"{key}: {value}", DIM, indent=4)
+                say(evidence(key, value), DIM, indent=4)
     history = samples.of(pid) if samples is not None else []
     if history:
         for name, attr in (("RSS", "rss_bytes"), ("GPU memory", "gpu_memory_bytes")):
@@ -791,18 +740,12 @@ def details_lines(doc: dict[str, Any], pid: int, samples: Optional[SampleHistory
             if known:
                 say(f"{name}: min {human_bytes(min(known))}, max {human_bytes(max(known))}, "
                     f"last {human_bytes(known[-1])}", label="samples")
-        say(f"{len(history)} taken by top since {_clock(history[0].at)}", DIM, label="samples")
+        say(f"{len(history)} taken by top since {clock(history[0].at)}", DIM, label="samples")
     agent = p.get("agent")
     if agent:
-        say(f"step {agent['step']} (advanced {_ago(doc, agent['step_changed_at'])}); "
-            f"RSS {human_bytes(agent['rss_bytes'])}; CUDA allocated "
-            f"{human_bytes(agent['cuda_allocated_bytes'])}, reserved "
-            f"{human_bytes(agent['cuda_reserved_bytes'])}"
-            + ("; finished " + _clock(agent["finished_at"]) if agent["finished_at"] else ""),
-            label="agent")
-        for name, b in sorted((agent.get("buffers") or {}).items()):
-            size = f", {human_bytes(b['bytes'])}" if b.get("bytes") is not None else ""
-            say(f"`{name}`: {b['items']} items{size}", label="buffer")
+        say(agent_phrase(agent, doc["taken_at"]), label="agent")
+        for phrase in buffer_phrases(agent):
+            say(phrase, label="buffer")
     if p["cgroup"]:
         say(p["cgroup"], DIM, label="cgroup")
     if p["launch_env"]:
@@ -812,16 +755,6 @@ def details_lines(doc: dict[str, Any], pid: int, samples: Optional[SampleHistory
     if p["read_errors"]:
         say("; ".join(p["read_errors"]), WARNING, label="unread")
     return out
-
-
-def _clock(epoch: Optional[float]) -> str:
-    if epoch is None:
-        return "?"
-    return _dt.datetime.fromtimestamp(epoch, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _ago(doc: dict[str, Any], epoch: Optional[float]) -> str:
-    return "?" if epoch is None else f"{human_duration(doc['taken_at'] - epoch)} ago"
 
 
 def overlay(view: TopView, title: str, body: Iterable[Line], scroll: int, width: int,

@@ -1,0 +1,232 @@
+"""Text as every human view writes it: what came from a process made safe for a terminal, counts
+with their nouns, a finding's evidence in words, and tables fitted to a terminal's width.
+
+Every text sink (`status`, `top`, `reap`, `doctor`, `run`'s summary, the daemon's text log lines)
+renders what a process chose (its command line, name, user, cgroup, job id, buffer names, a
+reason quoting any of them) through `clean`, here and nowhere else. JSON output is never passed
+through it: it stays exact.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import textwrap
+import unicodedata
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from gpuwatch.units import human_bytes, human_duration
+
+# ---- text from processes -------------------------------------------------------------------------
+
+
+def clean(text: str) -> str:
+    """`text` with what is not one printable column each as `?`, as ps and top show it. A command
+    line is the process's to choose: an escape sequence in it must not reach the terminal (clear
+    it, retitle it, paint a forged row), nor a newline or a carriage return start a line of its
+    own, nor a zero-width mark, a bidi override or a double-width character break the columns
+    (every width here is a count of characters)."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(c if _one_column(c) else "?" for c in text)
+
+
+def _one_column(c: str) -> bool:
+    if c.isascii():
+        return c.isprintable()
+    return (unicodedata.category(c)[0] not in "CZM"
+            and unicodedata.east_asian_width(c) not in ("W", "F"))
+
+
+# ---- words ---------------------------------------------------------------------------------------
+
+
+def plural(n: int, one: str, many: Optional[str] = None) -> str:
+    """'1 thread', '2 threads', '0 processes' (`many` where adding an s is wrong)."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def evidence(key: str, value: Any) -> str:
+    """One item of a finding's evidence (its `details`) as people read it: sizes in binary
+    units, durations and moments in words, nothing as a Python repr (None is 'none', True 'yes'),
+    and text from a process cleaned. The JSON document keeps the exact values."""
+    return f"{clean(key)}: {evidence_value(key, value)}"
+
+
+def evidence_value(key: str, value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        if key.endswith("_bytes") or key.endswith("_bytes_per_step"):
+            return human_bytes(int(value)) + ("/step" if key.endswith("_per_step") else "")
+        if key.endswith("_bytes_per_second"):
+            return human_bytes(int(value)) + "/s"
+        if key.endswith("_seconds"):
+            return human_duration(float(value))
+        if key.endswith("_at"):
+            return _dt.datetime.fromtimestamp(float(value), tz=_dt.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M:%SZ")
+        return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{clean(str(k))}: {evidence_value(str(k), v)}"
+                               for k, v in value.items()) + "}" if value else "none"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(evidence_value(key, v) for v in value) if value else "none"
+    return clean(str(value))
+
+
+def wrap_parts(parts: Sequence[str], width: int, indent: str, separator: str = "; "
+               ) -> list[str]:
+    """`parts` joined by `separator` on lines of at most `width` (0: one line), each starting
+    with `indent`; a line breaks between parts, never inside a figure, unless one part alone is
+    wider than the room."""
+    room = width - len(indent)
+    if width <= 0:
+        return [indent + separator.join(parts)]
+    lines: list[str] = []
+    line = ""
+    for part in parts:
+        candidate = f"{line}{separator}{part}" if line else part
+        if len(candidate) + len(separator.rstrip()) <= room or not line:
+            line = candidate
+            continue
+        lines.append(line + separator.rstrip())
+        line = "  " + part
+    lines.append(line)
+    out = []
+    for text in lines:
+        out += ((textwrap.wrap(text, max(10, room), subsequent_indent="  ",
+                               break_on_hyphens=False) or [""]) if len(text) > room else [text])
+    return [indent + text for text in out]
+
+
+# ---- tables fitted to a width ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Glyphs:
+    spark: str
+    bar_used: str
+    bar_free: str
+    ellipsis: str
+    descending: str
+    ascending: str
+    #: Applied to the tree prefixes (None: kept as they are).
+    tree: Optional[Mapping[int, str]] = None
+
+
+UNICODE = Glyphs("▁▂▃▄▅▆▇█", "█", "░", "…", "▼", "▲")
+ASCII = Glyphs("_.-~=+*#", "#", ".", "~", "v", "^", str.maketrans("├└─│", "|`-|"))
+
+
+def glyphs_for(encoding: Optional[str]) -> Glyphs:
+    return UNICODE if (encoding or "").lower().replace("-", "") in ("utf8", "utf_8") else ASCII
+
+
+def cut(text: str, width: int, glyphs: Glyphs = UNICODE) -> str:
+    if len(text) <= width:
+        return text
+    if width <= len(glyphs.ellipsis):
+        return text[:max(0, width)]
+    return text[:width - len(glyphs.ellipsis)] + glyphs.ellipsis
+
+
+def cut_left(text: str, width: int, glyphs: Glyphs = UNICODE) -> str:
+    """`text` cut at its start: what tells job ids (and a deep tree's PIDs) apart is at their
+    end."""
+    if len(text) <= width:
+        return text
+    if width <= len(glyphs.ellipsis):
+        return text[len(text) - max(0, width):] if width > 0 else ""
+    return glyphs.ellipsis + text[len(text) - width + len(glyphs.ellipsis):]
+
+
+#: A step that makes room for the last column once it is down to its minimum: ("shrink", column,
+#: to this width) or ("hide", column, 0), as ps, top and nvitop give way on a narrow terminal.
+Narrowing = tuple[str, int, int]
+
+
+def fit_widths(natural: Sequence[int], width: int, steps: Sequence[Narrowing],
+               min_last: int, gap: int = 2) -> list[int]:
+    """Each column's width for a line of `width` characters (0: hidden). The last column (the
+    command, the reason: what says what a row is) takes what the others leave; while that is
+    less than `min_last`, `steps` are taken one at a time, in order. `width` 0: no limit."""
+    widths = list(natural)
+    if width <= 0:
+        return widths
+    last = len(widths) - 1
+
+    def room() -> int:
+        # An empty last column (a GPU's note when it has none) takes no gap before it either.
+        return width - sum(w + gap for w in widths[:last] if w) + (gap if not natural[last]
+                                                                   else 0)
+
+    for step, column, size in steps:
+        if room() >= min(min_last, widths[last]):
+            break
+        if step == "hide":
+            widths[column] = 0
+        elif widths[column] > size:
+            widths[column] = size
+    widths[last] = max(0, min(widths[last], room()))
+    return widths
+
+
+def table_lines(rows: Sequence[Sequence[str]], widths: Sequence[int], *,
+                right: Collection[int] = (), cut_at_start: Collection[int] = (),
+                paint: Optional[Callable[[int, int, str], str]] = None,
+                glyphs: Glyphs = UNICODE, gap: int = 2) -> list[str]:
+    """`rows` (the first: the column names) in columns of `widths` (0: hidden). A cell longer
+    than its column is cut, marked with the ellipsis (at its start for `cut_at_start`); `paint`
+    (row, column, the cell padded) may wrap a cell in colour, after it is cut and padded, so
+    that an escape sequence is never cut nor counted as columns."""
+    last = max((i for i, w in enumerate(widths) if w), default=-1)
+    out = []
+    for r, row in enumerate(rows):
+        cells = []
+        for i, text in enumerate(row):
+            w = widths[i]
+            if not w:
+                continue
+            if len(text) > w:
+                text = cut_left(text, w, glyphs) if i in cut_at_start else cut(text, w, glyphs)
+            if i != last:
+                text = text.rjust(w) if i in right else text.ljust(w)
+            cells.append(paint(r, i, text) if paint is not None else text)
+        out.append((" " * gap).join(cells).rstrip())
+    return out
+
+
+def natural_widths(rows: Sequence[Sequence[str]]) -> list[int]:
+    return [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+
+#: Narrower than this, a last column is cut (marked), not wrapped into a column of syllables.
+_MIN_WRAP = 16
+
+
+def wrapped_table(rows: Sequence[Sequence[str]], widths: Sequence[int], width: int, *,
+                  notes: Optional[Mapping[int, Sequence[str]]] = None,
+                  **how: Any) -> list[str]:
+    """table_lines, with the last column (a reason: its end says what to do) wrapped under
+    itself instead of cut when `width` is set and leaves it room enough, and `notes` (row ->
+    lines) under the last column of their row, never cut (a culprit's file path cut short is of
+    no use)."""
+    rows = [list(row) for row in rows]
+    room = widths[-1]
+    wrapped: dict[int, list[str]] = {}
+    if width > 0 and room >= _MIN_WRAP:
+        for i, row in enumerate(rows):
+            if len(row[-1]) > room:
+                wrapped[i] = textwrap.wrap(row[-1], room, break_on_hyphens=False) or [""]
+                row[-1] = wrapped[i][0]
+    indent = " " * sum(w + how.get("gap", 2) for w in widths[:-1] if w)
+    out = []
+    for i, line in enumerate(table_lines(rows, widths, **how)):
+        out.append(line)
+        out += [indent + more for more in wrapped.get(i, [])[1:]]
+        out += [indent + note for note in (notes or {}).get(i, ())]
+    return out

@@ -14,11 +14,11 @@ import os
 import sys
 from typing import Any
 
-from gpuwatch.sinks.text import clean
+from gpuwatch.printable import clean
 
 
 class _TextFormatter(logging.Formatter):
-    """A text line whose message is cleaned (gpuwatch.sinks.text.clean): a message may quote a
+    """A text line whose message is cleaned (gpuwatch.printable.clean): a message may quote a
     process's command line, name or cgroup, and another user's escape sequence or newline must
     neither reach an admin's terminal nor forge a log line of its own. A traceback appended
     after it keeps its lines; JSON lines are exact (json.dumps escapes what it must)."""

@@ -11,32 +11,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import textwrap
-import unicodedata
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from gpuwatch.printable import clean
 from gpuwatch.units import human_bytes, human_duration
 
-# ---- text from processes -------------------------------------------------------------------------
-
-
-def clean(text: str) -> str:
-    """`text` with what is not one printable column each as `?`, as ps and top show it. A command
-    line is the process's to choose: an escape sequence in it must not reach the terminal (clear
-    it, retitle it, paint a forged row), nor a newline or a carriage return start a line of its
-    own, nor a zero-width mark, a bidi override or a double-width character break the columns
-    (every width here is a count of characters)."""
-    if text.isascii() and text.isprintable():
-        return text
-    return "".join(c if _one_column(c) else "?" for c in text)
-
-
-def _one_column(c: str) -> bool:
-    if c.isascii():
-        return c.isprintable()
-    return (unicodedata.category(c)[0] not in "CZM"
-            and unicodedata.east_asian_width(c) not in ("W", "F"))
+# ---- text from processes: clean() lives in gpuwatch.printable, under every layer (the log
+# formatter uses it too), and is re-exported here for the views.
 
 
 # ---- words ---------------------------------------------------------------------------------------

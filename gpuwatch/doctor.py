@@ -354,13 +354,13 @@ def count_unreadable_environ(proc: Path, euid: int) -> tuple[int, int]:
             continue
         if _is_kernel_thread(proc, entry.name) is not False:
             continue
-        others += 1
         try:
             os.close(os.open(proc / entry.name / "environ", os.O_RDONLY | os.O_CLOEXEC))
         except PermissionError:
             unreadable += 1
         except OSError:
-            pass  # exited meanwhile
+            continue  # exited meanwhile: neither counted nor hidden
+        others += 1
     return others, unreadable
 
 

@@ -309,13 +309,15 @@ class Supervisor:
                     if stop_signals == 1:
                         result.ended_by = signal.Signals(signum).name
                         self._sample_gpus()
-                        self._forward(signum)
+                        sent = self._forward(signum)
                         grace_ends = time.monotonic() + self.grace
                         # Ctrl+C while leftovers have their grace: it is not started again.
                         ending_at = grace_ends if ending_at is None else min(ending_at,
                                                                               grace_ends)
+                        self._say_stopping(signum, sent, ending_at - time.monotonic())
                     else:  # a second Ctrl+C: the grace is over
                         ending_at = time.monotonic()
+                        self._say_ending_now(signum)
                 alive = self._observe()
                 main_done = self._main_status is not None
                 if main_done and ending_at is None:
@@ -425,9 +427,11 @@ class Supervisor:
         if name != "SIGKILL" or name not in member.signals:  # resent while it dies: noted once
             member.signals.append(name)
 
-    def _forward(self, signum: int) -> None:
-        for pid in self._observe():
+    def _forward(self, signum: int) -> list[int]:
+        alive = self._observe()
+        for pid in alive:
             self._send(pid, signum)
+        return alive
 
     def _job_control(self, signum: int) -> None:
         """Ctrl+Z: stop the job, then the supervisor itself (the shell sees it stopped); `fg`:
@@ -559,6 +563,24 @@ class Supervisor:
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
 
+    def _say_stopping(self, signum: int, sent: list[int], wait: float) -> None:
+        """At once, as systemd and docker do: what a stop signal started, and how long it may
+        take, so that a quiet terminal does not read as a hang."""
+        name = signal.Signals(signum).name
+        again = "Ctrl+C again" if signum == signal.SIGINT else f"{name} again"
+        if not sent:
+            self._say(f"gpuwatch run: {name}: stopping job run:{self.job_id}")
+            return
+        self._say(f"gpuwatch run: {name}: stopping job run:{self.job_id}: sent {name} to "
+                  f"{_processes(len(sent))}, waiting up to {max(0.0, wait):.3g} s for them to "
+                  f"exit; {again} to end them now")
+
+    def _say_ending_now(self, signum: int) -> None:
+        left = [pid for pid, m in self._members.items() if m.ended is None and self._runs(m)]
+        self._say(f"gpuwatch run: {signal.Signals(signum).name} again: ending "
+                  f"{_processes(len(left))} of job run:{self.job_id} now (SIGTERM, SIGKILL "
+                  f"{KILL_AFTER:g} s later)")
+
     def _say_leftovers(self, alive: list[int]) -> None:
         from gpuwatch.units import human_bytes
 
@@ -571,6 +593,10 @@ class Supervisor:
             gpu = human_bytes(m.gpu_memory_bytes) if m.gpu_memory_bytes else "-"
             self._say(f"  {pid:>7}  RSS {human_bytes(m.rss_bytes):>10}  GPU {gpu:>10}  "
                       f"{m.command}")
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
 
 
 # -- the system ----------------------------------------------------------------------------------

@@ -339,3 +339,34 @@ def test_an_address_in_use_is_named_with_what_to_do(cli_env: dict[str, str],
     assert f"127.0.0.1:{port}" in result.stderr and "already in use" in result.stderr
     assert "--listen" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["--", "true"], ["true", "--grace", "5"],
+    ["--grace", "1m", "--keep-helpers", "python", "-c", "x"],
+    ["--grace=30s", "--job-name", "train-1", "--json", "out.json", "--no-cgroup", "--", "-x"],
+    ["--job-name=a:b@c", "sh"], ["--json=", "true"],
+])
+def test_run_reads_its_command_line_as_click_does_without_click(argv: list[str]) -> None:
+    """`gpuwatch run` reads its options without click for speed: what it reads is what the
+    click command (which -h and errors go to) would read."""
+    from gpuwatch.cli import app
+    from gpuwatch.run_command import RunArgs, parse_fast
+
+    ctx = app.commands["run"].make_context("run", list(argv))
+    assert parse_fast(argv) == RunArgs(**ctx.params)
+
+
+@pytest.mark.parametrize("argv", [[], ["-h"], ["--grace"], ["--grace", "soon", "true"],
+                                  ["--job-name", "a b", "true"], ["--gracee", "1", "true"],
+                                  ["--keep-helpers=yes", "true"]])
+def test_run_hands_help_and_bad_command_lines_to_click(argv: list[str]) -> None:
+    from gpuwatch.run_command import parse_fast
+
+    assert parse_fast(argv) is None
+    result = gpuwatch(["run", *argv], os.environ)
+    assert result.returncode == (0 if argv == ["-h"] else 2), result.stderr
+    if argv == ["-h"]:
+        assert result.stdout.startswith("Usage: gpuwatch run [OPTIONS] COMMAND..."), result.stdout
+    else:  # click's message, as every other command's
+        assert "Error: " in result.stderr and "Traceback" not in result.stderr, result.stderr

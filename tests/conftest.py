@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -24,6 +25,35 @@ def _outside_any_gpuwatch_run() -> Iterator[None]:
              if key in os.environ}
     yield
     os.environ.update(saved)
+
+
+# ---- progress in a CI log ------------------------------------------------------------------------
+
+#: Modules whose tests run end to end for a minute or more each (a child pytest, a benchmark,
+#: a chaos run): each test is named as it starts, so that a log that stays quiet for minutes
+#: says on what. `make test` lists the slowest tests at the end too (--durations).
+ANNOUNCED_MODULES = frozenset({
+    "tests/test_suite_robustness.py", "tests/test_bench_smoke.py", "tests/test_chaos.py",
+    "tests/test_soak.py",
+})
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, Optional[int], str]) -> None:
+    if nodeid.split("::", 1)[0] not in ANNOUNCED_MODULES or _CONFIG is None:
+        return
+    reporter = _CONFIG.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or reporter.verbosity > 0:
+        return  # -v names every test already
+    reporter.ensure_newline()
+    reporter.write_line(f"{nodeid}: running (a minute or more) ...")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _CONFIG
+    _CONFIG = config
+
+
+_CONFIG: Optional[pytest.Config] = None
 
 
 # ---- no process outlives what started it --------------------------------------------------------

@@ -188,6 +188,7 @@ def test_a_job_tree_that_changes_is_followed_without_walking_it_again(
     holder = launcher.ask("spawn")
     poller = _CountingPoller(nvml=_Holds(holder), hostname="n")  # type: ignore[arg-type]
     root = launcher.proc.pid
+    mark = _last_pid()
     snap = poller.poll()
     assert snap.job_roots[holder] == root, "the launcher is the job's root"
     assert _members(snap, root) == _tree(root) == {holder}
@@ -206,7 +207,9 @@ def test_a_job_tree_that_changes_is_followed_without_walking_it_again(
                      lambda: orphaned[-1] not in _tree(root) or None, 10)
         else:
             launcher.ask(step)
-        before, walked = _last_pid(), poller.walks
+        # The poller walks when more PIDs were handed out since its last poll than a walk
+        # costs (a busy host): counted from before that poll to after this one.
+        before, walked, mark = mark, poller.walks, _last_pid()
         snap = poller.poll()
         fresh = Poller(nvml=_Holds(holder), hostname="n").poll()  # type: ignore[arg-type]
         truth = _tree(root)

@@ -14,8 +14,11 @@ endif
 .PHONY: run test test-deps lint bench clean test-gpu bench-gpu gpu-venv
 
 $(STAMP): pyproject.toml
+	@echo "make: creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "make: upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install -q --upgrade pip
+	@echo "make: installing gpuwatch and its test dependencies into $(VENV) (a minute or two)"
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
@@ -33,6 +36,8 @@ test-deps:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null \
 		&& command -v prometheus-alertmanager >/dev/null && command -v tmux >/dev/null || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "make test: installing prometheus, prometheus-alertmanager and tmux" \
+				"(Debian packages, for promtool and the end-to-end tests)"; \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 				--no-install-recommends prometheus prometheus-alertmanager tmux >/dev/null; \
 		else \
@@ -43,8 +48,11 @@ test-deps:
 lint: $(STAMP)
 	$(BIN)/ruff check gpuwatch tests bench dashboards
 
+# The slowest tests are listed at the end (--durations); tests/conftest.py names each test of
+# the end-to-end modules that run for minutes as it starts.
 test: $(STAMP) test-deps lint
-	$(BIN)/python -m pytest
+	@echo "make test: running the test suite (about 15 minutes on 2 cores)"
+	$(BIN)/python -m pytest --durations=15 --durations-min=10
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

@@ -16,7 +16,22 @@ from typing import Any, Optional, TypeVar
 import click
 
 from gpuwatch import __version__
-from gpuwatch.config import EXIT_CONFIG
+from gpuwatch.config import (
+    DEFAULT_CONFIG_PATH,
+    DEFAULT_PORT,
+    EXIT_CONFIG,
+    setting_default,
+    setting_env,
+)
+from gpuwatch.run_command import (
+    EXIT_GPU_HELD,
+    EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND,
+    RUN_OPTIONS,
+    RunArgs,
+    job_name_problem,
+)
+from gpuwatch.runtime_dir import EXIT_ALREADY_RUNNING
 
 # Exit codes of `gpuwatch status`; --help lists them, docs/cli.md explains them.
 EXIT_OK = 0
@@ -109,16 +124,53 @@ DURATION = _Duration()
 _PATH = click.Path(path_type=Path)
 
 
+def shown(value: Any, duration: bool) -> str:
+    """A default as help shows it: a duration with its unit, anything else as written."""
+    if duration and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:g}s"
+    if isinstance(value, (tuple, list, frozenset)):
+        return ", ".join(sorted(map(str, value)))
+    return str(value)
+
+
+class Option(click.Option):
+    """An option whose help ends with its default, taken from the one place that sets it: the
+    setting it overrides (`setting`, whose default is gpuwatch.config's, and which a GPUWATCH_*
+    variable and the config file set too), or the option's own `default` (or `shown_default`,
+    for one that is not a click default). `when_unset` words a default that is no value."""
+
+    def __init__(self, *args: Any, setting: Optional[str] = None,
+                 shown_default: Any = None, env: Optional[str] = None,
+                 when_unset: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.setting = setting
+        own = self.default if isinstance(self.default, (int, float, str, Path)) else None
+        self.shown_default = (setting_default(setting) if setting is not None
+                              else shown_default if shown_default is not None
+                              else None if self.is_flag else own)
+        self.env = setting_env(setting) if setting is not None else env
+        if self.shown_default in (None, ""):
+            said = when_unset
+        else:
+            said = shown(self.shown_default, isinstance(self.type, _Duration))
+        if said is None:
+            return
+        more = "".join([f", or ${self.env}" if self.env else "",
+                        f", or {setting} in the config file" if setting else ""])
+        text = (self.help or "").rstrip(".")
+        self.help = f"{text} (default {said}{more})."
+
+
 def _config_option(f: F) -> F:
     return click.option(
-        "--config", type=_PATH, metavar="FILE",
-        help="Config file (default $GPUWATCH_CONFIG, else /etc/gpuwatch/gpuwatch.toml).")(f)
+        "--config", cls=Option, type=_PATH, metavar="FILE", shown_default=DEFAULT_CONFIG_PATH,
+        env="GPUWATCH_CONFIG", help="Config file.")(f)
 
 
 def _runtime_option(f: F) -> F:
     return click.option(
-        "--runtime-dir", type=_PATH, metavar="DIR", help="Where agent.sock and state.sock live "
-        "(default $GPUWATCH_RUNTIME_DIR, else /run/gpuwatch).")(f)
+        "--runtime-dir", cls=Option, setting="daemon.runtime_dir", type=_PATH, metavar="DIR",
+        help="Where agent.sock and state.sock live.")(f)
 
 
 def _load_config(config: Optional[Path], overrides: dict[str, Any]) -> Any:
@@ -142,8 +194,8 @@ def _load_config(config: Optional[Path], overrides: dict[str, Any]) -> Any:
 @click.option("--watch", "-w", is_flag=True,
               help="Show it again every --interval until Ctrl+C, as `watch` does (with --json: "
                    "one document per line).")
-@click.option("--interval", "-n", type=DURATION, default=2.0, metavar="DURATION",
-              help="With --watch, the time between refreshes: 1s, 500ms (default 2s).")
+@click.option("--interval", "-n", cls=Option, type=DURATION, default=2.0, metavar="DURATION",
+              help="With --watch, the time between refreshes: 1s, 500ms.")
 @_runtime_option
 @_config_option
 def status(as_json: bool, poll: bool, verbose: bool, watch: bool, interval: float,
@@ -216,27 +268,40 @@ def _status_document(cfg: Any, ask_daemon: bool) -> dict[str, Any]:
         return source()
 
 
-@app.command(short_help="The node daemon: /metrics, the state and agent sockets.")
-@click.option("--listen", metavar="HOST:PORT",
-              help="Where /metrics listens (default :9966, all interfaces).")
-@click.option("--web-config", type=_PATH, metavar="FILE",
+DAEMON_EXIT_CODES = f"""\b
+Exit codes:
+  {EXIT_OK}   stopped by SIGTERM or SIGINT
+  {EXIT_ERROR}   could not start (the message names the address or directory)
+  {EXIT_USAGE}   bad command-line usage
+  {EXIT_ALREADY_RUNNING}  another daemon runs on the same runtime directory (the message names it)
+  {EXIT_CONFIG}  bad configuration (the message names the key)
+"""
+
+
+@app.command(epilog=DAEMON_EXIT_CODES,
+             short_help="The node daemon: /metrics, the state and agent sockets.")
+@click.option("--listen", cls=Option, setting="daemon.listen", metavar="HOST:PORT",
+              help="Where /metrics listens; :PORT is every interface.")
+@click.option("--web-config", cls=Option, setting="daemon.web_config", type=_PATH,
+              metavar="FILE", when_unset="plain HTTP",
               help="TLS and basic auth for /metrics: a web config file as Prometheus exporters "
-                   "read (default plain HTTP, or daemon.web_config).")
-@click.option("--interval", type=DURATION, metavar="DURATION",
-              help="Time between polls: 1s, 500ms (default 1s, or daemon.interval).")
+                   "read.")
+@click.option("--interval", cls=Option, setting="daemon.interval", type=DURATION,
+              metavar="DURATION", help="Time between polls: 1s, 500ms.")
 @_config_option
 @_runtime_option
-@click.option("--state-dir", type=_PATH, metavar="DIR", help="Where the audit log lives "
-              "(default $GPUWATCH_STATE_DIR, else /var/lib/gpuwatch).")
-@click.option("--log-format", metavar="FORMAT", help="text or json.")
-@click.option("--log-level", metavar="LEVEL", help="debug, info, warning or error.")
+@click.option("--state-dir", cls=Option, setting="daemon.state_dir", type=_PATH, metavar="DIR",
+              help="Where the audit log lives.")
+@click.option("--log-format", cls=Option, setting="daemon.log_format", metavar="FORMAT",
+              help="text or json.")
+@click.option("--log-level", cls=Option, setting="daemon.log_level", metavar="LEVEL",
+              help="debug, info, warning or error.")
 def daemon(listen: Optional[str], web_config: Optional[Path], interval: Optional[float],
            config: Optional[Path], runtime_dir: Optional[Path], state_dir: Optional[Path],
            log_format: Optional[str], log_level: Optional[str]) -> None:
     """The node daemon: polls NVML and /proc, serves Prometheus /metrics and the state socket.
 
-    A bad configuration exits with 78 and names the key; another daemon already running on the
-    same runtime directory, with 75 and its PID. SIGHUP reloads the configuration.
+    SIGHUP reloads the configuration.
     """
     from gpuwatch.daemon import exec_daemon
 
@@ -265,13 +330,14 @@ Exit codes:
 @click.option("--job", metavar="JOB", help="Only this job's processes (its id, or SOURCE:ID).")
 @click.option("--pid", "pids", type=int, multiple=True, metavar="PID",
               help="Only this PID (repeatable).")
-@click.option("--kind", "kinds", multiple=True, metavar="KIND",
-              help="Finding kinds to act on (repeatable; default orphan, leftover, zombie).")
+@click.option("--kind", "kinds", cls=Option, multiple=True, metavar="KIND",
+              shown_default=("orphan", "leftover", "zombie"),  # REAPABLE_KINDS: a test checks
+              help="Finding kinds to act on (repeatable).")
 @click.option("--user", metavar="USER", help="Only this user's processes.")
-@click.option("--older-than", type=DURATION, default=0.0, metavar="DURATION",
+@click.option("--older-than", cls=Option, type=DURATION, default=0.0, metavar="DURATION",
               help="Only findings open at least this long: 90s, 5m, 2h.")
-@click.option("--grace", type=DURATION, metavar="DURATION",
-              help="Time between SIGTERM and SIGKILL: 10s, 1m (default reaper.grace).")
+@click.option("--grace", cls=Option, setting="reaper.grace", type=DURATION, metavar="DURATION",
+              help="Time between SIGTERM and SIGKILL: 10s, 1m.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan and results as JSON.")
 @click.option("--poll", is_flag=True,
               help="Plan from one poll here even if a daemon is running.")
@@ -394,9 +460,9 @@ Exit codes:
 @click.option("--check", "only", multiple=True, metavar="NAME",
               help="Run only this check (repeatable): config, nvml, privileges, proc-mount, "
                    "pid-namespace, cgroups, daemon, agent-socket, metrics, systemd.")
-@click.option("--timeout", type=DURATION, default=2.0, metavar="DURATION",
+@click.option("--timeout", cls=Option, type=DURATION, default=2.0, metavar="DURATION",
               help="How long to wait for the daemon's sockets, its /metrics and systemctl: "
-                   "500ms, 5s (default 2s; at most 60s).")
+                   "500ms, 5s; at most 60s.")
 @_runtime_option
 @_config_option
 def doctor(as_json: bool, only: tuple[str, ...], timeout: float, runtime_dir: Optional[Path],
@@ -448,18 +514,19 @@ def doctor(as_json: bool, only: tuple[str, ...], timeout: float, runtime_dir: Op
 TOP_EXIT_CODES = f"""\b
 Exit codes (128+N for signal N, as a shell reports it):
   {EXIT_OK}    quit with q
+  {EXIT_ERROR}    gpuwatch itself failed
   {EXIT_USAGE}    no terminal (use `gpuwatch status --watch` or `status --json`), or bad usage
+  {EXIT_CONFIG}   bad configuration
+  129  SIGHUP: its terminal closed
   130  Ctrl+C (SIGINT)
   143  SIGTERM
-  129  SIGHUP: its terminal closed
-  {EXIT_CONFIG}   bad configuration
 """
 
 
 @app.command(epilog=TOP_EXIT_CODES,
              short_help="A live, full-screen view: GPUs, process trees, findings, reap.")
-@click.option("--interval", "-n", type=DURATION, default=2.0, metavar="DURATION",
-              help="Time between refreshes: 1s, 500ms (default 2s).")
+@click.option("--interval", "-n", cls=Option, type=DURATION, default=2.0, metavar="DURATION",
+              help="Time between refreshes: 1s, 500ms.")
 @click.option("--poll", is_flag=True, help="Poll here even if a daemon is running.")
 @_runtime_option
 @_config_option
@@ -491,23 +558,22 @@ DEMO_EXIT_CODES = """\b
 Exit codes (128+N for signal N, as a shell reports it):
   0    --duration ran out
   1    the demo failed (no C compiler; a job or the daemon did not start)
+  129  stopped by SIGHUP: its terminal closed
   130  stopped by Ctrl+C (SIGINT)
   143  stopped by SIGTERM
-  129  stopped by SIGHUP: its terminal closed
 """
 
 
 @app.command(epilog=DEMO_EXIT_CODES, short_help="A simulated node with real jobs; no GPU needed.")
-@click.option("--listen", default="127.0.0.1:9966", show_default=True, metavar="HOST:PORT",
+@click.option("--listen", cls=Option, default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
               help="Where the demo daemon's /metrics listens (another free port is taken if "
                    "this one is busy).")
-@click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
-              metavar="N", help="Workers in the job (1-64).")
-@click.option("--duration", type=DURATION, metavar="DURATION",
-              help="Stop after this long: 90s, 10m (default: until Ctrl+C).")
-@click.option("--pace", type=DURATION, default=5.0, metavar="DURATION",
-              help="Time per step of the story (orphans, leftovers); at least 100ms "
-                   "(default 5s).")
+@click.option("--workers", cls=Option, type=click.IntRange(1, 64), default=2, metavar="N",
+              help="Workers in the job (1-64).")
+@click.option("--duration", cls=Option, type=DURATION, metavar="DURATION",
+              when_unset="until Ctrl+C", help="Stop after this long: 90s, 10m.")
+@click.option("--pace", cls=Option, type=DURATION, default=5.0, metavar="DURATION",
+              help="Time per step of the story (orphans, leftovers); at least 100ms.")
 def demo(listen: str, workers: int, duration: Optional[float], pace: float) -> None:
     """A simulated node with real jobs on fake GPUs, watched by the real daemon. No GPU needed.
 
@@ -522,20 +588,59 @@ def demo(listen: str, workers: int, duration: Optional[float], pace: float) -> N
     sys.exit(run_demo(listen, workers, duration, pace))
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
-                                "help_option_names": []},
-             add_help_option=False,
+RUN_EXIT_CODES = f"""\b
+Exit codes:
+  the command's own code, or 128+N when signal N ended it (as a shell reports it): 130 when
+  Ctrl+C (SIGINT) ended the run, 143 SIGTERM, 129 SIGHUP, 131 SIGQUIT
+  {EXIT_USAGE}    bad command-line usage
+  {EXIT_GPU_HELD}   the job ended but NVML still lists GPU memory of its processes, or its GPUs have
+       more unattributed memory than before it: drain the node
+  {EXIT_NOT_EXECUTABLE}  the command could not be run
+  {EXIT_NOT_FOUND}  the command was not found
+"""
+
+
+def _job_name(ctx: click.Context, param: click.Parameter, value: Optional[str]
+              ) -> Optional[str]:
+    problem = job_name_problem(value) if value is not None else None
+    if problem:
+        raise click.BadParameter(problem, ctx, param)
+    return value
+
+
+def _run_options(f: F) -> F:
+    """gpuwatch.run_command's options, which its fast path reads too."""
+    for o in reversed(RUN_OPTIONS):
+        if o.metavar is None:
+            f = click.option(o.flag, o.dest, cls=Option, is_flag=True, help=o.help)(f)
+        elif o.dest == "grace":
+            f = click.option(o.flag, o.dest, cls=Option, type=DURATION, default=o.default,
+                             metavar=o.metavar, help=o.help)(f)
+        else:
+            f = click.option(o.flag, o.dest, cls=Option, metavar=o.metavar, help=o.help,
+                             type=_PATH if o.dest == "json" else None,
+                             callback=_job_name if o.dest == "job_name" else None)(f)
+    return f
+
+
+# Options end at the command's name: what follows is the command's own (`-- ` is optional).
+@app.command(epilog=RUN_EXIT_CODES, context_settings={"allow_interspersed_args": False},
              short_help="Run a job so that nothing of it outlives it.")
-@click.pass_context
-def run(ctx: click.Context) -> None:
-    """Run a job so that Ctrl+C, a crash or a finished trainer leaves nothing behind.
+@_run_options
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(command: tuple[str, ...], grace: float, job_name: Optional[str], keep_helpers: bool,
+        json: Optional[Path], no_cgroup: bool) -> None:
+    """Run COMMAND so that Ctrl+C, a crash or a finished trainer leaves nothing behind: every
+    process it starts is ended, by identity, and NVML is read to check its GPU memory was
+    released.
 
-    `gpuwatch run [--grace S] [--job-name N] [--keep-helpers] [--json FILE] -- COMMAND...`;
-    `gpuwatch run --help` lists its options and exit codes.
+    \b
+    gpuwatch run [OPTIONS] -- COMMAND [ARG...]
     """
-    from gpuwatch.actions.supervisor import main as run_main
+    from gpuwatch.run_command import run as run_job
 
-    sys.exit(run_main(ctx.args))
+    sys.exit(run_job(RunArgs(command=command, grace=grace, job_name=job_name,
+                             keep_helpers=keep_helpers, json=json, no_cgroup=no_cgroup)))
 
 
 def status_exit_code(doc: dict[str, Any]) -> int:

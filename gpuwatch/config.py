@@ -407,3 +407,23 @@ def describe() -> list[tuple[str, Any, str, Optional[str]]]:
             out.append((f"{section}.{f.name}", f.default, f.metadata["help"],
                         f.metadata.get("env")))
     return out
+
+
+def _field(key: str) -> Any:
+    section, _, name = key.partition(".")
+    for f in fields(_sections()[section]):
+        if f.name == name:
+            return f
+    raise KeyError(key)
+
+
+def setting_default(key: str) -> Any:
+    """The default of setting `key` ("daemon.interval"): what --help shows for the flag that
+    overrides it."""
+    return _field(key).default
+
+
+def setting_env(key: str) -> Optional[str]:
+    """The GPUWATCH_* variable that sets `key`, if any."""
+    env = _field(key).metadata.get("env")
+    return env if isinstance(env, str) else None

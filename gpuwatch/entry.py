@@ -1,8 +1,8 @@
 """The `gpuwatch` command's entry point.
 
-`gpuwatch run` goes in front of every training command, so it starts without the CLI framework:
-click and the command definitions would add about 15 ms to every job. Every other command goes
-through gpuwatch.cli.
+`gpuwatch run` goes in front of every training command, so it starts without the CLI framework
+where it can (gpuwatch.run_command): click and the command definitions would add about 15 ms to
+every job. Every other command goes through gpuwatch.cli.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 def main() -> None:
     if sys.argv[1:2] == ["run"]:
-        from gpuwatch.actions.supervisor import main as run
+        from gpuwatch.run_command import main as run
 
         sys.exit(run(sys.argv[2:]))
     from gpuwatch.cli import main as cli

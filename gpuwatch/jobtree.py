@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Optional
 
-from gpuwatch.model import HostProcess
+from gpuwatch.model import HostProcess, Job
 
 #: Parents that adopt or supervise unrelated processes: init systems, container inits and shims,
 #: service supervisors. A process directly under one of these is the root of its own job.
@@ -71,13 +71,30 @@ def is_login_shell(p: HostProcess) -> bool:
     return (p.name or "") in SHELLS and p.sid == p.pid
 
 
-def _adopts(parent: HostProcess, child: HostProcess) -> bool:
-    """Whether `parent` is a boundary the job does not extend across."""
+def _adopts(parent: HostProcess, job: Optional[Job]) -> bool:
+    """Whether `parent` is a boundary a child of job `job` does not extend across."""
     if is_supervisor(parent):
         return True
     # A login shell is part of the job only when it is in the same scheduler job (sbatch's
     # batch script leads its session, and it is the job's launcher).
-    return is_login_shell(parent) and (child.job is None or parent.job != child.job)
+    return is_login_shell(parent) and (job is None or parent.job != job)
+
+
+def _nothing_read(p: HostProcess) -> bool:
+    """Whether /proc had nothing to say about what `p` runs: no command line, no environment
+    (an exec in flight reads so, between the kernel dropping the old image and placing the new
+    one's arguments; so does a zombie first seen after it exited). Its job is unknown, not none."""
+    return p.job is None and not p.cmdline and not p.launch_env
+
+
+def _job_of(p: HostProcess, processes: Mapping[int, HostProcess]) -> Optional[Job]:
+    """`p`'s job, or where nothing was read of it its parent's: a child starts with its parent's
+    environment, and the next poll reads what it execs. Taken as having no job, it would make its
+    parent the root of a job of its own for a poll."""
+    if not _nothing_read(p) or not p.ppid:
+        return p.job
+    parent = processes.get(p.ppid)
+    return parent.job if parent is not None else None
 
 
 def job_root(pid: int, processes: Mapping[int, HostProcess]) -> Optional[int]:
@@ -90,14 +107,15 @@ def job_root(pid: int, processes: Mapping[int, HostProcess]) -> Optional[int]:
     if p is None or not p.in_procfs or p.pid == 1:
         return None
     parent = processes.get(p.ppid) if p.ppid else None
-    if parent is None or _adopts(parent, p):
+    job = _job_of(p, processes)
+    if parent is None or _adopts(parent, job):
         return pid
     root = parent
     for _ in range(_MAX_DEPTH):
-        if p.job is None:
+        if job is None:
             break
         up = processes.get(root.ppid) if root.ppid else None
-        if up is None or up.job != p.job or _adopts(up, root):
+        if up is None or up.job != job or _adopts(up, root.job):
             break
         root = up
     return root.pid

@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from gpuwatch.simulate.fakenvml import FakeNode, build_fake_nvml
 from gpuwatch.sources.jobs import RUN_ID_KEY, RUN_SUPERVISOR_KEY
+from tests import process_guard
+
+# Before anything is started: every process of this run inherits the tag.
+RUN_TAG = process_guard.tag_this_run()
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -20,6 +25,67 @@ def _outside_any_gpuwatch_run() -> Iterator[None]:
              if key in os.environ}
     yield
     os.environ.update(saved)
+
+
+# ---- progress in a CI log ------------------------------------------------------------------------
+
+#: Modules whose tests run end to end for a minute or more each (a child pytest, a benchmark,
+#: a chaos run): each test is named as it starts, so that a log that stays quiet for minutes
+#: says on what. `make test` lists the slowest tests at the end too (--durations).
+ANNOUNCED_MODULES = frozenset({
+    "tests/test_suite_robustness.py", "tests/test_bench_smoke.py", "tests/test_chaos.py",
+    "tests/test_soak.py",
+})
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, Optional[int], str]) -> None:
+    if nodeid.split("::", 1)[0] not in ANNOUNCED_MODULES or _CONFIG is None:
+        return
+    reporter = _CONFIG.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or reporter.verbosity > 0:
+        return  # -v names every test already
+    reporter.ensure_newline()
+    reporter.write_line(f"{nodeid}: running (a minute or more) ...")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _CONFIG
+    _CONFIG = config
+
+
+_CONFIG: Optional[pytest.Config] = None
+
+
+# ---- no process outlives what started it --------------------------------------------------------
+
+
+def _guard(what: str) -> Iterator[None]:
+    before = process_guard.started_by_this_run(RUN_TAG)
+    yield
+    left = process_guard.left_behind(RUN_TAG, before)
+    if left:
+        process_guard.end(left)  # so that one leak does not fail the tests after it
+        pytest.fail(f"{what} left {len(left)} process(es) running (now killed):\n"
+                    + "\n".join(f"  {p}" for p in left), pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _nothing_left_by_the_session() -> Iterator[None]:
+    """Session-scoped fixtures end what they started."""
+    yield from _guard("the test session's fixtures")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _nothing_left_by_the_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Module-scoped fixtures end what they started."""
+    yield from _guard(f"the fixtures of {request.module.__name__}")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_by_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test (with its function-scoped fixtures) ends every process it started: a process
+    left running after it (a grandchild reparented to PID 1 that nobody killed) fails it."""
+    yield from _guard(request.node.nodeid)
 
 
 # ---- simulated node (fake NVML driver) -----------------------------------------------------------

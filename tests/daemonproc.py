@@ -95,9 +95,27 @@ def running_daemon(env: Mapping[str, str], tmp_path: Path, config: str = "",
 
     try:
         info = wait_for("daemon.json naming this daemon", own_info, 30, alive=proc)
+        wait_first_poll(runtime, proc)
         yield RunningDaemon(proc, runtime, info["metrics_url"], log_path, config_path)
     finally:
         terminate(proc)
+
+
+def wait_first_poll(runtime: Path, proc: subprocess.Popen[bytes], timeout: float = 30
+                    ) -> dict[str, Any]:
+    """Wait until the daemon of `runtime` has finished its first poll, and return its first
+    document. The daemon writes daemon.json and opens its sockets before it polls: until the
+    first poll is done, its state socket answers "has not finished its first poll" and its
+    /metrics has no GPU or process yet. Every test helper that starts a daemon waits here."""
+    from gpuwatch.sinks.state_client import StateUnavailable, fetch_status
+
+    def first_document() -> Optional[dict[str, Any]]:
+        try:
+            return fetch_status(runtime / "state.sock")
+        except StateUnavailable:
+            return None
+
+    return wait_for("the daemon's first poll", first_document, timeout, alive=proc)
 
 
 def by_pid(doc: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:

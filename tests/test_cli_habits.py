@@ -113,6 +113,73 @@ def test_help_names_values_and_shows_no_type_placeholders(command: str) -> None:
     assert not re.findall(r"\b(?:BOOLEAN|FLOAT RANGE|INTEGER|TEXT)\b", text), text
 
 
+def _applied_default(command: str, option: str) -> object:
+    """What applies when `gpuwatch COMMAND` is run without `option`, from where the program
+    takes it: a fresh Config for the flags that override a setting, the supervisor's own
+    default for `run --grace`, the reaper's kinds for `reap --kind`, the click default else."""
+    import inspect
+
+    from gpuwatch.actions.reaper import REAPABLE_KINDS
+    from gpuwatch.actions.supervisor import Supervisor
+    from gpuwatch.cli import app
+    from gpuwatch.config import DEFAULT_CONFIG_PATH, Config
+
+    config = Config()
+    from_config = {"--listen": config.daemon.listen, "--interval": config.daemon.interval,
+                   "--web-config": config.daemon.web_config,
+                   "--runtime-dir": config.daemon.runtime_dir,
+                   "--state-dir": config.daemon.state_dir,
+                   "--log-format": config.daemon.log_format,
+                   "--log-level": config.daemon.log_level}
+    if option == "--config":
+        return DEFAULT_CONFIG_PATH
+    if command == "daemon" and option in from_config:
+        return from_config[option]
+    if option == "--runtime-dir":
+        return config.daemon.runtime_dir
+    if command == "reap" and option == "--grace":
+        return config.reaper.grace
+    if command == "reap" and option == "--kind":
+        return tuple(REAPABLE_KINDS)
+    if command == "run" and option == "--grace":
+        return inspect.signature(Supervisor).parameters["grace"].default
+    param = next(p for p in app.commands[command].params if option in p.opts)
+    return param.default if isinstance(param.default, (int, float, str, Path)) else None
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_default_help_shows_is_the_one_that_applies(command: str) -> None:
+    """Each option's default is said once, in one form, and it is what the command does without
+    the option: `daemon -h` once said 1s while the daemon polled every 2s."""
+    import click
+
+    from gpuwatch.cli import Option, app, shown
+
+    text = " ".join(gpuwatch([command, "-h"], os.environ).stdout.split())
+    said = 0
+    for param in app.commands[command].params:
+        if not isinstance(param, click.Option) or param.name == "help":
+            continue
+        if param.is_flag:
+            continue
+        if not isinstance(param, Option):  # says no default: it has none
+            assert "default" not in (param.help or ""), f"{command} {param.opts[0]}"
+            assert param.default in (None, ()) or not isinstance(
+                param.default, (int, float, str, Path)), f"{command} {param.opts[0]}"
+            continue
+        option = param.opts[-1] if param.opts[-1].startswith("--") else param.opts[0]
+        applied = _applied_default(command, option)
+        if applied in (None, ""):
+            said += f"{param.opts[-1]} {param.metavar}" in text and "(default " in (param.help
+                                                                                  or "")
+            continue
+        want = shown(applied, param.type.name == "duration")
+        assert f"(default {want}" in text, f"{command} {option}: {want} not in\n{text}"
+        said += 1
+    assert text.count("(default ") == said, text
+    assert "[default:" not in text and "default:" not in text.replace("(default: the", ""), text
+
+
 def test_every_root_command_is_listed_with_a_whole_summary() -> None:
     text = gpuwatch(["-h"], os.environ).stdout
     listed = re.findall(r"^  (\w+)\s{2,}(.+)$", text.split("Commands:")[1], re.M)
@@ -272,3 +339,34 @@ def test_an_address_in_use_is_named_with_what_to_do(cli_env: dict[str, str],
     assert f"127.0.0.1:{port}" in result.stderr and "already in use" in result.stderr
     assert "--listen" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["--", "true"], ["true", "--grace", "5"],
+    ["--grace", "1m", "--keep-helpers", "python", "-c", "x"],
+    ["--grace=30s", "--job-name", "train-1", "--json", "out.json", "--no-cgroup", "--", "-x"],
+    ["--job-name=a:b@c", "sh"], ["--json=", "true"],
+])
+def test_run_reads_its_command_line_as_click_does_without_click(argv: list[str]) -> None:
+    """`gpuwatch run` reads its options without click for speed: what it reads is what the
+    click command (which -h and errors go to) would read."""
+    from gpuwatch.cli import app
+    from gpuwatch.run_command import RunArgs, parse_fast
+
+    ctx = app.commands["run"].make_context("run", list(argv))
+    assert parse_fast(argv) == RunArgs(**ctx.params)
+
+
+@pytest.mark.parametrize("argv", [[], ["-h"], ["--grace"], ["--grace", "soon", "true"],
+                                  ["--job-name", "a b", "true"], ["--gracee", "1", "true"],
+                                  ["--keep-helpers=yes", "true"]])
+def test_run_hands_help_and_bad_command_lines_to_click(argv: list[str]) -> None:
+    from gpuwatch.run_command import parse_fast
+
+    assert parse_fast(argv) is None
+    result = gpuwatch(["run", *argv], os.environ)
+    assert result.returncode == (0 if argv == ["-h"] else 2), result.stderr
+    if argv == ["-h"]:
+        assert result.stdout.startswith("Usage: gpuwatch run [OPTIONS] COMMAND..."), result.stdout
+    else:  # click's message, as every other command's
+        assert "Error: " in result.stderr and "Traceback" not in result.stderr, result.stderr

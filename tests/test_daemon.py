@@ -31,6 +31,19 @@ from tests.daemonproc import pids_with_series, running_daemon, value
 from tests.realprocs import GIB, MIB, gpuwatch, running_job
 
 
+def test_a_daemon_a_test_starts_has_finished_its_first_poll_when_the_test_gets_it(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """The daemon writes daemon.json and opens its sockets before its first poll; a test that
+    asked it at once could get "has not finished its first poll" on a loaded machine. Every
+    helper that starts one (running_daemon, the simulated node's fixtures) waits for the poll."""
+    from gpuwatch.sinks.state_client import fetch_status
+
+    with running_daemon(cli_env, tmp_path, args=("--interval", "60")) as d:
+        doc = fetch_status(d.runtime_dir / "state.sock")  # once, no retry
+        assert doc["source"] == "daemon" and len(doc["gpus"]) == 2
+        assert value(d.scrape(), "gpuwatch_polls_total") == 1
+
+
 def test_daemon_serves_per_process_series_for_a_real_job_and_stops_on_sigterm(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     with running_job(tmp_path, workers=2, env={"SLURM_JOB_ID": "777"}) as job, \

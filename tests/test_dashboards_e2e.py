@@ -23,6 +23,7 @@ from typing import Any, Optional
 import pytest
 
 from gpuwatch.simulate.demo import DemoError, SimulatedNode, simulated_node, wait_for
+from tests.daemonproc import wait_first_poll
 from tests.promserver import (
     api,
     built_rules,
@@ -68,6 +69,7 @@ def firing(prom: str) -> dict[str, list[dict[str, Any]]]:
 def test_every_panel_has_data_and_the_orphan_and_leak_alerts_fire(tmp_path: Path) -> None:
     with simulated_node(tmp_path, listen="127.0.0.1:0", workers=2, interval=0.5, pace=1.0,
                         detectors=f"host_memory_limit_bytes = {LIMIT}") as sim:
+        wait_first_poll(sim.runtime_dir, sim.daemon)
         target = sim.metrics_url.split("//", 1)[1].split("/", 1)[0]
         with prometheus_scraping(target, tmp_path, [built_rules(tmp_path / "rules")]) as prom:
             kept, reaped = sim.training.workers

@@ -52,3 +52,73 @@ def test_every_config_key_is_documented() -> None:
     documented = (DOCS / "config.md").read_text()
     for key, _, _, _ in describe():
         assert f"`{key}`" in documented, f"{key} is not in docs/config.md"
+
+
+# ---- the README's monitoring recipe, run as a user runs it -----------------------------------
+
+ROOT = DOCS.parent
+
+
+def _section(title: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index(f"\n## {title}\n")
+    end = readme.find("\n## ", start + 1)
+    return readme[start:end if end >= 0 else None]
+
+
+def _blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```$", text, re.M | re.S)
+
+
+def test_the_readmes_prometheus_recipe_runs_verbatim_and_puts_each_file_where_it_is_read(
+        tmp_path: Path) -> None:
+    """The shell blocks of "Dashboards and alerts", in order, as written (root: `sudo` stands
+    for itself), in a mount namespace whose /etc/prometheus and /var/lib are empty: the rules end
+    up at the path prometheus.yml's rule_files names, promtool accepts them, the dashboards land
+    in the folder the Grafana provider reads, and nothing else goes to Prometheus' rules."""
+    import os
+    import shutil
+    import subprocess
+
+    import pytest
+    import yaml
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a mount namespace of its own")
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (make test-deps)")
+    section = _section("Dashboards and alerts")
+    (prometheus_yml,) = [b for b in _blocks(section, "yaml") if "# prometheus.yml" in b]
+    rule_files = yaml.safe_load(prometheus_yml)["rule_files"]
+    provider = yaml.safe_load((ROOT / "dashboards" / "grafana-provider.yaml").read_text())
+    grafana_dir = provider["providers"][0]["options"]["path"]
+    blocks = _blocks(section, "sh")
+    assert len(blocks) >= 2 and any("build.py" in b for b in blocks)
+
+    work = tmp_path / "checkout"
+    shutil.copytree(ROOT / "dashboards", work / "dashboards")
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    if shutil.which("sudo") is None:
+        (shims / "sudo").write_text('#!/bin/sh\nexec "$@"\n')
+        (shims / "sudo").chmod(0o755)
+    listing = tmp_path / "installed.txt"
+    steps = "\n".join(f"( set -ex\n{block})\n" for block in blocks)
+    script = ("set -e\nmkdir -p /etc/prometheus && mount -t tmpfs gpuwatch-test /etc/prometheus\n"
+              "mount -t tmpfs gpuwatch-test /var/lib\n"
+              f"cd {work}\n{steps}"
+              f"find /etc/prometheus /var/lib -type f | sort > {listing}\n")
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}"},
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("SUCCESS: ") >= 2, done.stdout  # each promtool check
+    installed = listing.read_text().split()
+    rules = [f for f in installed if f.startswith("/etc/prometheus/")]
+    assert rules == rule_files, "the rules are where prometheus.yml loads them, and only they"
+    assert sorted(f for f in installed if f.startswith(grafana_dir + "/")) == [
+        f"{grafana_dir}/gpuwatch-fleet.json", f"{grafana_dir}/gpuwatch-node.json"]
+    assert len(installed) == 3, installed
+    assert (work / "build" / "monitoring" / "gpuwatch-alerts.yml").exists()
+    assert 'job="gpu-nodes"' in (work / "build" / "monitoring" / "gpuwatch-alerts.yml").read_text()

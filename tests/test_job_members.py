@@ -20,9 +20,39 @@ from gpuwatch.poll import MAX_NEW_PIDS, Poller
 from gpuwatch.simulate.demo import wait_for
 from tests.scenarios import parent, wait_not_running
 
+# Makes this process read in /proc as one in the middle of an exec does: between the kernel
+# dropping the old image and placing the new one's arguments and environment, its command line and
+# environment read empty. prctl(PR_SET_MM_MAP) moves their ends to their starts (no privilege
+# needed for one's own process); then it prints its PID and sleeps.
+MID_EXEC = r"""
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.sbrk.restype = ctypes.c_void_p
+libc.sbrk.argtypes = [ctypes.c_long]
+libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+class Map(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "start_code", "end_code", "start_data", "end_data", "start_brk", "brk", "start_stack",
+        "arg_start", "arg_end", "env_start", "env_end", "auxv")] + [
+        ("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
+with open("/proc/self/stat") as f:
+    stat = f.read().rsplit(")", 1)[1].split()
+field = lambda n: int(stat[n - 3])
+m = Map(start_code=field(26), end_code=field(27), start_stack=field(28), start_data=field(45),
+        end_data=field(46), start_brk=field(47), brk=libc.sbrk(0), arg_start=field(48),
+        arg_end=field(48), env_start=field(50), env_end=field(50), exe_fd=0xFFFFFFFF)
+PR_SET_MM, PR_SET_MM_MAP = 35, 14
+if libc.prctl(PR_SET_MM, PR_SET_MM_MAP, ctypes.addressof(m), ctypes.sizeof(m), 0) != 0:
+    print(-ctypes.get_errno(), flush=True)
+    raise SystemExit(1)
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
+
 # Answers each command on stdin with a PID once the change it asks for is done.
 _LAUNCHER = r"""
 import os, subprocess, sys
+MID_EXEC = sys.argv[1]
 kids = {}
 def started(argv):
     p = subprocess.Popen(argv, stdout=subprocess.PIPE)
@@ -49,6 +79,13 @@ for line in sys.stdin:
         p = started(["sh", "-c", "sleep 600 >/dev/null & echo $!"])
         pid = int(p.stdout.readline())
         p.wait()
+    elif what == "midexec":  # a child with a child that reads as one caught in an exec
+        p = started([sys.executable, "-c",
+                     "import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', "
+                     "sys.argv[1]], stdout=subprocess.PIPE); "
+                     "print(c.stdout.readline().decode(), end='', flush=True); c.wait()",
+                     MID_EXEC])
+        pid = int(p.stdout.readline())
     elif what == "zombie":  # a child that exits, not reaped
         pid = started(["true"]).pid
     elif what == "reap":  # a child killed and reaped
@@ -89,7 +126,8 @@ class _Launcher:
     def __init__(self) -> None:
         # A run id of its own, so the job is this launcher's tree and not the test run's.
         env = {**os.environ, "TORCHELASTIC_RUN_ID": f"members-{uuid.uuid4().hex[:8]}"}
-        self.proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, MID_EXEC],
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         self.started: list[int] = []
 
@@ -150,6 +188,7 @@ def test_a_job_tree_that_changes_is_followed_without_walking_it_again(
     holder = launcher.ask("spawn")
     poller = _CountingPoller(nvml=_Holds(holder), hostname="n")  # type: ignore[arg-type]
     root = launcher.proc.pid
+    mark = _last_pid()
     snap = poller.poll()
     assert snap.job_roots[holder] == root, "the launcher is the job's root"
     assert _members(snap, root) == _tree(root) == {holder}
@@ -159,6 +198,8 @@ def test_a_job_tree_that_changes_is_followed_without_walking_it_again(
                  "reap", "grand", "reap", "threads"]:
         if step == "reap":
             victim = next(p for p in sorted(_tree(root)) if p != holder and parent(p) == root)
+            # Its children (a "grand" step's) are orphaned by the reap: the fixture ends them.
+            launcher.started += _tree(victim)
             launcher.ask(f"reap {victim}")
         elif step == "orphan":
             orphaned.append(launcher.ask(step))
@@ -166,7 +207,9 @@ def test_a_job_tree_that_changes_is_followed_without_walking_it_again(
                      lambda: orphaned[-1] not in _tree(root) or None, 10)
         else:
             launcher.ask(step)
-        before, walked = _last_pid(), poller.walks
+        # The poller walks when more PIDs were handed out since its last poll than a walk
+        # costs (a busy host): counted from before that poll to after this one.
+        before, walked, mark = mark, poller.walks, _last_pid()
         snap = poller.poll()
         fresh = Poller(nvml=_Holds(holder), hostname="n").poll()  # type: ignore[arg-type]
         truth = _tree(root)
@@ -192,3 +235,26 @@ def test_a_member_that_was_reparented_out_of_the_tree_leaves_the_snapshot(
     snap = poller.poll()
     assert middle not in snap.processes and grandchild not in snap.processes
     assert _members(snap, root) == _tree(root) == {holder}
+
+
+def test_a_process_caught_in_the_middle_of_an_exec_stays_in_its_parents_job(
+        launcher: _Launcher) -> None:
+    """A process read while it execs has no command line nor environment yet, so nothing says
+    its job: it is where its parent is (a child starts with its parent's environment), and its
+    parent stays in the launcher's job rather than becoming a job of its own."""
+    holder = launcher.ask("spawn")
+    caught = launcher.ask("midexec")
+    if caught < 0:
+        pytest.skip(f"prctl(PR_SET_MM_MAP) refused here: {os.strerror(-caught)}")
+    middle = parent(caught)
+    assert middle is not None
+    launcher.started.append(middle)
+    with open(f"/proc/{caught}/cmdline", "rb") as f, open(f"/proc/{caught}/environ", "rb") as g:
+        assert f.read() == g.read() == b"", "reads as an exec in flight"
+    root = launcher.proc.pid
+    snap = Poller(nvml=_Holds(holder), hostname="n").poll()  # type: ignore[arg-type]
+    assert snap.processes[caught].cmdline == ()
+    assert snap.job_roots[holder] == root
+    assert snap.job_roots[middle] == root, "its parent is still a member of the launcher's job"
+    assert snap.job_roots[caught] == root
+    assert _members(snap, root) == _tree(root)

@@ -624,6 +624,34 @@ def test_a_second_ctrl_c_ends_everything_at_once(
     assert signals.read_text().split() == ["SIGINT", "SIGTERM"]
 
 
+@pytest.mark.sigint
+def test_ctrl_c_says_at_once_what_the_run_waits_for_and_how_to_end_it_now(
+        tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """A grace of 60 s: the first Ctrl+C is answered on stderr while the child that ignores it
+    still runs (not 60 s later), naming the job, the processes signalled, the wait and how to
+    cut it short; the second says it ends what is left now."""
+    pids_dir = new_dir(tmp_path)
+    child_cmd = member(pids_dir, "child", ignoring="child")
+    command = [sys.executable, "-c", PARENT, str(pids_dir), "forever", "--", *child_cmd]
+    with supervised(tmp_path, cli_env, command, "--grace", "60", pids_dir=pids_dir) as run:
+        main = run.command_pid()
+        child = run.pid_of("child")
+        os.killpg(run.pid, signal.SIGINT)
+        said = wait_for("the supervisor to say what it does", lambda: next(
+            (line for line in run.stderr().splitlines() if "stopping job" in line), None),
+            START, alive=run.proc)
+        assert running(child), "said before the grace ran out"
+        assert said == (f"gpuwatch run: SIGINT: stopping job run:{run.job}: sent SIGINT to 2 "
+                        "processes, waiting up to 60 s for them to exit; Ctrl+C again to end "
+                        "them now")
+        wait_not_running([main], what="the command to end on Ctrl+C")
+        os.killpg(run.pid, signal.SIGINT)
+        code, _, err = run.result(SLACK)
+    assert code == 130, err
+    assert (f"gpuwatch run: SIGINT again: ending 1 process of job run:{run.job} now (SIGTERM, "
+            f"SIGKILL {supervisor.KILL_AFTER:g} s later)") in err.splitlines(), err
+
+
 # ---- 6. the supervisor SIGKILLed ------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from gpuwatch.sinks.top.view import (
     glyphs_for,
     sparkline,
 )
+from tests.daemonproc import wait_first_poll
 
 GIB, MIB = 1 << 30, 1 << 20
 NOW = 1_800_000_000.0
@@ -504,6 +505,7 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatedNode]:
         pytest.skip("tmux is not installed")
     with simulated_node(tmp_path_factory.mktemp("top-node"), listen="127.0.0.1:0",
                         interval=0.2, pace=1.0) as node:
+        wait_first_poll(node.runtime_dir, node.daemon)
         node.training.launcher.kill()
         node.training.launcher.wait()
         yield node

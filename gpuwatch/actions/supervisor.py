@@ -1,7 +1,5 @@
 """`gpuwatch run`: launch a job so that its end (Ctrl+C, a crash, a finished trainer) leaves
-nothing behind.
-
-    gpuwatch run [--grace DURATION] [--job-name NAME] [--keep-helpers] [--json FILE] -- COMMAND...
+nothing behind. Its command line is gpuwatch.run_command's.
 
 The supervisor owns the job's whole process tree:
 - it is a child subreaper, so every process of the job, one that double-forks or calls setsid()
@@ -26,10 +24,8 @@ costs nothing.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
-import json
 import os
 import re
 import select
@@ -40,32 +36,29 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from gpuwatch.actions.cgroup import CgroupUnavailable, JobCgroup
 from gpuwatch.actions.signals import OTHER, SAME, ZOMBIE, ProcessRef, Signaller
-from gpuwatch.sinks.run_view import render_run
+from gpuwatch.run_command import (
+    DEFAULT_GRACE,
+    EXIT_GPU_HELD,
+    EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND,
+)
 from gpuwatch.sources.jobs import RUN_ID_KEY, RUN_SUPERVISOR_KEY
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource, ProcStat
-from gpuwatch.units import parse_duration, short_command
+from gpuwatch.units import short_command
 
 #: Variables every process of the job inherits: the job's id, and the supervisor's identity
 #: (what the daemon reads: gpuwatch.sources.jobs).
 RUN_ID_VARIABLE = RUN_ID_KEY
 SUPERVISOR_VARIABLE = RUN_SUPERVISOR_KEY
 
-DEFAULT_GRACE = 10.0
 #: After the grace, SIGTERM; this long later, SIGKILL. The job has had `grace` seconds since the
 #: first signal: SIGTERM is a last word, not a second grace.
 KILL_AFTER = 0.5
-#: The job ended but GPU memory it held is still held, or appeared unattributed on its GPUs: a
-#: scheduler's wrapper drains the node on it.
-EXIT_GPU_HELD = 70
-#: As a shell: the command was not found, or could not be run.
-EXIT_NOT_FOUND = 127
-EXIT_NOT_EXECUTABLE = 126
 #: Unattributed memory that appears on the job's GPUs during the run and stays after it: more than
 #: a driver's own fluctuation.
 UNATTRIBUTED_SLACK = 256 << 20
@@ -309,13 +302,15 @@ class Supervisor:
                     if stop_signals == 1:
                         result.ended_by = signal.Signals(signum).name
                         self._sample_gpus()
-                        self._forward(signum)
+                        sent = self._forward(signum)
                         grace_ends = time.monotonic() + self.grace
                         # Ctrl+C while leftovers have their grace: it is not started again.
                         ending_at = grace_ends if ending_at is None else min(ending_at,
                                                                               grace_ends)
+                        self._say_stopping(signum, sent, ending_at - time.monotonic())
                     else:  # a second Ctrl+C: the grace is over
                         ending_at = time.monotonic()
+                        self._say_ending_now(signum)
                 alive = self._observe()
                 main_done = self._main_status is not None
                 if main_done and ending_at is None:
@@ -425,9 +420,11 @@ class Supervisor:
         if name != "SIGKILL" or name not in member.signals:  # resent while it dies: noted once
             member.signals.append(name)
 
-    def _forward(self, signum: int) -> None:
-        for pid in self._observe():
+    def _forward(self, signum: int) -> list[int]:
+        alive = self._observe()
+        for pid in alive:
             self._send(pid, signum)
+        return alive
 
     def _job_control(self, signum: int) -> None:
         """Ctrl+Z: stop the job, then the supervisor itself (the shell sees it stopped); `fg`:
@@ -559,6 +556,24 @@ class Supervisor:
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
 
+    def _say_stopping(self, signum: int, sent: list[int], wait: float) -> None:
+        """At once, as systemd and docker do: what a stop signal started, and how long it may
+        take, so that a quiet terminal does not read as a hang."""
+        name = signal.Signals(signum).name
+        again = "Ctrl+C again" if signum == signal.SIGINT else f"{name} again"
+        if not sent:
+            self._say(f"gpuwatch run: {name}: stopping job run:{self.job_id}")
+            return
+        self._say(f"gpuwatch run: {name}: stopping job run:{self.job_id}: sent {name} to "
+                  f"{_processes(len(sent))}, waiting up to {max(0.0, wait):.3g} s for them to "
+                  f"exit; {again} to end them now")
+
+    def _say_ending_now(self, signum: int) -> None:
+        left = [pid for pid, m in self._members.items() if m.ended is None and self._runs(m)]
+        self._say(f"gpuwatch run: {signal.Signals(signum).name} again: ending "
+                  f"{_processes(len(left))} of job run:{self.job_id} now (SIGTERM, SIGKILL "
+                  f"{KILL_AFTER:g} s later)")
+
     def _say_leftovers(self, alive: list[int]) -> None:
         from gpuwatch.units import human_bytes
 
@@ -571,6 +586,10 @@ class Supervisor:
             gpu = human_bytes(m.gpu_memory_bytes) if m.gpu_memory_bytes else "-"
             self._say(f"  {pid:>7}  RSS {human_bytes(m.rss_bytes):>10}  GPU {gpu:>10}  "
                       f"{m.command}")
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
 
 
 # -- the system ----------------------------------------------------------------------------------
@@ -602,78 +621,7 @@ def _exit_code_of(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _job_id(command: Sequence[str]) -> str:
+def job_id_for(command: Sequence[str]) -> str:
+    """A job id for `command` when none is given: its program's name and a random suffix."""
     base = os.path.basename(command[0]) if command else "job"
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', base)}-{uuid.uuid4().hex[:6]}"
-
-
-def _seconds(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-EPILOG = f"""\
-exit status:
-  the command's own code, or 128+N when signal N ended it; 130 when Ctrl+C (SIGINT) ended the
-  run, 143 SIGTERM, 129 SIGHUP, 131 SIGQUIT;
-  {EXIT_GPU_HELD}  the job ended but NVML still lists GPU memory of its processes, or its GPUs have
-      more unattributed memory than before it: drain the node
-  {EXIT_NOT_FOUND} the command was not found; {EXIT_NOT_EXECUTABLE} it could not be run
-  2   bad usage
-"""
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="gpuwatch run", formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="gpuwatch run [options] -- COMMAND [ARG...]",
-        description="Run a job so that Ctrl+C, a crash or a finished trainer leaves nothing "
-                    "behind: every process it starts is ended, by identity, and NVML is read "
-                    "to check its GPU memory was released.",
-        epilog=EPILOG)
-    p.add_argument("--grace", type=_seconds, default=DEFAULT_GRACE, metavar="DURATION",
-                   help="after a stop signal, or once the command exited with processes "
-                        "left, this long before SIGTERM and SIGKILL (30s, 1m; default "
-                        f"{DEFAULT_GRACE:g}s)")
-    p.add_argument("--job-name", metavar="NAME",
-                   help="the job's id, shown by the daemon as run:NAME (default: the "
-                        "command's name and a random suffix)")
-    p.add_argument("--keep-helpers", action="store_true",
-                   help="when the command exits, leave what it started running (the daemon "
-                        "flags it)")
-    p.add_argument("--json", type=Path, metavar="FILE",
-                   help="also write the summary to FILE as JSON")
-    p.add_argument("--no-cgroup", action="store_true",
-                   help="do not put the job in a cgroup of its own")
-    p.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = parser()
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        p.error("no command given: gpuwatch run [options] -- COMMAND [ARG...]")
-    job_id = args.job_name or _job_id(command)
-    if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,128}", job_id):
-        p.error(f"--job-name {job_id!r}: letters, digits and _.:@- only, at most 128")
-    supervisor = Supervisor(command, job_id, grace=args.grace, keep_helpers=args.keep_helpers,
-                            use_cgroup=not args.no_cgroup)
-    result = supervisor.run()
-    try:
-        if result.started:
-            sys.stderr.write(render_run(result))
-        if args.json is not None:
-            args.json.write_text(json.dumps(result.as_json(), indent=2) + "\n")
-    finally:
-        supervisor.restore_signals()
-    return result.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,10 +23,8 @@ from gpuwatch.config import (
     setting_default,
     setting_env,
 )
+from gpuwatch.launch_env import EXIT_GPU_HELD, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND
 from gpuwatch.run_command import (
-    EXIT_GPU_HELD,
-    EXIT_NOT_EXECUTABLE,
-    EXIT_NOT_FOUND,
     RUN_OPTIONS,
     RunArgs,
     job_name_problem,

@@ -14,7 +14,11 @@ def main() -> None:
     if sys.argv[1:2] == ["run"]:
         from gpuwatch.run_command import main as run
 
-        sys.exit(run(sys.argv[2:]))
+        status = run(sys.argv[2:])
+        if status is not None:
+            sys.exit(status)
+        # -h, an unknown or malformed option, no command: click's `run`, built from the same
+        # options, says it as every other command does.
     from gpuwatch.cli import main as cli
 
     cli()

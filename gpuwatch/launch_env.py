@@ -12,6 +12,16 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple, Optional
 
+#: `gpuwatch run`'s grace: how long the job's processes have after a stop signal, or after COMMAND
+#: ended, before they are ended.
+DEFAULT_GRACE = 10.0
+#: The job ended but GPU memory it held is still held, or appeared unattributed on its GPUs: a
+#: scheduler's wrapper drains the node on it.
+EXIT_GPU_HELD = 70
+#: As a shell: the command was not found, or could not be run.
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
+
 #: Set by `gpuwatch run` for its whole job; names the job as `run:<id>`.
 RUN_ID_KEY = "GPUWATCH_RUN_ID"
 #: Set by `gpuwatch run` for its whole job: "<PID>:<start time>" of the supervisor, the start time

@@ -19,15 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+# `gpuwatch run`'s default grace and exit codes are the supervisor's vocabulary, kept below it
+# (gpuwatch.launch_env).
+from gpuwatch.launch_env import (
+    DEFAULT_GRACE,
+)
 from gpuwatch.units import parse_duration
 
-DEFAULT_GRACE = 10.0
-#: The job ended but GPU memory it held is still held, or appeared unattributed on its GPUs: a
-#: scheduler's wrapper drains the node on it.
-EXIT_GPU_HELD = 70
-#: As a shell: the command was not found, or could not be run.
-EXIT_NOT_FOUND = 127
-EXIT_NOT_EXECUTABLE = 126
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 
 
@@ -119,15 +117,11 @@ def parse_fast(argv: Sequence[str]) -> Optional[RunArgs]:
     return RunArgs(command=command, **values)  # type: ignore[arg-type]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_fast(argv)
-    if args is None:
-        from gpuwatch.cli import main as cli
-
-        cli(["run", *argv])  # exits
-        return 2
-    return run(args)
+def main(argv: Optional[Sequence[str]] = None) -> Optional[int]:
+    """Run the job that `argv` (run's arguments) names, and its exit status; None when the
+    command line is not one the fast path reads (gpuwatch.entry then hands it to click)."""
+    args = parse_fast(list(sys.argv[1:] if argv is None else argv))
+    return None if args is None else run(args)
 
 
 def run(args: RunArgs) -> int:

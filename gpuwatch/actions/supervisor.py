@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 from gpuwatch.actions.cgroup import CgroupUnavailable, JobCgroup
 from gpuwatch.actions.signals import OTHER, SAME, ZOMBIE, ProcessRef, Signaller
-from gpuwatch.run_command import (
+from gpuwatch.launch_env import (
     DEFAULT_GRACE,
     EXIT_GPU_HELD,
     EXIT_NOT_EXECUTABLE,

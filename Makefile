@@ -11,7 +11,7 @@ export GPUWATCH_RUNTIME_DIR ?= $(CURDIR)/.run/runtime
 export GPUWATCH_STATE_DIR ?= $(CURDIR)/.run/state
 endif
 
-.PHONY: run test test-deps lint bench clean test-gpu bench-gpu gpu-venv
+.PHONY: run test test-deps lint typecheck bench clean test-gpu bench-gpu gpu-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,11 @@ test-deps:
 lint: $(STAMP)
 	$(BIN)/ruff check gpuwatch tests bench dashboards
 
-test: $(STAMP) test-deps lint
+# The typed public surface (the files are listed under [tool.mypy] in pyproject.toml).
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) test-deps lint typecheck
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
@@ -88,4 +92,4 @@ gpu-venv: $(STAMP)
 	fi
 
 clean:
-	rm -rf $(VENV) .run build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .run build dist *.egg-info .pytest_cache .ruff_cache .mypy_cache

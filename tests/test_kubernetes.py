@@ -104,6 +104,19 @@ def test_every_core_manifest_validates_strictly_against_the_kubernetes_schemas()
     assert output.count(" passed for resource ") == len(core), output
 
 
+def test_the_objects_in_the_walkthrough_validate_too(tmp_path: Path) -> None:
+    """docs/kubernetes.md's YAML that a user applies (the drill pod) is valid as written."""
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S)
+              if re.search(r"^kind: ", b, re.M)]
+    assert blocks, "no Kubernetes object in docs/kubernetes.md"
+    for i, block in enumerate(blocks):
+        (tmp_path / f"block{i}.yaml").write_text(block)
+    done = validate(*sorted(tmp_path.glob("block*.yaml")))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (done.stdout + done.stderr).count(" passed for resource ") == len(blocks)
+
+
 def test_strict_validation_rejects_a_misspelt_field(tmp_path: Path) -> None:
     # Guards the test above: were --strict to stop rejecting unknown fields, it would pass anyway.
     broken = tmp_path / "daemonset.yaml"

@@ -418,6 +418,24 @@ def test_the_daemon_runs_and_answers_its_probes_as_root_with_only_the_three_capa
 
 # -- the image ---------------------------------------------------------------------------------
 
+def test_the_dockerfile_copies_only_what_the_build_context_lets_through() -> None:
+    """Without docker: every COPY source exists and .dockerignore does not exclude it, the image
+    installs the wheel it built and ends as the non-root user the DaemonSet's group matches."""
+    text = (ROOT / "Dockerfile").read_text()
+    allowed = [line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")]
+    sources = [src for line in text.splitlines() if line.startswith("COPY ")
+               and "--from=" not in line for src in line.split()[1:-1]]
+    assert sources
+    for src in sources:
+        assert (ROOT / src).exists(), src
+        assert src.rstrip("/") in allowed, f"{src} is excluded by .dockerignore"
+    assert re.search(r"pip install .*/tmp/dist/gpuwatch-\*\.whl", text)
+    (user,) = re.findall(r"^USER (\d+):(\d+)$", text, re.M)
+    assert user[0] != "0" and int(user[1]) in daemonset()["spec"]["template"]["spec"][
+        "securityContext"]["supplementalGroups"]
+
+
 def test_the_dockerfile_builds_an_image_whose_gpuwatch_runs_as_its_own_user(
         tmp_path: Path) -> None:
     docker = shutil.which("docker")

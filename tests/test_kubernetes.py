@@ -214,6 +214,16 @@ def test_the_prometheus_rule_and_dashboards_configmap_carry_the_built_files() ->
         for name in ("gpuwatch-node.json", "gpuwatch-fleet.json")}
 
 
+def test_every_object_fits_kubectl_apply_s_annotation_and_the_configmap_limit() -> None:
+    """Client-side `kubectl apply` keeps the whole object in an annotation, and annotations
+    have 256 KiB in all; a ConfigMap holds at most 1 MiB. The dashboards ConfigMap is the one
+    that grows."""
+    for key, obj in manifests().items():
+        assert len(json.dumps(obj, separators=(",", ":"))) < 256 * 1024 * 0.8, key
+        if obj["kind"] == "ConfigMap":
+            assert sum(len(v) for v in obj.get("data", {}).values()) < 1024 * 1024, key
+
+
 # -- the DaemonSet says what the systemd unit says ---------------------------------------------
 
 def _bytes(quantity: str) -> int:

@@ -71,9 +71,14 @@ def validator() -> str:
     return found
 
 
-def validate(*paths: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([validator(), "--strict", *map(str, paths)], capture_output=True,
-                          text=True, timeout=300)
+#: The oldest Kubernetes the manifests are checked against, besides the tool's newest.
+OLDEST_KUBERNETES = "1.28.0"
+
+
+def validate(*paths: Path, version: str | None = None) -> subprocess.CompletedProcess[str]:
+    pinned = ["--kubernetes-version", version] if version else []
+    return subprocess.run([validator(), "--strict", *pinned, *map(str, paths)],
+                          capture_output=True, text=True, timeout=300)
 
 
 # -- the files: a kustomization that names them all, valid against the API's schemas ----------
@@ -90,9 +95,11 @@ def test_the_kustomization_names_every_manifest_in_the_folder_and_puts_them_in_o
     assert container()["image"].split(":")[0] == image["name"]
 
 
-def test_every_core_manifest_validates_strictly_against_the_kubernetes_schemas() -> None:
+@pytest.mark.parametrize("version", [None, OLDEST_KUBERNETES], ids=["newest", "oldest"])
+def test_every_core_manifest_validates_strictly_against_the_kubernetes_schemas(
+        version: str | None) -> None:
     files = sorted(DEPLOY.glob("*.yaml")) + sorted(EXAMPLES.glob("*.yaml"))
-    done = validate(*files)
+    done = validate(*files, version=version)
     assert done.returncode == 0, done.stdout + done.stderr
     output = done.stdout + done.stderr
     # The only files without a schema are the kustomization and the operator's custom kinds,

@@ -11,7 +11,7 @@ export GPUWATCH_RUNTIME_DIR ?= $(CURDIR)/.run/runtime
 export GPUWATCH_STATE_DIR ?= $(CURDIR)/.run/state
 endif
 
-.PHONY: run test test-deps lint bench clean test-gpu bench-gpu gpu-venv
+.PHONY: run test test-deps lint typecheck bench clean test-gpu bench-gpu gpu-venv
 
 $(STAMP): pyproject.toml
 	@echo "make: creating the virtual environment $(VENV)"
@@ -50,7 +50,11 @@ lint: $(STAMP)
 
 # The slowest tests are listed at the end (--durations); tests/conftest.py names each test of
 # the end-to-end modules that run for minutes as it starts.
-test: $(STAMP) test-deps lint
+# The typed public surface (the files are listed under [tool.mypy] in pyproject.toml).
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) test-deps lint typecheck
 	@echo "make test: running the test suite (about 15 minutes on 2 cores)"
 	$(BIN)/python -m pytest --durations=15 --durations-min=10
 
@@ -96,4 +100,4 @@ gpu-venv: $(STAMP)
 	fi
 
 clean:
-	rm -rf $(VENV) .run build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .run build dist *.egg-info .pytest_cache .ruff_cache .mypy_cache

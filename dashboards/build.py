@@ -2,8 +2,9 @@
 
 The JSON and YAML files next to this script are what users import; this script (and rules.py for
 the alerts) is their source, so that every panel and rule gets the same datasource, selectors and
-units from one place (the monitoring mixins do the same with jsonnet). `--check` fails when a
-file differs from what the script builds, which the test suite runs.
+units from one place (the monitoring mixins do the same with jsonnet). The same rules and
+dashboards go to deploy/kubernetes as a PrometheusRule and a ConfigMap for Grafana's sidecar.
+`--check` fails when a file differs from what the script builds, which the test suite runs.
 
 Settings, as a mixin's config: `--selector` (the series of your gpuwatch scrape job; default
 `job="gpuwatch"`), `--runbook-url` (where the alerts' runbook links point), `--for-scale` (shorter
@@ -451,14 +452,74 @@ def fleet_dashboard(settings: Settings) -> dict[str, Any]:
 DASHBOARDS: dict[str, Callable[[Settings], dict[str, Any]]] = {
     "gpuwatch-node.json": node_dashboard, "gpuwatch-fleet.json": fleet_dashboard}
 RULES = "gpuwatch-alerts.yml"
+#: The Kubernetes objects built from the same source, in their own folder (deploy/kubernetes
+#: beside this one; `kubernetes/` under --out).
+KUBERNETES = "kubernetes"
+K8S_RULES = f"{KUBERNETES}/prometheusrule.yaml"
+K8S_DASHBOARDS = f"{KUBERNETES}/grafana-dashboards.yaml"
+K8S_DEFAULT_OUT = HERE.parent / "deploy" / "kubernetes"
+#: The labels kube-prometheus-stack's Prometheus and Grafana select by default (a Helm release
+#: named kube-prometheus-stack); docs/kubernetes.md says how to change them.
+K8S_LABELS = ("  labels:\n"
+              "    app.kubernetes.io/name: gpuwatch\n"
+              "    app.kubernetes.io/part-of: gpuwatch\n")
+
+
+def _indented(text: str, spaces: int) -> list[str]:
+    return [(" " * spaces + line) if line else "" for line in text.splitlines()]
+
+
+def prometheus_rule(rules_yaml: str) -> str:
+    """The rule file as the Prometheus Operator's PrometheusRule: its groups under `spec`."""
+    body = rules_yaml[rules_yaml.index("groups:\n"):]
+    out = ["# The alert rules of dashboards/gpuwatch-alerts.yml as a Prometheus Operator object,",
+           "# built by dashboards/build.py from dashboards/rules.py: edit those and rebuild.",
+           "apiVersion: monitoring.coreos.com/v1",
+           "kind: PrometheusRule",
+           "metadata:",
+           "  name: gpuwatch",
+           K8S_LABELS + "    release: kube-prometheus-stack",
+           "spec:",
+           *_indented(body, 2)]
+    return "\n".join(out) + "\n"
+
+
+def dashboards_configmap(boards: dict[str, str]) -> str:
+    """The dashboards as one ConfigMap that Grafana's dashboard sidecar (kube-prometheus-stack's
+    default) loads: it picks ConfigMaps labelled grafana_dashboard=1."""
+    out = ["# The Grafana dashboards of dashboards/ for Grafana's sidecar, built by",
+           "# dashboards/build.py: edit it and rebuild.",
+           "apiVersion: v1",
+           "kind: ConfigMap",
+           "metadata:",
+           "  name: gpuwatch-dashboards",
+           K8S_LABELS + '    grafana_dashboard: "1"',
+           "  annotations:",
+           "    # The folder, where the sidecar is set up with folderAnnotation: grafana_folder.",
+           "    grafana_folder: gpuwatch",
+           "data:"]
+    for name, text in boards.items():
+        out += [f"  {name}: |-", *_indented(text.rstrip("\n"), 4)]
+    return "\n".join(out) + "\n"
 
 
 def rendered(settings: Settings) -> dict[str, str]:
-    """Every file this script writes, by name."""
+    """Every file this script writes, by name (the Kubernetes ones under `kubernetes/`)."""
     files = {name: json.dumps(build(settings), indent=2) + "\n"
              for name, build in DASHBOARDS.items()}
     files[RULES] = Rules(settings).yaml()
+    files[K8S_RULES] = prometheus_rule(files[RULES])
+    files[K8S_DASHBOARDS] = dashboards_configmap({name: files[name] for name in DASHBOARDS})
     return files
+
+
+def destination(out: Path, name: str) -> Path:
+    """Where a file goes: the Kubernetes ones into deploy/kubernetes when writing beside this
+    script, into a `kubernetes` folder under any other --out."""
+    if name.startswith(f"{KUBERNETES}/"):
+        base = K8S_DEFAULT_OUT if out.resolve() == HERE else out / KUBERNETES
+        return base / name.split("/", 1)[1]
+    return out / name
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -480,14 +541,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     stale = []
-    if not args.check:
-        args.out.mkdir(parents=True, exist_ok=True)
     for name, text in rendered(settings).items():
-        path = args.out / name
+        path = destination(args.out, name)
         if args.check:
             if not path.exists() or path.read_text() != text:
-                stale.append(name)
+                stale.append(str(path))
         else:
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             print(f"wrote {path}")
     if stale:

@@ -1,5 +1,7 @@
-"""The README's Slurm epilog, run verbatim by `sh` against a real daemon on the simulated node:
-the recipe a scheduler runs after every job must free exactly what the job left behind.
+"""The Slurm epilog and prolog of contrib/slurm (the epilog is also the README's recipe, word for
+word), run by `sh` against a real daemon on the simulated node: the scripts a scheduler runs after
+and before every job must free exactly what jobs left behind, and keep jobs off a node whose GPU
+memory cannot be freed.
 
 The job's id reaches gpuwatch the two ways Slurm gives it: the job's environment
 (`SLURM_JOB_ID`), and the cgroup Slurm's cgroup plugin puts the job in. `scontrol` is Slurm's and
@@ -42,6 +44,10 @@ min_age = 0
 """
 
 
+EPILOG = ROOT / "contrib" / "slurm" / "epilog.sh"
+PROLOG = ROOT / "contrib" / "slurm" / "prolog.sh"
+
+
 def readme_epilog() -> str:
     """The shell script under "In a Slurm epilog" in the README, as a user copies it."""
     readme = (ROOT / "README.md").read_text()
@@ -49,6 +55,14 @@ def readme_epilog() -> str:
     match = re.search(r"```sh\n(.*?)```", section, re.S)
     assert match is not None, "no sh block under 'In a Slurm epilog'"
     return match.group(1)
+
+
+def test_the_readme_recipe_is_the_shipped_epilog_word_for_word() -> None:
+    assert readme_epilog() == EPILOG.read_text()
+    assert "contrib/slurm" in (ROOT / "README.md").read_text()
+    for script in (EPILOG, PROLOG):
+        assert script.stat().st_mode & 0o111, f"{script.name} is not executable"
+        assert script.read_text().startswith("#!/bin/sh\n")
 
 
 @pytest.fixture
@@ -60,15 +74,14 @@ def watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path
 
 
 class Epilog:
-    """The README's epilog as a file, with `gpuwatch` and a recording `scontrol` on PATH."""
+    """A script of contrib/slurm (the epilog unless told), run as shipped, with `gpuwatch` and a
+    recording `scontrol` on PATH."""
 
-    def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
-        self.script = tmp_path / "epilog.sh"
-        self.script.write_text(readme_epilog())
-        self.script.chmod(0o755)
-        bin_dir = tmp_path / "bin"
+    def __init__(self, tmp_path: Path, env: dict[str, str], script: Path = EPILOG) -> None:
+        self.script = script
+        bin_dir = tmp_path / f"bin-{script.stem}"
         bin_dir.mkdir()
-        self.calls = tmp_path / "scontrol.calls"
+        self.calls = tmp_path / f"scontrol-{script.stem}.calls"
         scontrol = bin_dir / "scontrol"
         scontrol.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> "{self.calls}"\n')
         scontrol.chmod(0o755)
@@ -207,6 +220,44 @@ def test_the_epilog_does_not_drain_a_clean_node_when_an_orphan_s_pid_was_reused(
                 assert "no GPU memory the plan named is still held" in done.stdout
                 assert epilog.scontrol_calls() == []
                 assert newcomer.poll() is None and running(worker)
+
+
+def test_the_prolog_frees_what_an_earlier_job_left_and_spares_the_running_job(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    prolog = Epilog(tmp_path, watched.env, PROLOG)
+    with torchrun_job(tmp_path, workers=2, env={"SLURM_JOB_ID": "5151"}) as gone, \
+            torchrun_job(tmp_path, workers=1, env={"SLURM_JOB_ID": "4300"}) as other:
+        for rank, pid in enumerate(gone.workers):
+            watched.node.hold(pid, device=rank, used=3 * GIB)
+        watched.node.hold(other.workers[0], device=1, used=8 * GIB)
+        watched.holding(*gone.workers, other.workers[0])
+        clean = prolog.run("9900")
+        assert clean.returncode == 0, clean.stdout + clean.stderr
+        assert "nothing to do" in clean.stdout.lower(), clean.stdout
+
+        sigkill_launcher(gone)
+        watched.findings_of("orphan", gone.workers)
+        done = prolog.run("9901")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.count("GPU memory released") == 2, done.stdout
+        wait_not_running(gone.workers)
+        assert running(other.workers[0])
+        assert prolog.scontrol_calls() == []
+
+
+def test_the_prolog_keeps_the_job_off_a_node_whose_gpu_memory_cannot_be_freed(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    """Exit 1: Slurm drains the node and requeues the job."""
+    prolog = Epilog(tmp_path, watched.env, PROLOG)
+    with unreaped_child(tmp_path, env={"SLURM_JOB_ID": "7373"}) as (parent, child):
+        watched.node.hold(parent, device=0, used=GIB)
+        watched.findings_of("zombie", [child])
+
+        done = prolog.run("7400")
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert f"GPU memory still held by PID {parent}" in done.stdout, done.stdout
+        assert "GPU memory of earlier jobs not freed" in done.stderr
+        assert prolog.scontrol_calls() == []
 
 
 def _used(watched: WatchedNode) -> int:

@@ -78,7 +78,7 @@ def _make_fast_encode() -> Callable[[Any], str]:
     report). Reports are acyclic trees of str, int, bool and None, so no cycle check is needed.
     Where json has no C encoder, or it does not encode as _ENCODER does, _ENCODER.encode."""
     try:
-        make = json.encoder.c_make_encoder
+        make = getattr(json.encoder, "c_make_encoder", None)
         if make is None:
             return _ENCODER.encode
         encode = make(None, _ENCODER.default, json.encoder.encode_basestring, None, ":", ",",

@@ -48,8 +48,8 @@ import time
 import types
 from array import array
 from collections import deque
-from collections.abc import Generator, Iterator, Mapping
-from typing import Any, Callable, Optional
+from collections.abc import Generator, Iterator, Mapping, Sized
+from typing import Any, Callable, Optional, cast
 
 __all__ = ["MAX_RECORDS", "Scanner"]
 
@@ -64,7 +64,7 @@ MAX_NAME = 128
 # Growers kept through a pass for sizing and ranking: a bounded heap, whatever the program.
 _MAX_CANDIDATES = 64
 
-_CONTAINER_BASES: tuple[type, ...] = (dict, list, set, deque, bytearray)
+_CONTAINER_BASES: tuple[type[Sized], ...] = (dict, list, set, deque, bytearray)
 # Never looked into, though they have a __dict__: a function's holds its attributes, not state;
 # modules are walked from sys.modules; classes only where they are defined.
 _OPAQUE: tuple[type, ...] = (types.ModuleType, types.FunctionType, types.MethodType,
@@ -74,10 +74,10 @@ _BAD_CHARS = re.compile(r"[^A-Za-z0-9_.:/<>-]")
 
 # The interpreter's own descriptors: read through these, no metaclass, property or __getattr__
 # of the object runs.
-_type_dict: Callable[[type], Mapping[str, Any]] = type.__dict__["__dict__"].__get__
-_type_mro: Callable[[type], tuple[type, ...]] = type.__dict__["__mro__"].__get__
-_type_module: Callable[[type], Any] = type.__dict__["__module__"].__get__
-_module_dict: Callable[[types.ModuleType], Any] = types.ModuleType.__dict__["__dict__"].__get__
+_type_dict: Callable[[type], Mapping[str, Any]] = vars(type)["__dict__"].__get__
+_type_mro: Callable[[type], tuple[type, ...]] = vars(type)["__mro__"].__get__
+_type_module: Callable[[type], Any] = vars(type)["__module__"].__get__
+_module_dict: Callable[[Any], Any] = vars(types.ModuleType)["__dict__"].__get__
 
 _SKIP, _CONTAINER, _CLASS, _INSTANCE = 0, 1, 2, 3
 _Kind = tuple[int, Optional[Callable[[Any], Any]]]
@@ -130,7 +130,9 @@ def _sizer() -> Optional[Callable[[Any], dict[str, int]]]:
             from gpuwatch.agent._sizing import measure
         except ImportError:
             try:
-                from gpuwatch.agent import _measure as measure
+                from gpuwatch.agent import (  # type: ignore[attr-defined, no-redef]
+                    _measure as measure,
+                )
             except Exception:
                 return None  # growers are ranked by items then
         except Exception:
@@ -155,7 +157,7 @@ def _classify(t: type) -> _Kind:
         for klass in _type_mro(t):
             descriptor = _type_dict(klass).get("__dict__")
             if type(descriptor) in _RAW_DICT_DESCRIPTORS:
-                return _INSTANCE, descriptor.__get__
+                return _INSTANCE, cast(Any, descriptor).__get__
     except Exception:
         pass
     return _SKIP, None

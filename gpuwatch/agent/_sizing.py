@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections import deque
+from collections.abc import Sequence
 from itertools import islice
 from typing import Any, Optional
 
@@ -101,6 +102,7 @@ def sampled(container: Any, depth: int) -> Optional[int]:
         return 0 if depth == 0 else _SCALAR
     k = SAMPLES[depth]
     values = container.values() if isinstance(container, dict) else container
+    sample: Sequence[Any]
     if n <= k:
         sample = list(values)
     elif isinstance(container, (list, tuple)):

@@ -147,7 +147,7 @@ def _from_daemon(ancillary: list[tuple[int, int, bytes]], source: Any, path: str
             if uid == 0:
                 return True
             try:
-                return os.stat(path).st_uid == uid
+                return bool(os.stat(path).st_uid == uid)
             except OSError:
                 return False
     return False

@@ -11,6 +11,15 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any, Optional
 
 from gpuwatch import __version__
+from gpuwatch.document_types import (
+    AgentDoc,
+    FindingDoc,
+    GpuDoc,
+    GpuUsageDoc,
+    JobDoc,
+    ProcessDoc,
+    StatusDocument,
+)
 from gpuwatch.model import (
     AgentReading,
     Finding,
@@ -30,7 +39,7 @@ SOURCE_POLL = "poll"
 
 
 def status_document(report: NodeReport, source: str = SOURCE_POLL,
-                    source_detail: Optional[str] = None) -> dict[str, Any]:
+                    source_detail: Optional[str] = None) -> StatusDocument:
     snapshot = report.snapshot
     nvml = snapshot.nvml
     blind = {g.index for g in snapshot.gpus if holders_unknown(g)}
@@ -62,7 +71,7 @@ def status_document(report: NodeReport, source: str = SOURCE_POLL,
     }
 
 
-def _gpu(g: GpuDevice) -> dict[str, Any]:
+def _gpu(g: GpuDevice) -> GpuDoc:
     return {
         "index": g.index,
         "uuid": g.uuid,
@@ -83,7 +92,7 @@ def _gpu(g: GpuDevice) -> dict[str, Any]:
     }
 
 
-def _usage(u: GpuProcessUsage) -> dict[str, Any]:
+def _usage(u: GpuProcessUsage) -> GpuUsageDoc:
     return {
         "index": u.gpu_index,
         "uuid": u.gpu_uuid,
@@ -94,7 +103,7 @@ def _usage(u: GpuProcessUsage) -> dict[str, Any]:
     }
 
 
-def _finding(f: Finding, wall: Callable[[float], float]) -> dict[str, Any]:
+def _finding(f: Finding, wall: Callable[[float], float]) -> FindingDoc:
     return {
         "kind": f.kind,
         "severity": f.severity,
@@ -127,7 +136,7 @@ def _at(t: Optional[float], wall: Callable[[float], float], digits: int = 3
 
 
 def _agent(a: Optional[AgentReading], wall: Callable[[float], float]
-           ) -> Optional[dict[str, Any]]:
+           ) -> Optional[AgentDoc]:
     if a is None:
         return None
     latest = a.latest
@@ -149,7 +158,7 @@ def _agent(a: Optional[AgentReading], wall: Callable[[float], float]
     }
 
 
-def _job(job: Optional[Job]) -> Optional[dict[str, str]]:
+def _job(job: Optional[Job]) -> Optional[JobDoc]:
     return {"id": job.id, "source": job.source} if job is not None else None
 
 
@@ -174,7 +183,7 @@ def _gpu_memory(p: HostProcess, blind: Collection[int]) -> Optional[int]:
 
 def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
              agent: Optional[AgentReading], blind: Collection[int],
-             wall: Callable[[float], float]) -> dict[str, Any]:
+             wall: Callable[[float], float]) -> ProcessDoc:
     return {
         "pid": p.pid,
         "ppid": p.ppid,

@@ -104,9 +104,13 @@ class WebConfig:
 
 def load_web_config(path: Path) -> WebConfig:
     """Read and check the file; raises ConfigError naming the key."""
-    import yaml
-
     where = f"daemon.web_config {path}"
+    try:  # the `web` extra; bcrypt is checked here too, not at the first scrape
+        import bcrypt  # noqa: F401
+        import yaml
+    except ImportError as exc:
+        raise ConfigError(f"{where}: a web config needs the `web` extra, and {exc.name} is not "
+                          "installed: pip install 'gpuwatch[web]'") from None
     try:
         text = path.read_text()
     except OSError as exc:

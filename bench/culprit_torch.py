@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -257,9 +255,7 @@ def run_case(b: Any, port: int, case: Case, after_named: int, max_leak: int) -> 
                 if case.holder == "none":
                     if time.monotonic() - started >= case.seconds and step > WARMUP:
                         break
-                elif out.named_step is not None and step >= out.named_step + after_named:
-                    break
-                elif step - WARMUP >= leak_steps:
+                elif (out.named_step is not None and step >= out.named_step + after_named) or step - WARMUP >= leak_steps:
                     break
                 try:
                     doc = fetch_status(state)

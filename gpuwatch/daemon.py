@@ -42,8 +42,7 @@ from gpuwatch.actions.reaper import (
     Result,
 )
 from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
-from gpuwatch.actions.trace_requests import SEARCH_RESULTS
-from gpuwatch.actions.trace_requests import TraceRequests
+from gpuwatch.actions.trace_requests import SEARCH_RESULTS, TraceRequests
 from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.config import EXIT_CONFIG, Config, ConfigError, load_config, split_listen
 from gpuwatch.detectors import assess

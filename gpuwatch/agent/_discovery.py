@@ -236,7 +236,7 @@ class _Walk:
     """One walk over a list of modules (the program's own, or the library's), and the module it
     is in: that module's records and its visit number, and the ring slots that visit uses."""
 
-    __slots__ = ("candidates", "here", "held", "ids", "modules", "objects", "ring", "seen")
+    __slots__ = ("candidates", "held", "here", "ids", "modules", "objects", "ring", "seen")
 
     def __init__(self) -> None:
         # (items per step, qualified name, path to find it again, length, name in its module):

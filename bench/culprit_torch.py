@@ -17,11 +17,12 @@ cannot see (8 MiB of bytes a step, 0.3 s steps): the daemon then escalates (a fa
 a trace), and the case measures what that costs; and a healthy run (no leak) that must never be
 called a leak, whose agent share is the no-leak overhead.
 
-The agent's share of the training thread: the program times each `agent.step()` call and its own
-compute (the training step without the padding sleep). No-leak share: time in `agent.step()` over
-the run's wall time. Escalated share: over the steps while the agent searched faster or traced,
-time in `agent.step()` plus what the training step's compute grew by (tracing slows the program's
-own allocations), over their wall time.
+The agent's share of the training thread: the program takes the CPU time of its thread
+(time.thread_time) in each `agent.step()` call and in its own compute (the training step without
+the padding sleep), so that a busy machine's other processes do not count. No-leak share: CPU
+time in `agent.step()` over the steps' wall time. Escalated share: over the steps while the agent
+searched faster or traced, CPU time in `agent.step()` plus what the training step's compute grew
+by (tracing slows the program's own allocations), over their wall time.
 
     python bench/culprit_torch.py [--healthy-seconds 600] [--cases 0.3:8,0.3:256,2:8,2:256]
 """
@@ -110,6 +111,7 @@ progress = open(progress_path, "a", buffering=1)
 it = batches()
 for step in range(1_000_000):
     started = time.monotonic()
+    cpu = time.thread_time()
     inputs, labels = next(it)
     loss = F.cross_entropy(model(inputs), labels)
     optimizer.zero_grad()
@@ -118,10 +120,10 @@ for step in range(1_000_000):
     if leak and step >= leak_from:
         fetch(step)
     remember(step)
-    computed = time.monotonic()
+    computed = time.thread_time()
     agent.step(step)
-    stepped = time.monotonic()
-    progress.write(f"{step} {stepped - computed:.7f} {computed - started:.7f} {started:.4f} "
+    stepped = time.thread_time()
+    progress.write(f"{step} {stepped - computed:.7f} {computed - cpu:.7f} {started:.4f} "
                    f"{int(escalated())}\n")
     time.sleep(max(0.0, step_seconds - (time.monotonic() - started)))
 '''.replace("CACHE_ENTRY", str(CACHE_ENTRY))
@@ -255,7 +257,8 @@ def run_case(b: Any, port: int, case: Case, after_named: int, max_leak: int) -> 
                 if case.holder == "none":
                     if time.monotonic() - started >= case.seconds and step > WARMUP:
                         break
-                elif (out.named_step is not None and step >= out.named_step + after_named) or step - WARMUP >= leak_steps:
+                elif ((out.named_step is not None and step >= out.named_step + after_named)
+                      or step - WARMUP >= leak_steps):
                     break
                 try:
                     doc = fetch_status(state)

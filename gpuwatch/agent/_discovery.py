@@ -209,16 +209,18 @@ _STDLIB_NAMES = frozenset(sys.builtin_module_names) | frozenset(
     getattr(sys, "stdlib_module_names", ()))
 
 
-def is_library(name: str, file: Any) -> bool:
+def is_library(name: str, file: Any, parent: Optional[bool] = None) -> bool:
     """Whether module `name`, loaded from `file` (its `__file__`, None where it has none), is
     library code, walked at the lower rate, rather than the program's own, walked every pass.
+    `parent`: what this says of the nearest parent package that is loaded, if any.
 
     Library: a file under a site-packages or dist-packages directory (an installed third-party
-    distribution), or under the standard library's directory; without a file, a built-in or
-    frozen module of the standard library. The program's own: `__main__` always, and every
-    other module: the program's directory, PYTHONPATH, a source checkout, an editable install
-    (its files stay in the checkout), a namespace package of the program, a module built at
-    run time.
+    distribution), or under the standard library's directory; without a file, what its parent
+    package is (an extension's submodules, such as torch._C._nn, and a package's module objects
+    made at run time have none), else a built-in or frozen module of the standard library. The
+    program's own: `__main__` always, and every other module: the program's directory,
+    PYTHONPATH, a source checkout, an editable install (its files stay in the checkout), a
+    namespace package of the program, a module built at run time.
     """
     global _STDLIB_DIRS
     if name == "__main__":
@@ -229,6 +231,8 @@ def is_library(name: str, file: Any) -> bool:
         if _STDLIB_DIRS is None:
             _STDLIB_DIRS = _stdlib_dirs()
         return file.startswith(_STDLIB_DIRS)
+    if parent is not None:
+        return parent
     return name.partition(".")[0] in _STDLIB_NAMES
 
 
@@ -274,8 +278,9 @@ class Scanner:
     # records growing.
     __slots__ = ("_budget", "_exclude", "_growers", "_ignored", "_kinds", "_library",
                  "_library_done", "_library_names", "_library_walk", "_max_records", "_modules",
-                 "_own", "_own_candidates", "_pass", "_records", "_rounds", "_skip", "_spent",
-                 "_stats", "_step", "_tiers", "_top", "_tracked", "_visits")
+                 "_names", "_own", "_own_candidates", "_own_names", "_pass", "_records",
+                 "_rounds", "_skip", "_spent", "_stats", "_step", "_tiers", "_top", "_tracked",
+                 "_visits")
 
     def __init__(self, modules: Optional[Mapping[str, types.ModuleType]] = None, *,
                  budget: float = 0.002, top: int = 8,
@@ -309,6 +314,9 @@ class Scanner:
         self._library: Optional[Iterator[None]] = None
         self._library_walk: Optional[_Walk] = None
         self._library_names: list[str] = []
+        self._own_names: list[str] = []
+        #: The module names of the last pass that sorted them (None: none yet, or abandoned).
+        self._names: Optional[list[str]] = None
         self._own_candidates: list[tuple[float, str, tuple[str, ...], int, str]] = []
         self._library_done: list[tuple[float, str, tuple[str, ...], int, str]] = []
         self._growers: dict[str, dict[str, int]] = {}
@@ -411,6 +419,7 @@ class Scanner:
         # Some records took this pass's figures and some not, so all are forgotten: growth is
         # learnt again.
         self._own = self._library = self._library_walk = None
+        self._names = None
         self._records, self._visits, self._tracked = {}, {}, 0
         self._own_candidates, self._library_done = [], []
         self._kinds, self._skip = {}, set()
@@ -430,10 +439,17 @@ class Scanner:
             names = list(modules)
         except Exception:
             names = []
+        if names == self._names:
+            # The same modules loaded as at the last pass (the usual case, a comparison of
+            # interned strings): sorted as then, and no module's records to forget.
+            own = self._own_names
+            yield from self._own_walk(own)
+            return
+        self._names = names
         exclude = self._exclude
         tiers, seen_tiers = self._tiers, {}
-        own: list[str] = []
-        library: list[str] = []
+        ordered: list[str] = []
+        unfiled: list[tuple[str, Any]] = []
         units = 0
         for modname in names:
             units += 1
@@ -453,15 +469,36 @@ class Scanner:
                 ns = None
             except Exception:
                 continue
+            ordered.append(modname)
             tier = tiers.get(modname)
-            if tier is None or tier[0] is not file:
-                tier = (file, is_library(modname, file))
-            seen_tiers[modname] = tier
-            (library if tier[1] else own).append(modname)
+            if tier is not None and tier[0] is file:
+                seen_tiers[modname] = tier
+            elif type(file) is str and file:
+                seen_tiers[modname] = (file, is_library(modname, file))
+            else:
+                unfiled.append((modname, file))
+        # A module without a file is what its nearest loaded parent package is: known only now,
+        # as a package can come after its submodules in sys.modules.
+        for modname, file in unfiled:
+            units += 1
+            if units >= CHECK_EVERY:
+                units = 0
+                yield
+            parent: Optional[bool] = None
+            above = modname
+            while parent is None and "." in above:
+                above = above.rpartition(".")[0]
+                known = seen_tiers.get(above)
+                if known is not None:
+                    parent = known[1]
+            seen_tiers[modname] = (file, is_library(modname, file, parent))
+        own: list[str] = []
+        library: list[str] = []
+        for modname in ordered:
+            (library if seen_tiers[modname][1] else own).append(modname)
         self._tiers = seen_tiers
         self._library_names = library
-        walk = _Walk()
-        units = yield from self._walk_modules(walk, own, units)
+        self._own_names = own
         # The records and visits of modules no longer loaded go.
         records, visits = self._records, self._visits
         for table in (records, visits):
@@ -479,6 +516,11 @@ class Scanner:
                 units = 0
                 yield
         self._tracked = tracked
+        yield from self._own_walk(own)
+
+    def _own_walk(self, own: list[str]) -> Generator[None, None, None]:
+        walk = _Walk()
+        yield from self._walk_modules(walk, own, 0)
         self._own_candidates = walk.candidates
         self._kinds, self._skip = {}, set()
         yield from self._rank()

@@ -1,7 +1,7 @@
 """Steps from a leak being raised to its culprit named, in a real PyTorch training program that
 calls only `agent.step()`; what the agent costs that program's training thread.
 
-The program (written out below, run with this interpreter) imports torch, torch.nn,
+The program (gpuwatch/simulate/torch_trainer.py, run with this interpreter) imports torch, torch.nn,
 torch.nn.functional, torch.optim, torch.utils.data and torch.distributed, trains a small model on
 the CPU from a DataLoader, and calls `agent.step(step)` once a step, padded to a fixed step
 length. From step `--leak-from` (the daemon's warm-up, 10 steps) it adds a tensor of `--leak`
@@ -40,94 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from node import GIB, MIB, bench_node, cli_env, parse_args, start_daemon, stop, write_figures
+from node import GIB, MIB, ROOT, bench_node, cli_env, parse_args, start_daemon, stop, write_figures
 
 from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 
 WARMUP = 10  # the daemon's default leak_warmup_steps
-CACHE_ENTRY = 256 << 10
-
-_TRAIN = r'''
-import collections, sys, time
-import torch
-import torch.distributed
-import torch.nn as nn
-import torch.nn.functional as F
-import torch.optim as optim
-import torch.utils.data as data
-from gpuwatch import agent
-
-progress_path, step_seconds, leak, leak_from, holder = (
-    sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
-torch.set_num_threads(1)
-
-_fetch_buffer = {}                  # the leak: a fetched tensor kept every step
-_cache = collections.OrderedDict()  # bounded: 16 entries of 256 KiB, one new a step
-
-
-def remember(step):
-    _cache[step] = torch.ones(CACHE_ENTRY // 4)
-    while len(_cache) > 16:
-        _cache.popitem(last=False)
-
-
-def _make_fetch():
-    held = []
-
-    def fetch(step):
-        held.append(b"\x01" * leak)  # a closure's list: no module reaches it
-    return fetch
-
-
-_closure_fetch = _make_fetch()
-
-
-def fetch(step):
-    if holder == "dict":
-        _fetch_buffer[step] = torch.ones(leak // 4)
-    else:
-        _closure_fetch(step)
-
-
-def escalated():
-    st = agent._st
-    tracer = getattr(st, "tracer", None)
-    return (time.monotonic() < getattr(st, "search_until", 0.0)
-            or (tracer is not None and tracer.active))
-
-
-model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
-optimizer = optim.SGD(model.parameters(), lr=0.01)
-dataset = data.TensorDataset(torch.randn(2048, 128), torch.randint(0, 10, (2048,)))
-loader = data.DataLoader(dataset, batch_size=64, shuffle=True)
-
-
-def batches():
-    while True:
-        yield from loader
-
-
-progress = open(progress_path, "a", buffering=1)
-it = batches()
-for step in range(1_000_000):
-    started = time.monotonic()
-    cpu = time.thread_time()
-    inputs, labels = next(it)
-    loss = F.cross_entropy(model(inputs), labels)
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    if leak and step >= leak_from:
-        fetch(step)
-    remember(step)
-    computed = time.thread_time()
-    agent.step(step)
-    stepped = time.thread_time()
-    progress.write(f"{step} {stepped - computed:.7f} {computed - cpu:.7f} {started:.4f} "
-                   f"{int(escalated())}\n")
-    time.sleep(max(0.0, step_seconds - (time.monotonic() - started)))
-'''.replace("CACHE_ENTRY", str(CACHE_ENTRY))
-
 
 @dataclass
 class Step:
@@ -170,7 +87,7 @@ class Case:
 
     @property
     def expected(self) -> str:
-        return "__main__._fetch_buffer" if self.holder == "dict" else "train.py:"
+        return "__main__._fetch_buffer" if self.holder == "dict" else "torch_trainer.py:"
 
 
 @dataclass
@@ -223,13 +140,12 @@ def leak_of(doc: dict[str, Any], pid: int) -> Optional[dict[str, Any]]:
 @contextlib.contextmanager
 def trainer(env: dict[str, str], tmp: Path, case: Case) -> Iterator[tuple[subprocess.Popen[bytes],
                                                                            Path]]:
-    program = tmp / "program" / "train.py"
-    program.parent.mkdir(parents=True, exist_ok=True)
-    program.write_text(_TRAIN)
     progress = tmp / f"progress-{time.monotonic_ns()}"
+    holder = "closure" if case.holder == "closure" else "dict"
     proc = subprocess.Popen(
-        [sys.executable, str(program), str(progress), str(case.step_seconds), str(case.leak),
-         str(WARMUP), case.holder], env=env, cwd=program.parent)
+        [sys.executable, "-m", "gpuwatch.simulate.torch_trainer", "--progress", str(progress),
+         "--step-seconds", str(case.step_seconds), "--leak-bytes", str(case.leak),
+         "--leak-from", str(WARMUP), "--holder", holder], env=env, cwd=ROOT)
     try:
         yield proc, progress
     finally:

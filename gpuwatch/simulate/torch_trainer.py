@@ -14,8 +14,9 @@ bounded cache (16 tensors of 256 KiB, one new a step) fills up and stays full. W
 destroys it: the agent reports that at exit.
 
 One line per step goes to `--progress`: the step, the CPU time of the thread in `agent.step()` and
-in the step's own compute (time.thread_time), the step's start (time.monotonic), and 1 while the
-agent searches faster or traces (else 0). A test follows the first field; the benchmark the rest.
+in the step's own compute (time.thread_time), the step's start (time.monotonic), and what the
+agent was asked for after the step: 1 while it searches faster, plus 2 while it traces. A test
+follows the first field; the benchmark the rest.
 `--steps N` stops after N steps, with `--linger` seconds of teardown (as writing a last
 checkpoint takes) after the agent's exit check.
 """
@@ -86,10 +87,11 @@ def main(argv: list[str]) -> int:
         else:
             closure_fetch(step)
 
-    def escalated() -> bool:
+    def escalated() -> int:
         st: Any = agent._st
         tracer = st.tracer
-        return time.monotonic() < st.search_until or (tracer is not None and tracer.active)
+        return (int(time.monotonic() < st.search_until)
+                | int(tracer is not None and tracer.active) << 1)
 
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
     optimizer = optim.SGD(model.parameters(), lr=0.01)
@@ -117,7 +119,7 @@ def main(argv: list[str]) -> int:
             agent.step(step)
             stepped = time.thread_time()
             progress.write(f"{step} {stepped - computed:.7f} {computed - cpu:.7f} {started:.4f} "
-                           f"{int(escalated())}\n")
+                           f"{escalated()}\n")
             time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))
     return 0
 

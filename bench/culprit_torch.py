@@ -127,7 +127,9 @@ class Outcome:
         }
         if hot:
             hot_wall = len(hot) * self.case.step_seconds
-            extra = sum(max(0.0, s.compute_s - base) for s in hot)
+            # What the compute grew by, against the median step before: summed with its sign,
+            # so that the noise of one step cancels another's.
+            extra = max(0.0, sum(s.compute_s - base for s in hot))
             out.update(escalated_steps=len(hot), escalated_s=hot_wall,
                        escalated_share=(sum(s.agent_s for s in hot) + extra) / hot_wall,
                        escalated_agent_share=sum(s.agent_s for s in hot) / hot_wall,
@@ -138,7 +140,7 @@ class Outcome:
                 wall = len(alone) * self.case.step_seconds
                 out.update(search_steps=len(alone), search_share=(
                     sum(s.agent_s for s in alone)
-                    + sum(max(0.0, s.compute_s - base) for s in alone)) / wall)
+                    + max(0.0, sum(s.compute_s - base for s in alone))) / wall)
         return out
 
 

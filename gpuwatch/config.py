@@ -300,7 +300,7 @@ class AgentConfig:
         60, _int_between(0, MAX_SEARCH_SECONDS),
         "seconds an instrumented process whose leak has no culprit is asked to search for "
         "growing containers at a higher share of its time (0: never asked)")
-    trace_steps: int = _setting(20, _int_between(1, 100),
+    trace_steps: int = _setting(10, _int_between(1, 100),
                                 "training steps a process is asked to trace, 1 to 100")
     trace_cooldown: float = _setting(
         900.0, _non_negative_seconds,

@@ -37,7 +37,7 @@ MIB = 1 << 20
 GIB = 1 << 30
 # 20 steps, 900 s cooldown, 4 pending, tracing on, asked at once (trace_after has its own test),
 # a faster search of 60 s.
-CONFIG = AgentConfig()
+CONFIG = AgentConfig(trace_steps=20)
 INIT = HostProcess(pid=1, ppid=0, start_time=0.0, name="systemd", state="sleeping")
 
 
@@ -195,7 +195,7 @@ def test_a_faster_search_is_asked_once_per_cooldown_and_never_when_search_second
     assert node.requests.search_counts == {"sent": 1, "failed": 1}
 
     quiet = Sender()
-    node = node_of(quiet, clock, AgentConfig(search_seconds=0))
+    node = node_of(quiet, clock, AgentConfig(trace_steps=20, search_seconds=0))
     node.agents[10] = agent(10)
     node.findings = [leak(10)]
     node.poll()
@@ -377,7 +377,7 @@ def test_the_daemon_asks_after_assess_and_counts_requests_and_reports_in_its_reg
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = load_config(environ={"GPUWATCH_CONFIG": "/dev/null"}, overrides={
         "daemon.runtime_dir": tmp_path / "run", "daemon.state_dir": tmp_path / "state",
-        "agent.trace_after": 0.0})
+        "agent.trace_after": 0.0, "agent.trace_steps": 20})
     daemon = Daemon(config, poller=LeakingNode())
     sender = Sender()
     daemon.trace_requests.sender = sender
@@ -420,7 +420,7 @@ def test_the_daemon_asks_after_assess_and_counts_requests_and_reports_in_its_reg
 
 def test_a_leak_is_left_to_discovery_for_trace_after_seconds_before_its_process_is_asked(
         sender: Sender, clock: Clock) -> None:
-    node = node_of(sender, clock, AgentConfig(trace_after=60.0))
+    node = node_of(sender, clock, AgentConfig(trace_steps=20, trace_after=60.0))
     node.agents[10] = agent(10)
     node.findings = [replace(leak(10), since=1000.0)]
     for taken_at in (1000.0, 1030.0, 1059.0):

@@ -267,6 +267,8 @@ def tracing_rows(t: Optional[Figures]) -> list[Row]:
 
 
 def culprit_rows(f: Figures) -> list[Row]:
+    if f.get("skipped"):
+        return [Row("culprit named in a PyTorch program", f"not measured: {f['skipped']}")]
     rows = []
     for c in f["cases"]:
         if c["holder"] == "none":
@@ -276,7 +278,8 @@ def culprit_rows(f: Figures) -> list[Row]:
                     f"({c['wall_s'] / 60:.0f} min): polls that showed a leak",
                     f"{c['leak_polls']}", "0", c["leak_polls"] == 0),
                 Row("agent's share of a PyTorch program's training thread, no leak (0.3 s steps)",
-                    f"{100 * share:.2f}%", "<= 1%", share is not None and share <= 0.01)]
+                    f"{100 * share:.2f}%" if share is not None else "no steps",
+                    "<= 1%", share is not None and share <= 0.01)]
             continue
         what = (f"PyTorch program, {c['step_seconds']:g} s steps, {c['leak_mib']:.0f} MiB a step"
                 + (", held by a closure" if c["holder"] == "closure" else ""))

@@ -5,6 +5,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# PyTorch's CPU build, for the tests that run real PyTorch programs (the culprit end-to-end
+# tests, the agent's torch tests): `make test` installs it where pip can, and those tests skip,
+# saying why, where it cannot. TORCH_PIP_ARGS says where from: on a machine that would get the
+# CUDA build from PyPI, `--index-url https://download.pytorch.org/whl/cpu` gets the CPU one.
+TORCH ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+TORCH_STAMP := $(VENV)/.torch
 # Not root: keep the daemon's sockets and audit log in the checkout instead of /run and /var/lib.
 ifneq ($(shell id -u),0)
 export GPUWATCH_RUNTIME_DIR ?= $(CURDIR)/.run/runtime
@@ -48,13 +55,23 @@ test-deps:
 lint: $(STAMP)
 	$(BIN)/ruff check gpuwatch tests bench dashboards
 
-# The slowest tests are listed at the end (--durations); tests/conftest.py names each test of
-# the end-to-end modules that run for minutes as it starts.
 # The typed public surface (the files are listed under [tool.mypy] in pyproject.toml).
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: $(STAMP) test-deps lint typecheck
+# Tried once per venv (`make clean` to try again): a pip that cannot reach a PyTorch build
+# would otherwise cost its timeouts at every run.
+$(TORCH_STAMP): $(STAMP)
+	@$(BIN)/python -c 'import torch' 2>/dev/null \
+		|| { echo "make test: installing PyTorch's CPU build ($(TORCH)) for the tests of real PyTorch programs"; \
+		     $(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) '$(TORCH)'; } \
+		|| echo "make test: could not install $(TORCH) (pip says why above):" \
+			"the tests that run PyTorch programs will skip"
+	@touch $@
+
+# The slowest tests are listed at the end (--durations); tests/conftest.py names each test of
+# the end-to-end modules that run for minutes as it starts.
+test: $(STAMP) $(TORCH_STAMP) test-deps lint typecheck
 	@echo "make test: running the test suite (about 15 minutes on 2 cores)"
 	$(BIN)/python -m pytest --durations=15 --durations-min=10
 

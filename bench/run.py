@@ -32,8 +32,8 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "equal_work", "oneshot", "daemon_rss",
-           "agent_step", "agent_ingest", "run_overhead", "top_cpu", "daemon_poll", "agent_flood",
-           "chaos"]
+           "agent_step", "culprit_torch", "agent_ingest", "run_overhead", "top_cpu", "daemon_poll",
+           "agent_flood", "chaos"]
 PACKAGES = ["gpuwatch", "nvidia-ml-py", "psutil", "prometheus-client", "nvitop",
             "nvitop-exporter", "gpustat"]
 
@@ -266,6 +266,46 @@ def tracing_rows(t: Optional[Figures]) -> list[Row]:
                 None)]
 
 
+def culprit_rows(f: Figures) -> list[Row]:
+    if f.get("skipped"):
+        return [Row("culprit named in a PyTorch program", f"not measured: {f['skipped']}")]
+    rows = []
+    for c in f["cases"]:
+        if c["holder"] == "none":
+            share = c["agent_share"]
+            rows += [
+                Row(f"healthy PyTorch program, {c['steps']:,} steps of 0.3 s "
+                    f"({c['wall_s'] / 60:.0f} min): polls that showed a leak",
+                    f"{c['leak_polls']}", "0", c["leak_polls"] == 0),
+                Row("agent's share of a PyTorch program's training thread, no leak (0.3 s steps)",
+                    f"{100 * share:.2f}%" if share is not None else "no steps",
+                    "<= 1%", share is not None and share <= 0.01)]
+            continue
+        what = (f"PyTorch program, {c['step_seconds']:g} s steps, {c['leak_mib']:.0f} MiB a step"
+                + (", held by a closure" if c["holder"] == "closure" else ""))
+        steps = c["steps_to_name"]
+        value = (f"{steps} (raised at step {c['raised_step']}, `{c['named']}` ({c['found_by']}) "
+                 f"at {c['named_step']})" if steps is not None else
+                 f"not named (raised at step {c['raised_step']}, stopped at {c['steps']})")
+        if c["holder"] == "dict":
+            # The bounded cache beside it never named: the only culprit ever shown is the dict.
+            right = c["culprits"] == ["__main__._fetch_buffer"]
+            rows.append(Row(f"{what}: steps from the leak raised to its culprit named",
+                            value + ("" if right else f"; also named: {c['culprits']}"),
+                            "<= 15 steps, only it",
+                            steps is not None and steps <= 15 and right))
+        else:
+            rows.append(Row(f"{what}: steps from the leak raised to its culprit named", value))
+        if "escalated_share" in c:
+            share = c["escalated_share"]
+            rows.append(Row(
+                f"{what}: agent's share of the training thread while escalated (faster search "
+                f"and trace, {c['escalated_s']:.0f} s)",
+                f"{100 * share:.1f}% (step() {100 * c['escalated_agent_share']:.1f}%, slower "
+                f"compute {100 * c['escalated_compute_share']:.1f}%)", "<= 10%", share <= 0.10))
+    return rows
+
+
 def ingest_rows(f: Figures) -> list[Row]:
     rows = [Row("daemon ingest, realistic agent reports per CPU second",
                 f"{f['handle_per_cpu_s']:,.0f}/s", f">= {f['goal']:,}/s",
@@ -359,6 +399,7 @@ def chaos_rows(f: Figures) -> list[Row]:
 ROWS: dict[str, Callable[[Figures], list[Row]]] = {
     "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "equal_work": equal_work_rows,
     "oneshot": oneshot_rows, "daemon_rss": rss_rows, "agent_step": agent_step_rows,
+    "culprit_torch": culprit_rows,
     "agent_ingest": ingest_rows,
     "run_overhead": run_overhead_rows, "top_cpu": top_rows, "agent_flood": agent_flood_rows,
     "chaos": chaos_rows, "daemon_poll": daemon_poll_rows,

@@ -14,6 +14,7 @@ from dataclasses import field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from gpuwatch.agent import MAX_SEARCH_SECONDS
 from gpuwatch.frozen import frozen_dataclass
 from gpuwatch.units import parse_duration
 
@@ -292,10 +293,14 @@ class AgentConfig:
         True, _bool, "ask instrumented processes whose leak has no culprit to trace their "
         "allocations (tracemalloc, for agent.trace_steps steps)", env="GPUWATCH_AGENT_TRACING")
     trace_after: float = _setting(
-        60.0, _non_negative_seconds,
+        0.0, _non_negative_seconds,
         "seconds a leak must stay without a watched or discovered culprit before its process is "
-        "asked to trace")
-    trace_steps: int = _setting(20, _int_between(1, 100),
+        "asked to trace (0: as soon as the leak is raised)")
+    search_seconds: int = _setting(
+        60, _int_between(0, MAX_SEARCH_SECONDS),
+        "seconds an instrumented process whose leak has no culprit is asked to search for "
+        "growing containers at a higher share of its time (0: never asked)")
+    trace_steps: int = _setting(10, _int_between(1, 100),
                                 "training steps a process is asked to trace, 1 to 100")
     trace_cooldown: float = _setting(
         900.0, _non_negative_seconds,

@@ -42,7 +42,7 @@ from gpuwatch.actions.reaper import (
     Result,
 )
 from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
-from gpuwatch.actions.trace_requests import TraceRequests
+from gpuwatch.actions.trace_requests import SEARCH_RESULTS, TraceRequests
 from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.config import EXIT_CONFIG, Config, ConfigError, load_config, split_listen
 from gpuwatch.detectors import assess
@@ -136,6 +136,10 @@ class Daemon:
             "gpuwatch_agent_trace_requests", "Requests to instrumented processes to trace their "
             "allocations, by result (sent, failed, rate_limited, disabled).", ["result"],
             registry=self.registry)
+        self.agent_search_requests = Counter(
+            "gpuwatch_agent_search_requests", "Requests to instrumented processes whose leak has "
+            "no culprit to search for growing containers faster, by result (sent, failed).",
+            ["result"], registry=self.registry)
         self.agent_trace_reports = Counter(
             "gpuwatch_agent_trace_reports", "Trace reports received from instrumented processes, "
             "by status (done, refused, failed).", ["status"], registry=self.registry)
@@ -152,6 +156,8 @@ class Daemon:
             self.agent_trace_requests.labels(result)
         for status in TRACE_STATUSES:
             self.agent_trace_reports.labels(status)
+        for result in SEARCH_RESULTS:
+            self.agent_search_requests.labels(result)
         # Present from the start at 0, so that `increase()` sees the first reap of each outcome.
         for kind in sorted(REAPABLE_KINDS):
             for outcome in OUTCOMES:
@@ -347,6 +353,7 @@ class Daemon:
     def _count_traces(self) -> None:
         for counter, key, counts in (
                 (self.agent_trace_requests, "result", self.trace_requests.counts),
+                (self.agent_search_requests, "search", self.trace_requests.search_counts),
                 (self.agent_trace_reports, "status", self.agents.trace_reports)):
             for label, total in counts.items():
                 before = self._trace_counted.get((key, label), 0)

@@ -863,6 +863,70 @@ def test_a_request_is_obeyed_only_from_the_daemons_socket(
     assert answer["trace"]["status"] == "done" and answer["trace"]["steps"] == 3
 
 
+def search_request(seconds: int) -> bytes:
+    return json.dumps({"v": 1, "kind": "search", "seconds": seconds}).encode()
+
+
+def test_a_search_request_raises_discoverys_share_for_the_seconds_asked_then_not_again_soon(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    # Every slice's budget is recorded; the program stops once told to (stdin closed) and its
+    # faster search, if any, has been over for a while.
+    proc = start("""
+        import json, sys, threading, time
+        from gpuwatch import agent
+        from gpuwatch.agent import _discovery
+
+        budgets = []
+        slice_ = _discovery.Scanner.slice
+
+        def recorded(self, step, budget=None):
+            budgets.append((time.monotonic(), budget))
+            return slice_(self, step, budget)
+
+        _discovery.Scanner.slice = recorded
+        told = threading.Event()
+        threading.Thread(target=lambda: (sys.stdin.read(), told.set()), daemon=True).start()
+        searches = []
+        step = 0
+        while not (told.is_set() and time.monotonic() > agent._st.search_until + 0.6):
+            agent.step(step)
+            if not searches or searches[-1][1] != agent._st.search_until:
+                searches.append((agent._st.search_began, agent._st.search_until))
+            step += 1
+            time.sleep(0.02)
+        print(json.dumps({"budgets": budgets, "searches": searches[1:]}))
+        """, runtime_dir, stdin=subprocess.PIPE)
+    try:
+        receiver.wait_for("a step report", lambda rs: of_kind(rs, "step")[:1], proc=proc)
+        receiver.sock.settimeout(5)
+        _, _, _, address = receiver.sock.recvmsg(65536, 64)
+        # A search and a trace sent together, as the daemon sends them when a leak is raised:
+        # both are obeyed.
+        receiver.sock.sendto(search_request(2), address)
+        receiver.sock.sendto(trace_request(3), address)
+        receiver.wait_for("a trace report", lambda rs: of_kind(rs, "trace")[:1], proc=proc)
+        # A second search within the agent's cooldown is ignored; the trace sent with it is
+        # refused (its own cooldown), which says the agent read both.
+        receiver.sock.sendto(search_request(30), address)
+        receiver.sock.sendto(trace_request(3), address)
+        receiver.wait_for("a refused trace", lambda rs: [
+            r for r in of_kind(rs, "trace") if r[2]["trace"]["status"] == "refused"], proc=proc)
+        out, err = proc.communicate("", timeout=60)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 0, err
+    figures = json.loads(out)
+    (began, until), = figures["searches"]
+    assert until - began == pytest.approx(2.0)
+    during = [b for t, b in figures["budgets"] if began <= t < until]
+    after = [b for t, b in figures["budgets"] if t >= until]
+    # 6% of the 0.25 s between slices instead of 1%; at most SEARCH_BUDGET_MAX a slice.
+    assert len(during) >= 4 and sorted(during)[len(during) // 2] >= 0.01, during
+    assert max(during) <= 0.04
+    assert after and max(after) <= 0.005, after
+
+
 def test_tracing_can_be_refused_from_the_environment(
         runtime_dir: Path, receiver: Receiver) -> None:
     with stepping(runtime_dir, receiver, {"GPUWATCH_AGENT_TRACING": "0"}) as (proc, address):

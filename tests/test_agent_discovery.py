@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import pytest
 
-from gpuwatch.agent._discovery import MAX_NAME, Scanner
+from gpuwatch.agent._discovery import MAX_NAME, Scanner, is_library
 
 FETCH = "areal.infra.rpc.rtensor._fetch_buffer"
 ENTRY_BYTES = 1 << 16
@@ -275,6 +275,65 @@ def test_a_module_under_two_names_is_walked_once() -> None:
     scanner = Scanner({"pkg.public": impl, "pkg._impl": impl}, budget=WHOLE_PASS)
     assert set(after(scanner, range(5, 10), train)) == {"pkg.public.cache",
                                                         "pkg.public.Registry.entries"}
+
+
+# ---- where it looks first ---------------------------------------------------------------------
+
+
+def test_modules_are_sorted_by_the_file_they_were_loaded_from() -> None:
+    import json
+
+    stdlib = json.__file__
+    assert is_library("json", stdlib)
+    assert is_library("sys", None)  # built in
+    assert is_library("torch", "/opt/venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert is_library("yaml", "/usr/lib/python3/dist-packages/yaml/__init__.py")
+    # The program's own: a checkout, PYTHONPATH, an editable install (its files stay there).
+    assert not is_library("areal.infra.rpc.rtensor", "/home/u/AReaL/areal/infra/rpc/rtensor.py")
+    assert not is_library("train", "/home/u/job/train.py")
+    # The main module, wherever it is (`python -m` of an installed package's module included).
+    assert not is_library("__main__", "/opt/venv/lib/python3.11/site-packages/tool/cli.py")
+    # Without a file: what its parent package is (torch._C's submodules), else the standard
+    # library's by name, else the program's (a namespace package, a module made at run time).
+    assert is_library("torch._C._nn", None, parent=True)
+    assert not is_library("areal.plugins", None, parent=False)
+    assert not is_library("areal", None)
+
+
+def test_the_programs_own_modules_every_pass_the_librarys_in_rounds_never_skipped() -> None:
+    own: list[int] = []
+    deep: list[int] = []
+    site = "/opt/venv/lib/python3.11/site-packages/biglib/"
+    library = {f"biglib.m{i}": module(f"biglib.m{i}", __file__=f"{site}m{i}.py",
+                                      **{f"c{j}": [j] for j in range(500)})
+               for i in range(100)}
+    library["biglib.m50"].__dict__["registry"] = deep
+    modules = {"__main__": module("__main__", __file__="/home/u/job/train.py", buffer=own),
+               **library}
+    scanner = Scanner(modules, budget=0.002)
+    own_named = deep_named = None
+    slices = 0
+    while deep_named is None and slices < 20_000:
+        own.append(slices)
+        deep.append(slices)
+        if scanner.slice(slices):
+            growers = scanner.growers()
+            if own_named is None and "__main__.buffer" in growers:
+                own_named = slices
+            if "biglib.m50.registry" in growers:
+                deep_named = slices
+        slices += 1
+    stats = scanner.stats
+    # A pass walks the program's own module only: one slice each.
+    assert stats["modules_last_pass"] == 1 and stats["passes"] == slices
+    assert own_named == 3, own_named  # grown in 3 of its last 4 passes, from the 4th
+    # The library's 50,000 objects take rounds of many slices, with what each slice leaves; a
+    # grower there is found too, at its module's 4th walk (in the 4th round, named while that
+    # round goes on).
+    assert stats["library_modules"] == 100
+    assert stats["library_round_slices"] >= 4
+    assert deep_named is not None
+    assert stats["library_rounds"] >= 3
 
 
 # ---- nothing of the program runs --------------------------------------------------------------
@@ -536,7 +595,10 @@ def test_no_container_the_program_dropped_is_kept(
     singleton.__dict__.update({f"f{i}": TrackedList() for i in range(20_000)})
     holder.singleton = singleton
     scanner = Scanner({**big_program, "holder": holder}, budget=0.002)
-    for step in range(300):
+    # Two passes, however many slices a loaded machine makes of them (each stops by the clock).
+    for step in range(3000):
+        if scanner.stats["passes"] >= 2:
+            break
         scanner.slice(step)
         # Paused anywhere in a pass, the scanner holds none of the containers dropped now.
         for namespace in (holder.__dict__, singleton.__dict__):
@@ -572,7 +634,11 @@ def test_over_the_real_sys_modules() -> None:
         assert f"{name}.leak" in growers
         assert growers[f"{name}.leak"]["items"] == 50
         assert not any(n.startswith("gpuwatch.agent") for n in growers)
-        assert scanner.stats["modules_last_pass"] > 50
+        stats = scanner.stats
+        # The probe (no file, not the standard library's) is the program's own; the standard
+        # library and the installed packages are walked as the library, in the same slices here.
+        assert 1 <= stats["modules_last_pass"] < len(sys.modules)
+        assert stats["library_rounds"] == 5 and stats["library_modules"] > 50
     finally:
         del sys.modules[name]
 

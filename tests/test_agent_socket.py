@@ -500,6 +500,22 @@ def test_request_trace_refuses_steps_outside_1_to_100_and_works_only_while_runni
         agent.close()
 
 
+def test_request_search_reaches_the_agent_and_refuses_seconds_outside_1_to_60(
+        receiver: AgentReceiver, sock_path: Path) -> None:
+    agent = Agent(sock_path)
+    try:
+        wait_handled(receiver, 1)
+        for seconds in (0, 61, -1, True, 2.5):
+            assert not receiver.request_search(agent.pid, seconds)  # type: ignore[arg-type]
+        assert receiver.request_search(agent.pid, 60)
+        got = agent.received()
+    finally:
+        agent.close()
+    assert got["request"] == {"v": 1, "kind": "search", "seconds": 60}
+    assert got["source"] == str(sock_path)
+    assert not receiver.request_search(999_999_999, 60)  # no such process
+
+
 def test_request_trace_never_blocks_on_a_full_queue_nor_raises_once_the_agent_is_gone(
         receiver: AgentReceiver, sock_path: Path) -> None:
     agent = Agent(sock_path, mode="hold")  # never reads its socket

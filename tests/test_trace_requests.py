@@ -35,8 +35,9 @@ from gpuwatch.poll import Poller
 
 MIB = 1 << 20
 GIB = 1 << 30
-# 20 steps, 900 s cooldown, 4 pending, tracing on; asked at once (trace_after has its own test).
-CONFIG = AgentConfig(trace_after=0.0)
+# 20 steps, 900 s cooldown, 4 pending, tracing on, asked at once (trace_after has its own test),
+# a faster search of 60 s.
+CONFIG = AgentConfig(trace_steps=20)
 INIT = HostProcess(pid=1, ppid=0, start_time=0.0, name="systemd", state="sleeping")
 
 
@@ -45,10 +46,15 @@ class Sender:
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, int]] = []
+        self.searches: list[tuple[int, int]] = []
         self.ok = True
 
     def request_trace(self, pid: int, steps: int) -> bool:
         self.calls.append((pid, steps))
+        return self.ok
+
+    def request_search(self, pid: int, seconds: int) -> bool:
+        self.searches.append((pid, seconds))
         return self.ok
 
 
@@ -132,7 +138,12 @@ def test_a_host_memory_leak_without_a_culprit_gets_one_request_while_it_waits(
     assert sender.calls == [(10, 20)]
     assert counts(node.requests) == {"sent": 1}
     assert node.requests.pending == {10: 20}
+    # And a faster search, at the same poll: the leak was raised without a culprit.
+    assert sender.searches == [(10, 60)]
+    assert node.requests.search_counts == {"sent": 1, "failed": 0}
     assert [r.getMessage() for r in caplog.records] == [
+        "asked PID 10 (python) to search for growing containers at a higher share of its time "
+        "for 60 s: its memory grows every step and nothing it reports explains it",
         "asked PID 10 (python) to trace its allocations for 20 steps: its RSS grows every step "
         "and nothing it reports explains it"]
     for _ in range(5):
@@ -141,6 +152,7 @@ def test_a_host_memory_leak_without_a_culprit_gets_one_request_while_it_waits(
         # The leak detector sees the request as pending: "tracing requested".
         assert node.snapshots[-1].traces_pending == {10: 20}
     assert sender.calls == [(10, 20)]
+    assert sender.searches == [(10, 60)]
 
 
 def test_only_culprit_less_rss_leaks_of_processes_that_can_be_answered_are_asked(
@@ -161,6 +173,33 @@ def test_only_culprit_less_rss_leaks_of_processes_that_can_be_answered_are_asked
         clock.now += 1000
     assert sender.calls == []
     assert counts(node.requests) == {}
+    # A container of CUDA tensors can explain a GPU-memory leak: that one gets a faster search,
+    # once per cooldown (900 s).
+    assert sender.searches == [(13, 60)] * 3
+
+
+def test_a_faster_search_is_asked_once_per_cooldown_and_never_when_search_seconds_is_0(
+        sender: Sender, clock: Clock) -> None:
+    node = node_of(sender, clock, AgentConfig(tracing=False))
+    node.agents[10] = agent(10)
+    node.findings = [leak(10, series="GPU memory")]
+    for _ in range(10):
+        node.poll()
+        clock.now += 60
+    assert sender.searches == [(10, 60)]
+    clock.now += 900
+    sender.ok = False  # its queue full: counted, asked again only after the cooldown
+    node.poll()
+    node.poll()
+    assert sender.searches == [(10, 60)] * 2
+    assert node.requests.search_counts == {"sent": 1, "failed": 1}
+
+    quiet = Sender()
+    node = node_of(quiet, clock, AgentConfig(trace_steps=20, search_seconds=0))
+    node.agents[10] = agent(10)
+    node.findings = [leak(10)]
+    node.poll()
+    assert quiet.searches == [] and quiet.calls == [(10, 20)]
 
 
 def test_the_answer_settles_a_request_and_the_cooldown_holds_off_the_next(
@@ -338,7 +377,7 @@ def test_the_daemon_asks_after_assess_and_counts_requests_and_reports_in_its_reg
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = load_config(environ={"GPUWATCH_CONFIG": "/dev/null"}, overrides={
         "daemon.runtime_dir": tmp_path / "run", "daemon.state_dir": tmp_path / "state",
-        "agent.trace_after": 0.0})
+        "agent.trace_after": 0.0, "agent.trace_steps": 20})
     daemon = Daemon(config, poller=LeakingNode())
     sender = Sender()
     daemon.trace_requests.sender = sender
@@ -381,7 +420,7 @@ def test_the_daemon_asks_after_assess_and_counts_requests_and_reports_in_its_reg
 
 def test_a_leak_is_left_to_discovery_for_trace_after_seconds_before_its_process_is_asked(
         sender: Sender, clock: Clock) -> None:
-    node = node_of(sender, clock, AgentConfig(trace_after=60.0))
+    node = node_of(sender, clock, AgentConfig(trace_steps=20, trace_after=60.0))
     node.agents[10] = agent(10)
     node.findings = [replace(leak(10), since=1000.0)]
     for taken_at in (1000.0, 1030.0, 1059.0):

@@ -1,25 +1,33 @@
-"""Asking an instrumented process to trace its allocations when its leak has no culprit.
+"""Asking an instrumented process to search harder for its leak's culprit: a faster search for
+growing containers, and a trace of its allocations.
 
-When neither a watched buffer nor a discovered container explains a host-memory leak, the agent
-in the leaking process can find where the memory goes: tracemalloc over a few steps, answered
-with the allocation sites that grew (docs/agent-protocol.md). Tracing slows the training loop
-while it runs, so the daemon asks sparingly:
+When neither a watched buffer nor a discovered container explains a leak, the agent in the
+leaking process can look harder (docs/agent-protocol.md):
+
+- a faster search: for `agent.search_seconds` its discovery takes a larger share of the training
+  thread (the agent's SEARCH_SHARE instead of 1%), so that the library's modules, walked at a
+  lower rate than the program's own, are gone through several times a minute. Asked for a leak
+  of RSS or of GPU memory (a container of tensors explains either) as soon as it is raised
+  without a culprit, of a process whose agent can be answered, at most once per process per
+  `agent.trace_cooldown` seconds (the agent also ignores a second one within its own cooldown);
+- a trace: tracemalloc over a few steps, answered with the allocation sites that grew. Tracing
+  slows the program's own Python allocations while it runs, so the daemon asks sparingly:
 
 - only for a leak of RSS whose culprit is unknown (Python's allocations cannot explain GPU
   memory), only a process whose agent can be answered (`AgentReading.can_reply`);
-- only once the leak has stayed unexplained for `agent.trace_after` seconds: discovery needs a
-  few passes to name a container, and a trace would otherwise slow the loop for a culprit about
-  to be named anyway;
+- only once the leak has stayed unexplained for `agent.trace_after` seconds (by default 0: as
+  soon as it is raised; discovery names a container of the program's own code before that, and
+  a culprit in the library's may take the faster search a minute);
 - at most once per process per `agent.trace_cooldown` seconds, whatever the outcome: sent,
   failed (its queue full, its socket gone) or not made because `agent.tracing` is off;
 - at most `agent.trace_max_pending` requests awaiting an answer on the node. A request is
   answered by the process's next trace report; one unanswered for `agent.trace_cooldown` seconds
   stops counting as pending.
 
-Counted by result: `sent`, `failed`, `rate_limited` (held back by the pending limit: counted once
-until it goes out) and `disabled` (`agent.tracing` off: counted once per cooldown). A leak that
-stays unexplained is not counted again on every poll: the counts say what was decided, not how
-often it was looked at.
+Trace requests are counted by result: `sent`, `failed`, `rate_limited` (held back by the pending
+limit: counted once until it goes out) and `disabled` (`agent.tracing` off: counted once per
+cooldown); search requests `sent` or `failed`. A leak that stays unexplained is not counted again
+on every poll: the counts say what was decided, not how often it was looked at.
 """
 
 from __future__ import annotations
@@ -42,10 +50,16 @@ FAILED = "failed"
 RATE_LIMITED = "rate_limited"
 DISABLED = "disabled"
 RESULTS = (SENT, FAILED, RATE_LIMITED, DISABLED)
+SEARCH_RESULTS = (SENT, FAILED)
+#: The series of a leak that a discovered container can explain: host memory, or GPU memory (a
+#: container of CUDA tensors).
+_SEARCHED_SERIES = ("RSS", "GPU memory")
 
 
 class TraceSender(Protocol):
     def request_trace(self, pid: int, steps: int) -> bool: ...
+
+    def request_search(self, pid: int, seconds: int) -> bool: ...
 
 
 class _Pending:
@@ -77,11 +91,19 @@ class TraceRequests:
         #: Processes the pending limit holds back, counted once as rate_limited until asked.
         self._held: set[int] = set()
         self._counts = dict.fromkeys(RESULTS, 0)
+        #: When each process was last asked for a faster search, for the cooldown.
+        self._searched: dict[int, float] = {}
+        self._search_counts = dict.fromkeys(SEARCH_RESULTS, 0)
 
     @property
     def counts(self) -> Mapping[str, int]:
         """Requests by result since start: sent, failed, rate_limited, disabled."""
         return MappingProxyType(dict(self._counts))
+
+    @property
+    def search_counts(self) -> Mapping[str, int]:
+        """Search requests by result since start: sent, failed."""
+        return MappingProxyType(dict(self._search_counts))
 
     @property
     def pending(self) -> Mapping[int, int]:
@@ -106,11 +128,13 @@ class TraceRequests:
                          _name(snapshot, pid), self.config.trace_cooldown)
         # Whatever is known of a process goes with it: a PID reused later starts afresh.
         self._asked = {pid: at for pid, at in self._asked.items() if pid in agents}
+        self._searched = {pid: at for pid, at in self._searched.items() if pid in agents}
         self._held &= agents.keys()
         return replace(snapshot, traces_pending=self.pending)
 
     def after_assess(self, report: NodeReport) -> None:
-        """Ask the processes whose host-memory leak has no culprit, within the limits."""
+        """Ask the processes whose leak has no culprit to search faster, and those whose
+        host-memory leak has none to trace, within the limits."""
         config = self.config
         now = self._clock()
         agents = report.snapshot.agents
@@ -118,7 +142,11 @@ class TraceRequests:
             if f.kind != "leak" or f.pid is None:
                 continue
             details = f.details
-            if details.get("found_by") is not None or details.get("series") != "RSS":
+            if details.get("found_by") is not None:
+                continue
+            if details.get("series") in _SEARCHED_SERIES:
+                self._search(f.pid, report, now)
+            if details.get("series") != "RSS":
                 continue
             if f.since is not None and report.snapshot.taken_at - f.since < config.trace_after:
                 continue
@@ -141,6 +169,26 @@ class TraceRequests:
             self._held.discard(pid)
             self._asked[pid] = now
             self._request(pid, agent, report, now)
+
+    def _search(self, pid: int, report: NodeReport, now: float) -> None:
+        seconds = self.config.search_seconds
+        agent = report.snapshot.agents.get(pid)
+        if not seconds or agent is None or not agent.can_reply:
+            return
+        asked = self._searched.get(pid)
+        if asked is not None and now - asked < self.config.trace_cooldown:
+            return
+        self._searched[pid] = now
+        name = _name(report.snapshot, pid)
+        if self.sender.request_search(pid, seconds):
+            self._search_counts[SENT] += 1
+            log.info("asked PID %d (%s) to search for growing containers at a higher share of "
+                     "its time for %d s: its memory grows every step and nothing it reports "
+                     "explains it", pid, name, seconds)
+        else:
+            self._search_counts[FAILED] += 1
+            log.info("could not ask PID %d (%s) to search faster: the request could not be "
+                     "sent; trying again in %g s", pid, name, self.config.trace_cooldown)
 
     def _request(self, pid: int, agent: AgentReading, report: NodeReport, now: float) -> None:
         steps = self.config.trace_steps

@@ -42,6 +42,7 @@ Standard library only; nothing from gpuwatch is imported but the sizing function
 from __future__ import annotations
 
 import heapq
+import os
 import re
 import sys
 import time
@@ -51,7 +52,7 @@ from collections import deque
 from collections.abc import Generator, Iterator, Mapping, Sized
 from typing import Any, Callable, Optional, cast
 
-__all__ = ["MAX_RECORDS", "Scanner"]
+__all__ = ["LIBRARY_SHARE", "MAX_RECORDS", "Scanner", "is_library"]
 
 #: Container names tracked at most; beyond, new names are ignored (and counted).
 MAX_RECORDS = 100_000
@@ -61,6 +62,8 @@ MAX_SIZINGS = 16
 CHECK_EVERY = 64
 #: The protocol's limit on a name's length.
 MAX_NAME = 128
+#: The least share of a slice the library's modules get while there are some to walk.
+LIBRARY_SHARE = 0.25
 # Growers kept through a pass for sizing and ranking: a bounded heap, whatever the program.
 _MAX_CANDIDATES = 64
 
@@ -180,20 +183,106 @@ def _namespace(obj: Any) -> Optional[Mapping[str, Any]]:
     return None
 
 
+def _stdlib_dirs() -> tuple[str, ...]:
+    """Where the standard library's files are: the directory of `os`, and lib/pythonX.Y under
+    the base prefixes (a virtual environment's interpreter runs the base installation's), each
+    also as its real path."""
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    dirs = set()
+    os_file = getattr(os, "__file__", None)
+    if isinstance(os_file, str):
+        dirs.add(os.path.dirname(os_file))
+    for prefix in {sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix}:
+        if isinstance(prefix, str) and prefix:
+            dirs.add(os.path.join(prefix, "lib", version))
+            dirs.add(os.path.join(prefix, "lib64", version))
+    found = set()
+    for d in dirs:
+        for path in (d, os.path.realpath(d)):
+            path = path.rstrip(os.sep)
+            if path:
+                found.add(path + os.sep)
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+_STDLIB_DIRS: Optional[tuple[str, ...]] = None
+_THIRD_PARTY_DIRS = tuple(os.sep + d + os.sep for d in ("site-packages", "dist-packages"))
+_STDLIB_NAMES = frozenset(sys.builtin_module_names) | frozenset(
+    getattr(sys, "stdlib_module_names", ()))
+
+
+def is_library(name: str, file: Any, parent: Optional[bool] = None) -> bool:
+    """Whether module `name`, loaded from `file` (its `__file__`, None where it has none), is
+    library code, walked at the lower rate, rather than the program's own, walked every pass.
+    `parent`: what this says of the nearest parent package that is loaded, if any.
+
+    Library: a file under a site-packages or dist-packages directory (an installed third-party
+    distribution), or under the standard library's directory; without a file, what its parent
+    package is (an extension's submodules, such as torch._C._nn, and a package's module objects
+    made at run time have none), else a built-in or frozen module of the standard library. The
+    program's own: `__main__` always, and every other module: the program's directory,
+    PYTHONPATH, a source checkout, an editable install (its files stay in the checkout), a
+    namespace package of the program, a module built at run time.
+    """
+    global _STDLIB_DIRS
+    if name == "__main__":
+        return False
+    if type(file) is str and file:
+        if any(d in file for d in _THIRD_PARTY_DIRS):
+            return True
+        if _STDLIB_DIRS is None:
+            _STDLIB_DIRS = _stdlib_dirs()
+        return file.startswith(_STDLIB_DIRS)
+    if parent is not None:
+        return parent
+    return name.partition(".")[0] in _STDLIB_NAMES
+
+
+class _Walk:
+    """One walk over a list of modules (the program's own, or the library's), and the module it
+    is in: that module's records and its visit number, and the ring slots that visit uses."""
+
+    __slots__ = ("candidates", "held", "here", "ids", "modules", "objects", "ring", "seen")
+
+    def __init__(self) -> None:
+        # (items per step, qualified name, path to find it again, length, name in its module):
+        # paths, never containers.
+        self.candidates: list[tuple[float, str, tuple[str, ...], int, str]] = []
+        self.ids: set[int] = set()
+        self.modules = self.objects = 0
+        self.here: dict[str, int] = {}
+        self.held: array[int] = array("q")
+        self.seen = 0
+        self.ring: tuple[int, ...] = _RINGS[0]
+
+
+# The ring slots of a module's visit number v (modulo 5): its length now, at the visit before,
+# 4 visits before (the slot v + 1 is about to be overwritten), its step now and 4 visits before.
+_RINGS = tuple(tuple(r + (v + k) % _RING for r, k in ((_LEN, 0), (_LEN, -1), (_LEN, 1),
+                                                       (_STEP, 0), (_STEP, 1)))
+               for v in range(_RING))
+
+
 class Scanner:
     """Finds the growing containers of the modules of a program, a budgeted slice at a time.
 
     `modules` maps module names to modules (default: sys.modules, read at each pass); `budget` is
     the work of one slice in seconds; `top` the number of growers reported; `exclude` the module
     name prefixes skipped (str.startswith); `max_records` the most container names tracked.
+
+    Two walks share the slices: a pass over the program's own modules (`is_library`), which a
+    slice starts or resumes first and which yields the growers, and a round over the library's
+    modules, which goes on at its own pace with the rest of each slice, and at least
+    LIBRARY_SHARE of it while there is library code to walk.
     """
 
     # No __dict__: a scanner kept at module level is never walked into, and never finds its own
     # records growing.
-    __slots__ = ("_budget", "_candidates", "_exclude", "_growers", "_ids", "_ignored", "_kinds",
-                 "_max_records", "_module_array", "_module_records", "_modules", "_objects",
-                 "_pass", "_pass_modules", "_pass_seconds", "_pass_slices", "_records", "_ring",
-                 "_round", "_skip", "_stats", "_step", "_top", "_tracked", "_walk")
+    __slots__ = ("_budget", "_exclude", "_growers", "_ignored", "_kinds", "_library",
+                 "_library_done", "_library_names", "_library_walk", "_max_records", "_modules",
+                 "_names", "_own", "_own_candidates", "_own_names", "_pass", "_records",
+                 "_rounds", "_skip", "_spent", "_stats", "_step", "_tiers", "_top", "_tracked",
+                 "_visits")
 
     def __init__(self, modules: Optional[Mapping[str, types.ModuleType]] = None, *,
                  budget: float = 0.002, top: int = 8,
@@ -210,73 +299,104 @@ class Scanner:
         self._exclude = tuple(str(prefix) for prefix in exclude)
         self._max_records = int(max_records)
         # Records by module, then by name: one dict of 100,000 names would take milliseconds
-        # to resize, work that cannot be split; a module's own is small. The module walked now
-        # has its dict in _module_records.
+        # to resize, work that cannot be split; a module's own is small.
         # Per module: each name's offset into one array of the module's records. One array per
         # module, not one object per record: tens of thousands of records would be tracked by
         # the garbage collector, and the allocations of a first pass would set off a full
         # collection of the program's heap inside a slice (100 ms with 2,000 modules loaded).
         self._records: dict[str, tuple[dict[str, int], array[int]]] = {}
-        self._module_records: dict[str, int] = {}
-        self._module_array: array[int] = array("q")
+        #: Per module: how many times it was walked (its records' rings are indexed by this).
+        self._visits: dict[str, int] = {}
+        #: Per module name: its __file__ as last seen and whether that makes it library code.
+        self._tiers: dict[str, tuple[Any, bool]] = {}
         self._tracked = 0
         self._kinds: dict[type, _Kind] = {}
         self._skip: set[type] = set()  # the types classified _SKIP: most objects, one lookup
-        self._ids: set[int] = set()
-        # (items per step, qualified name, path to find it again, length, name in its module):
-        # paths, never containers.
-        self._candidates: list[tuple[float, str, tuple[str, ...], int, str]] = []
-        self._walk: Optional[Iterator[None]] = None
+        self._own: Optional[Iterator[None]] = None
+        self._library: Optional[Iterator[None]] = None
+        self._library_walk: Optional[_Walk] = None
+        self._library_names: list[str] = []
+        self._own_names: list[str] = []
+        #: The module names of the last pass that sorted them (None: none yet, or abandoned).
+        self._names: Optional[list[str]] = None
+        self._own_candidates: list[tuple[float, str, tuple[str, ...], int, str]] = []
+        self._library_done: list[tuple[float, str, tuple[str, ...], int, str]] = []
         self._growers: dict[str, dict[str, int]] = {}
-        self._pass = self._round = 0
-        self._ring: tuple[int, ...] = (0, 0, 0, 0, 0)
+        self._pass = self._rounds = 0
         self._step = 0
-        self._ignored = self._objects = self._pass_modules = self._pass_slices = 0
-        self._pass_seconds = 0.0
+        self._ignored = 0
+        # Work seconds and slices of the pass and of the round under way.
+        self._spent = [0.0, 0, 0.0, 0]
         self._stats: dict[str, Any] = {"passes": 0, "candidates": 0, "last_pass_seconds": 0.0,
                                        "slices_last_pass": 0, "modules_last_pass": 0,
-                                       "objects_last_pass": 0, "ignored": 0}
+                                       "objects_last_pass": 0, "ignored": 0,
+                                       "library_rounds": 0, "library_modules": 0,
+                                       "library_objects": 0, "library_round_seconds": 0.0,
+                                       "library_round_slices": 0}
 
     # ---- public ----------------------------------------------------------------------------
 
     def slice(self, step: int, budget: Optional[float] = None) -> bool:
         """Work for about `budget` seconds (default: the scanner's) at training step `step`,
-        resuming where the last slice stopped; True when this slice completed a pass. Never
-        raises, but for KeyboardInterrupt and the like, after which the next slice starts a new
-        pass."""
-        start = time.perf_counter()
-        deadline = start + (budget if budget is not None and budget > 0 else self._budget)
+        resuming where the last slice stopped: the pass over the program's own modules first,
+        then the round over the library's with what is left, and at least LIBRARY_SHARE of the
+        budget while there are library modules. True when this slice completed a pass. Never
+        raises, but for KeyboardInterrupt and the like, after which the next slice starts
+        afresh."""
+        clock = time.perf_counter
+        start = clock()
+        budget = budget if budget is not None and budget > 0 else self._budget
+        deadline = start + budget
         if type(step) is int:
             self._step = step
+        spent = self._spent
         done = False
+        own_deadline = deadline - budget * LIBRARY_SHARE if self._library_names else deadline
         try:
-            walk = self._walk
-            if walk is None:
-                walk = self._walk = self._run_pass()
-            clock = time.perf_counter
+            own = self._own
+            if own is None:
+                own = self._own = self._own_pass()
             while True:
-                next(walk)
-                if clock() >= deadline:
+                next(own)
+                if clock() >= own_deadline:
                     break
         except StopIteration:
             done = True
         except Exception:
             self._abandon()
+            return False
         except BaseException:
             self._abandon()
             raise
-        self._pass_seconds += time.perf_counter() - start
-        self._pass_slices += 1
-        if self._walk is None:  # abandoned: the next pass counts from zero
-            self._pass_seconds, self._pass_slices = 0.0, 0
-        elif done:
-            self._walk = None
-            self._stats = {"passes": self._pass, "candidates": self._tracked,
-                           "last_pass_seconds": self._pass_seconds,
-                           "slices_last_pass": self._pass_slices,
-                           "modules_last_pass": self._pass_modules,
-                           "objects_last_pass": self._objects, "ignored": self._ignored}
-            self._pass_seconds, self._pass_slices = 0.0, 0
+        middle = clock()
+        spent[0] += middle - start
+        spent[1] += 1
+        if done:
+            self._own = None
+            self._stats.update(last_pass_seconds=spent[0], slices_last_pass=spent[1])
+            spent[0], spent[1] = 0.0, 0
+        if middle < deadline and self._library_names:
+            try:
+                library = self._library
+                if library is None:
+                    library = self._library = self._library_round()
+                while True:
+                    next(library)
+                    if clock() >= deadline:
+                        break
+            except StopIteration:
+                self._library = None
+            except Exception:
+                self._abandon()
+                return False
+            except BaseException:
+                self._abandon()
+                raise
+            spent[2] += clock() - middle
+            spent[3] += 1
+            if self._library is None:
+                self._stats.update(library_round_seconds=spent[2], library_round_slices=spent[3])
+                spent[2], spent[3] = 0.0, 0
         return done
 
     def growers(self) -> dict[str, dict[str, int]]:
@@ -288,44 +408,56 @@ class Scanner:
     def stats(self) -> dict[str, Any]:
         """As of the last completed pass: passes (completed), candidates (container names
         tracked), last_pass_seconds (its work time, over its slices), slices_last_pass,
-        modules_last_pass, objects_last_pass (names looked at), ignored (container names not
-        tracked for the bound on records)."""
+        modules_last_pass and objects_last_pass (the program's own modules walked, and names
+        looked at there), ignored (container names not tracked for the bound on records); as
+        of the last completed library round: library_rounds (completed), library_modules,
+        library_objects, library_round_seconds, library_round_slices."""
         return dict(self._stats)
 
-    # ---- the pass --------------------------------------------------------------------------
+    # ---- the walks -------------------------------------------------------------------------
 
     def _abandon(self) -> None:
-        # Something unforeseen broke the walk: the next slice starts a pass afresh. Some records
-        # took this pass's figures and some not, so all are forgotten: growth is learnt again.
-        self._walk = None
-        self._records, self._module_records, self._tracked = {}, {}, 0
-        self._module_array = array("q")
-        self._ids, self._candidates, self._kinds, self._skip = set(), [], {}, set()
+        # Something unforeseen broke a walk: the next slice starts a pass and a round afresh.
+        # Some records took this pass's figures and some not, so all are forgotten: growth is
+        # learnt again.
+        self._own = self._library = self._library_walk = None
+        self._names = None
+        self._records, self._visits, self._tracked = {}, {}, 0
+        self._own_candidates, self._library_done = [], []
+        self._kinds, self._skip = {}, set()
+        self._spent = [0.0, 0, 0.0, 0]
 
-    def _run_pass(self) -> Generator[None, None, None]:
-        """One pass, as a generator that yields every CHECK_EVERY objects for the clock."""
-        # The rings are indexed by this count, which goes on through abandoned passes.
-        self._round += 1
-        p = self._round
-        self._ring = tuple(r + (p + k) % _RING for r, k in ((_LEN, 0), (_LEN, -1), (_LEN, 1),
-                                                            (_STEP, 0), (_STEP, 1)))
+    def _module_dicts(self) -> Mapping[str, Any]:
+        return self._modules if self._modules is not None else sys.modules
+
+    def _own_pass(self) -> Generator[None, None, None]:
+        """One pass, as a generator that yields every CHECK_EVERY objects for the clock: the
+        modules are sorted into the program's own and the library's, the own ones walked, the
+        records of modules gone forgotten, and the growers of both walks ranked."""
         # The caches hold types: emptied at each pass, they keep no discarded class alive long.
         self._kinds, self._skip = {}, set()
-        self._ids = set()
-        self._candidates = []
-        self._objects = self._ignored = self._pass_modules = 0
-        modules = self._modules if self._modules is not None else sys.modules
+        modules = self._module_dicts()
         try:
             names = list(modules)
         except Exception:
             names = []
+        if names == self._names:
+            # The same modules loaded as at the last pass (the usual case, a comparison of
+            # interned strings): sorted as then, and no module's records to forget.
+            own = self._own_names
+            yield from self._own_walk(own)
+            return
+        self._names = names
         exclude = self._exclude
-        records = self._records
-        walked: set[str] = set()
-        # A module under two names (os.path, posixpath) is walked once, as the first.
-        namespaces: set[int] = set()
+        tiers, seen_tiers = self._tiers, {}
+        ordered: list[str] = []
+        unfiled: list[tuple[str, Any]] = []
         units = 0
         for modname in names:
+            units += 1
+            if units >= CHECK_EVERY:
+                units = 0
+                yield
             if type(modname) is not str or (exclude and modname.startswith(exclude)):
                 continue
             try:
@@ -333,24 +465,115 @@ class Scanner:
                 # Not None (a failed import) nor an object standing in for a module.
                 ns = _module_dict(module) if issubclass(type(module), types.ModuleType) else None
                 module = None
+                if type(ns) is not dict:
+                    continue
+                file = ns.get("__file__")
+                ns = None
+            except Exception:
+                continue
+            ordered.append(modname)
+            tier = tiers.get(modname)
+            if tier is not None and tier[0] is file:
+                seen_tiers[modname] = tier
+            elif type(file) is str and file:
+                seen_tiers[modname] = (file, is_library(modname, file))
+            else:
+                unfiled.append((modname, file))
+        # A module without a file is what its nearest loaded parent package is: known only now,
+        # as a package can come after its submodules in sys.modules.
+        for modname, file in unfiled:
+            units += 1
+            if units >= CHECK_EVERY:
+                units = 0
+                yield
+            parent: Optional[bool] = None
+            above = modname
+            while parent is None and "." in above:
+                above = above.rpartition(".")[0]
+                known = seen_tiers.get(above)
+                if known is not None:
+                    parent = known[1]
+            seen_tiers[modname] = (file, is_library(modname, file, parent))
+        own: list[str] = []
+        library: list[str] = []
+        for modname in ordered:
+            (library if seen_tiers[modname][1] else own).append(modname)
+        self._tiers = seen_tiers
+        self._library_names = library
+        self._own_names = own
+        # The records and visits of modules no longer loaded go.
+        records, visits = self._records, self._visits
+        for table in (records, visits):
+            for modname in [m for m in table if m not in seen_tiers]:
+                del table[modname]
+                units += 1
+                if units >= CHECK_EVERY:
+                    units = 0
+                    yield
+        tracked = 0
+        for here, _ in list(records.values()):
+            tracked += len(here)
+            units += 1
+            if units >= CHECK_EVERY:
+                units = 0
+                yield
+        self._tracked = tracked
+        yield from self._own_walk(own)
+
+    def _own_walk(self, own: list[str]) -> Generator[None, None, None]:
+        walk = _Walk()
+        yield from self._walk_modules(walk, own, 0)
+        self._own_candidates = walk.candidates
+        self._kinds, self._skip = {}, set()
+        yield from self._rank()
+        self._pass += 1
+        self._stats.update(passes=self._pass, candidates=self._tracked,
+                           modules_last_pass=walk.modules, objects_last_pass=walk.objects,
+                           ignored=self._ignored)
+        self._ignored = 0
+
+    def _library_round(self) -> Generator[None, None, None]:
+        """One round over the library's modules, as the last pass sorted them."""
+        walk = self._library_walk = _Walk()
+        yield from self._walk_modules(walk, list(self._library_names), 0)
+        self._library_done = walk.candidates
+        self._library_walk = None
+        self._rounds += 1
+        self._stats.update(library_rounds=self._rounds, library_modules=walk.modules,
+                           library_objects=walk.objects)
+
+    def _walk_modules(self, walk: _Walk, names: list[str], units: int
+                      ) -> Generator[None, None, int]:
+        modules = self._module_dicts()
+        records, visits = self._records, self._visits
+        # A module under two names (os.path, posixpath) is walked once, as the first.
+        namespaces: set[int] = set()
+        for modname in names:
+            try:
+                module = modules.get(modname)
+                ns = _module_dict(module) if issubclass(type(module), types.ModuleType) else None
+                module = None
             except Exception:
                 continue
             if type(ns) is not dict or id(ns) in namespaces:
                 continue
             namespaces.add(id(ns))
-            walked.add(modname)
-            self._pass_modules += 1
+            walk.modules += 1
+            visit = walk.seen = visits.get(modname, 0) + 1
+            visits[modname] = visit
+            walk.ring = _RINGS[visit % _RING]
             entry = records.get(modname)
             if entry is None:
                 entry = records[modname] = ({}, array("q"))
-            here, held = self._module_records, self._module_array = entry
+            here, held = walk.here, walk.held = entry
             # Classes are the module's own by the name they were defined in, which an alias of
             # the module does not have.
             owner = ns.get("__name__")
             units = yield from self._walk_namespace(
-                ns, owner if type(owner) is str else modname, "", (modname,), True, 2, units)
+                walk, ns, owner if type(owner) is str else modname, "", (modname,), True, 2,
+                units)
             ns = None
-            # Names of this module not met in this pass are forgotten. The dict changes only
+            # Names of this module not met in this visit are forgotten. The dict changes only
             # here, so its iteration can span slices.
             stale = 0
             for offset in here.values():
@@ -358,57 +581,52 @@ class Scanner:
                 if units >= CHECK_EVERY:
                     units = 0
                     yield
-                if held[offset + _SEEN] != p:
+                if held[offset + _SEEN] != visit:
                     stale += 1
+            if records.get(modname) is not entry:
+                continue  # forgotten meanwhile (the module went): so are these
             if stale:
                 kept: dict[str, int] = {}
                 compact = array("q")
                 for name, offset in here.items():
-                    if held[offset + _SEEN] == p:
+                    if held[offset + _SEEN] == visit:
                         kept[name] = len(compact)
                         compact.extend(held[offset:offset + _WIDTH])
                 records[modname] = (kept, compact)
                 self._tracked -= stale
-            if not records[modname][0]:
+                here = kept
+            if not here:
                 del records[modname]
-        # And all those of modules not walked (gone, or failing now).
-        for modname in [modname for modname in records if modname not in walked]:
-            self._tracked -= len(records.pop(modname)[0])
-            units += 1
-            if units >= CHECK_EVERY:
-                units = 0
-                yield
-        self._module_records, self._module_array = {}, array("q")
-        self._ids, self._kinds, self._skip = set(), {}, set()
-        yield from self._rank()
-        self._pass += 1
+        walk.here, walk.held = {}, array("q")
+        return units
 
-    def _walk_namespace(self, ns: Mapping[str, Any], owner: str, prefix: str,
+    def _walk_namespace(self, walk: _Walk, ns: Mapping[str, Any], owner: str, prefix: str,
                         path: tuple[str, ...], classes: bool, depth: int, units: int
                         ) -> Generator[None, None, int]:
         """Containers in `ns` (a module's, a class's or an instance's dict) and below it.
 
-        `owner`: the name the module's classes were defined under; `prefix`: the names that led
-        here from the module ("" in the module itself, else ending in "."), and `path` the same
-        with the module's name first; `classes`: the classes defined in `owner` found here are
-        looked into (a module's namespace); `depth`: how many levels of instances below this one
-        are looked into (2 for a module or a class, 1 for an instance found there, 0 one level
-        further); `units`: work done since the last yield, returned updated, so that nested
-        walks share one count. Only the keys are copied, and no value is held across a yield:
-        between slices this holds no container.
+        `walk`: the walk and the module it is in; `owner`: the name the module's classes were
+        defined under; `prefix`: the names that led here from the module ("" in the module
+        itself, else ending in "."), and `path` the same with the module's name first;
+        `classes`: the classes defined in `owner` found here are looked into (a module's
+        namespace); `depth`: how many levels of instances below this one are looked into (2 for
+        a module or a class, 1 for an instance found there, 0 one level further); `units`: work
+        done since the last yield, returned updated, so that nested walks share one count. Only
+        the keys are copied, and no value is held across a yield: between slices this holds no
+        container.
         """
         try:
             keys = list(ns)
             get = ns.get
         except Exception:
             return units
-        kinds, skip, ids = self._kinds, self._skip, self._ids
+        kinds, skip, ids = self._kinds, self._skip, walk.ids
         baseline = _REFCOUNT_BASELINE
         # The records of this module, keyed by the names from the module on: the module's own
         # name and the protocol's characters are added to the few that grow only.
-        here, held = self._module_records, self._module_array
-        p, step = self._round, self._step
-        now, before, old, step_now, step_old = self._ring
+        here, held = walk.here, walk.held
+        p, step = walk.seen, self._step
+        now, before, old, step_now, step_old = walk.ring
         value: Any = None
         inner: Any = None
         try:
@@ -453,7 +671,7 @@ class Scanner:
                         name = prefix + key
                         r = here.get(name)
                         if r is None or held[r + _SEEN] == p:
-                            self._track_new(name, n, r)
+                            self._track_new(walk, name, n, r)
                             continue
                         # Inline, as this runs for every container of the program each pass.
                         held[r + _SEEN] = p
@@ -462,7 +680,8 @@ class Scanner:
                         held[r + now] = n
                         held[r + step_now] = step
                         if bits in _THREE_OF_FOUR and n > held[r + old]:
-                            self._grows((n - held[r + old]) / max(1, step - held[r + step_old]),
+                            self._grows(walk, (n - held[r + old])
+                                        / max(1, step - held[r + step_old]),
                                         (*path, key), name, n)
                         continue
                     if what == _CLASS:
@@ -476,43 +695,52 @@ class Scanner:
                 value = None
                 # A class's instances are looked into as deep as a module's.
                 units = yield from self._walk_namespace(
-                    inner, owner, prefix + key + ".", (*path, key), False,
+                    walk, inner, owner, prefix + key + ".", (*path, key), False,
                     depth if what == _CLASS else depth - 1, units)
                 inner = None
                 step = self._step
         finally:
-            self._objects += len(keys)
+            walk.objects += len(keys)
         return units
 
-    def _track_new(self, name: str, n: int, offset: Optional[int]) -> None:
-        """A container name not met yet in this pass (`offset` None): a new record, if there is
-        room for it."""
+    def _track_new(self, walk: _Walk, name: str, n: int, offset: Optional[int]) -> None:
+        """A container name not met yet in this visit (`offset` None): a new record, if there
+        is room for it."""
         if offset is not None:
             return  # two containers under one name: the first met keeps it
         if self._tracked >= self._max_records:
             self._ignored += 1
             return
         step = self._step
-        held = self._module_array
-        self._module_records[name] = len(held)
-        held.extend((self._round, 0, -1, -1, n, n, n, n, n, step, step, step, step, step))
+        held = walk.held
+        walk.here[name] = len(held)
+        held.extend((walk.seen, 0, -1, -1, n, n, n, n, n, step, step, step, step, step))
         self._tracked += 1
 
-    def _grows(self, rate: float, path: tuple[str, ...], name: str, n: int) -> None:
-        """A grower, gaining `rate` items per step: kept if among the fastest of this pass."""
+    def _grows(self, walk: _Walk, rate: float, path: tuple[str, ...], name: str, n: int
+               ) -> None:
+        """A grower, gaining `rate` items per step: kept if among the fastest of this walk."""
         qualified = _BAD_CHARS.sub("_", f"{path[0]}.{name}")
         # The tail names the container; the module path in front matters less.
         entry = (rate, qualified[-MAX_NAME:], path, n, name)
-        candidates = self._candidates
+        candidates = walk.candidates
         if len(candidates) < _MAX_CANDIDATES:
             heapq.heappush(candidates, entry)
         elif entry > candidates[0]:
             heapq.heapreplace(candidates, entry)
 
     def _rank(self) -> Generator[None, None, None]:
-        """Size the growers gaining items fastest, then rank them all by bytes per step."""
-        candidates = sorted(self._candidates, reverse=True)
-        self._candidates = []
+        """Size the growers gaining items fastest, then rank them all by bytes per step: those
+        of this pass over the program's own modules, of the library round under way, and of the
+        last completed one (where the round under way has not been yet)."""
+        merged: dict[tuple[str, ...], tuple[float, str, tuple[str, ...], int, str]] = {}
+        current = self._library_walk
+        for group in (self._library_done, current.candidates if current is not None else [],
+                      self._own_candidates):
+            for entry in group:
+                merged[entry[2]] = entry
+        candidates = sorted(merged.values(), reverse=True)
+        self._own_candidates = []
         records = self._records
         sized: dict[tuple[str, ...], dict[str, int]] = {}
         measure = _sizer() if candidates else None

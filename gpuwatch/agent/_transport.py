@@ -97,13 +97,13 @@ class Transport:
         now = _file_of(self.path)
         return now is not None and now != self.failed_on
 
-    def request(self) -> Optional[dict[str, Any]]:
-        """The daemon's newest request, if one is waiting: a few non-blocking reads. Datagrams
-        not from the daemon are dropped unread."""
+    def requests(self) -> list[dict[str, Any]]:
+        """The daemon's requests waiting, oldest first: a few non-blocking reads. Datagrams not
+        from the daemon are dropped unread."""
         sock, path = self.sock, self.path
         if sock is None or path is None or not _ANCILLARY:
-            return None
-        found = None
+            return []
+        found = []
         for _ in range(READS_PER_CHECK):
             try:
                 data, ancillary, flags, source = sock.recvmsg(MAX_REQUEST + 1, _ANCILLARY,
@@ -118,7 +118,7 @@ class Transport:
             with contextlib.suppress(ValueError):
                 request = json.loads(data.decode("utf-8"))
                 if type(request) is dict and request.get("v") == 1:
-                    found = request
+                    found.append(request)
         return found
 
 

@@ -111,6 +111,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Optional
 
+from gpuwatch.agent import MAX_SEARCH_SECONDS
 from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.model import (
     NO_DISCOVERY,
@@ -743,18 +744,28 @@ class AgentReceiver:
         """
         if type(steps) is not int or not 1 <= steps <= MAX_TRACE_STEPS:
             return False
+        return self._request(pid, {"v": PROTOCOL_VERSION, "kind": "trace", "steps": steps})
+
+    def request_search(self, pid: int, seconds: int) -> bool:
+        """Ask `pid`'s agent to search for growing containers faster, for `seconds` (1 to
+        MAX_SEARCH_SECONDS): `{"v": 1, "kind": "search", "seconds": S}`, sent as a trace
+        request is."""
+        if type(seconds) is not int or not 1 <= seconds <= MAX_SEARCH_SECONDS:
+            return False
+        return self._request(pid, {"v": PROTOCOL_VERSION, "kind": "search", "seconds": seconds})
+
+    def _request(self, pid: int, request: dict[str, Any]) -> bool:
         with self._lock:
             agent = self._agents.get(pid)
             address = agent.reply_to if agent is not None else None
         sock = self._sock
         if address is None or sock is None:
             return False
-        payload = json.dumps({"v": PROTOCOL_VERSION, "kind": "trace", "steps": steps},
-                             separators=(",", ":")).encode()
+        payload = json.dumps(request, separators=(",", ":")).encode()
         try:
             sock.sendto(payload, socket.MSG_DONTWAIT, address)
         except (OSError, ValueError, TypeError) as exc:
-            log.debug("agent socket: trace request to PID %d failed: %s", pid, exc)
+            log.debug("agent socket: %s request to PID %d failed: %s", request["kind"], pid, exc)
             return False
         return True
 

@@ -444,8 +444,7 @@ class Scanner:
         if names == self._names:
             # The same modules loaded as at the last pass (the usual case, a comparison of
             # interned strings): sorted as then, and no module's records to forget.
-            own = self._own_names
-            yield from self._own_walk(own)
+            yield from self._own_walk(self._own_names)
             return
         self._names = names
         exclude = self._exclude
@@ -737,8 +736,8 @@ class Scanner:
         current = self._library_walk
         for group in (self._library_done, current.candidates if current is not None else [],
                       self._own_candidates):
-            for entry in group:
-                merged[entry[2]] = entry
+            for grower in group:
+                merged[grower[2]] = grower
         candidates = sorted(merged.values(), reverse=True)
         self._own_candidates = []
         records = self._records
@@ -747,15 +746,15 @@ class Scanner:
         if measure is not None:
             for _, _, path, _, relative in candidates[:MAX_SIZINGS]:
                 yield  # each sizing is a piece of work of its own
-                entry = self._size(path, measure)
-                if entry is None:
+                size = self._size(path, measure)
+                if size is None:
                     continue
-                sized[path] = entry
+                sized[path] = size
                 here, held = records.get(path[0], _NO_RECORDS)
                 r = here.get(relative)
-                if r is not None and "bytes" in entry and entry.get("items", 0) > 0:
-                    held[r + _BYTES] = entry["bytes"]
-                    held[r + _BYTES_ITEMS] = entry["items"]
+                if r is not None and "bytes" in size and size.get("items", 0) > 0:
+                    held[r + _BYTES] = size["bytes"]
+                    held[r + _BYTES_ITEMS] = size["items"]
         ranked: list[tuple[tuple[int, float], str, tuple[str, ...], int]] = []
         for rate, name, path, n, relative in candidates:
             here, held = records.get(path[0], _NO_RECORDS)
@@ -773,9 +772,9 @@ class Scanner:
                 break
             if name in growers:
                 continue  # one name in two modules ("a.b" + "c", "a" + "b.c"): the bigger
-            entry = sized.get(path, {})
-            growers[name] = {"items": entry.get("items", n),
-                             **({"bytes": entry["bytes"]} if "bytes" in entry else {})}
+            size = sized.get(path, {})
+            growers[name] = {"items": size.get("items", n),
+                             **({"bytes": size["bytes"]} if "bytes" in size else {})}
         self._growers = growers
 
     def _size(self, path: tuple[str, ...], measure: Callable[[Any], dict[str, int]]

@@ -82,21 +82,25 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))  # harness.py and node.py, imported as modules
 
+import harness  # noqa: E402
 import node  # noqa: E402
 from harness import (  # noqa: E402
     GIB,
     MIB,
     Processes,
+    RunOptions,
     Sampler,
     Samples,
     SharedNode,
     StormFeed,
     console,
     daemon_config,
+    exited_children,
     parse_metrics,
     read_json,
     run_arguments,
     running,
+    signal_all,
     start_ticks,
     storm,
     total,
@@ -152,10 +156,9 @@ _UNWAITED = {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, sign
 
 
 @dataclass
-class ChaosOptions:
+class ChaosOptions(RunOptions):
     duration: float = 120.0
     interval: float = 0.5
-    gpus: int = 4
     storm_rate: float = 500.0
     storm_max_live: int = 1000
     storm_gpu_share: float = 0.02
@@ -172,7 +175,7 @@ class ChaosOptions:
     mixed_rate: float = 400.0
     idle_connections: int = 200
     scrape_every: float = 0.5
-    #: Seconds between two random NVML faults (min, max), and the most kept in the fault table.
+    #: Seconds between two random NVML faults (min, max); the most kept in the fault table.
     fault_gap: tuple[float, float] = (0.2, 1.2)
     fault_records: int = 24
     driver_gone: float = 4.0
@@ -182,9 +185,6 @@ class ChaosOptions:
     #: auto-reap settings: after how long an orphan is reaped, and the grace after SIGTERM.
     auto_after: float = 2.0
     grace: float = 4.0
-    seed: int = 0
-    work_dir: Optional[Path] = None
-    log: Callable[[str], None] = field(default=lambda line: None)
 
 
 def quick_options(**changes: Any) -> ChaosOptions:
@@ -405,9 +405,7 @@ class Cgroups:
             for procs in {*self.daemon_procs, *self.actor_procs}:
                 with contextlib.suppress(OSError, ValueError):
                     left.update(int(x) for x in procs.read_text().split())
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            signal_all(left)
             if not left or time.monotonic() >= deadline:
                 return sorted(left)
             time.sleep(0.1)
@@ -524,13 +522,7 @@ def _sentinel_loop(log: Path, on_term: str, reap_children: bool) -> None:
         info = signal.sigwaitinfo(waited)
         if info.si_signo == signal.SIGCHLD:
             if reap_children:
-                while True:
-                    try:
-                        pid, status = os.waitpid(-1, os.WNOHANG)
-                    except ChildProcessError:
-                        break
-                    if pid == 0:
-                        break
+                for pid, status in exited_children():
                     _log_line(fd, {"child": pid, "status": status, "at": time.time()})
             continue
         _log_line(fd, {"signal": info.si_signo, "name": signal.Signals(info.si_signo).name,
@@ -641,9 +633,7 @@ def _lazy_parent_main(a: argparse.Namespace) -> int:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
             print(f"R {pid}", flush=True)
-    for _, pid in children:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+    harness.collect(pid for _, pid in children)
     return 0
 
 
@@ -874,16 +864,12 @@ def _flood_user(user: dict[str, Any], sock_path: str, folder: Path, stop_path: s
     while not stopping["now"]:
         collect(block=False)
         time.sleep(0.2)
-    for pid in list(children):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+    signal_all(list(children), signal.SIGTERM)
     deadline = time.monotonic() + 20
     while children and time.monotonic() < deadline:
         collect(block=False)
         time.sleep(0.05)
-    for pid in list(children):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    signal_all(list(children))
     collect(block=True)
     write_json(folder / f"{user['role']}-report.json",
                 {"early": early, "exits": dict(exits)})
@@ -907,12 +893,8 @@ def _flood_main(a: argparse.Namespace) -> int:
     while not stopping.wait(0.5):
         pass
     Path(plan["stop"]).touch()
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    for pid in children:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+    signal_all(children, signal.SIGTERM)
+    harness.collect(children)
     return 0
 
 

@@ -16,6 +16,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -29,6 +31,26 @@ MIB = 1 << 20
 
 Labels = tuple[tuple[str, str], ...]
 Samples = dict[tuple[str, Labels], float]
+
+
+@dataclass
+class RunOptions:
+    """What a soak and a chaos run both take (each script has its own defaults)."""
+
+    duration: float = 600.0
+    interval: float = 0.25
+    gpus: int = 4
+    storm_rate: float = 200.0
+    #: Share of the storm's processes registered as GPU holders while they live.
+    storm_gpu_share: float = 0.05
+    #: Seconds between two faults (min, max).
+    fault_gap: tuple[float, float] = (3.0, 8.0)
+    scrape_every: float = 1.0
+    seed: int = 0
+    #: None: a temporary directory, removed at the end.
+    work_dir: Optional[Path] = None
+    #: Where progress lines go.
+    log: Callable[[str], None] = field(default=lambda line: None)
 
 
 # ---- reading /metrics ----------------------------------------------------------------------------
@@ -174,13 +196,7 @@ def storm(rate: float, gpu_share: float, gpus: int, seed: int,
                 out.write(f"H {pid} {rng.randrange(gpus)} {rng.randrange(1, 8) * GIB}\n")
             else:
                 out.write(f"S {pid}\n")
-        while live:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, status in exited_children():
             if os.WIFSIGNALED(status):
                 name = signal.Signals(os.WTERMSIG(status)).name
                 signalled[name] = signalled.get(name, 0) + 1
@@ -188,12 +204,8 @@ def storm(rate: float, gpu_share: float, gpus: int, seed: int,
                 out.write(f"R {pid}\n")
         out.flush()
         pacer.wait()
-    for pid in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in live:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+    signal_all(live)
+    collect(live)
     return {"seconds": time.monotonic() - began, "max_stall": max_stall, "spawned": spawned,
             "holders": holders, "spawn_failed": failed, "capped": capped,
             "max_live": most_alive, "signalled": signalled}
@@ -361,6 +373,32 @@ class Processes:
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
+
+
+def signal_all(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
+    """`sig` to each of `pids` still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def collect(pids: Iterable[int]) -> None:
+    """Wait for each of `pids`, children of this process, to end."""
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def exited_children() -> Iterator[tuple[int, int]]:
+    """(PID, wait status) of each child that has ended, without waiting for the others."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, status
 
 
 def python(*args: str) -> list[str]:

@@ -41,7 +41,7 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from gpuwatch.simulate.demo import DemoError, read_json, wait_for
 from gpuwatch.simulate.fakenvml import (
@@ -63,6 +63,7 @@ from harness import (  # noqa: E402
     MIB,
     Pacer,
     Processes,
+    RunOptions,
     Sampler,
     Samples,
     SharedNode,
@@ -73,6 +74,7 @@ from harness import (  # noqa: E402
     parse_metrics,
     python,
     run_arguments,
+    signal_all,
     storm,
     total,
     unwind_on_signals,
@@ -92,18 +94,11 @@ MALFORMED_REASONS = ("malformed", "version", "oversized", "bad_name", "bad_value
 
 
 @dataclass
-class SoakOptions:
-    duration: float = 600.0
-    interval: float = 0.25
-    gpus: int = 4
-    storm_rate: float = 200.0
-    #: Share of the storm's processes registered as GPU holders while they live.
-    storm_gpu_share: float = 0.05
+class SoakOptions(RunOptions):
     agents: int = 3
     datagram_rate: float = 1000.0
     malformed_share: float = 0.2
-    #: Seconds of normal operation between two faults, and how long a fault lasts (min, max).
-    fault_gap: tuple[float, float] = (3.0, 8.0)
+    #: How long a fault lasts (min, max).
     fault_length: tuple[float, float] = (1.0, 4.0)
     reload_every: float = 10.0
     plant_every: float = 120.0
@@ -114,11 +109,7 @@ class SoakOptions:
     rss_window: Optional[float] = None
     rss_tolerance: float = 0.05
     nvml_retry_max: float = 2.0
-    scrape_every: float = 1.0
     prometheus: bool = False
-    seed: int = 0
-    work_dir: Optional[Path] = None
-    log: Callable[[str], None] = field(default=lambda line: None)
 
     def warmup_seconds(self) -> float:
         return self.warmup if self.warmup is not None else max(10.0, 0.25 * self.duration)
@@ -671,9 +662,7 @@ def _plant_round(procs: Processes, node: SharedNode, scraper: Scraper, work: Pat
     except DemoError as exc:
         opts.log(f"round {n}: {exc}")
     finally:
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        signal_all(workers)
         leaker.kill()
         leaker.wait()
         node.release(*workers, leaker.pid)

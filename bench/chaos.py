@@ -84,6 +84,7 @@ sys.path.insert(0, str(HERE.parent))  # harness.py and node.py, imported as modu
 
 import harness  # noqa: E402
 import node  # noqa: E402
+from cmdline import columns, verdict  # noqa: E402
 from harness import (  # noqa: E402
     GIB,
     MIB,
@@ -2345,18 +2346,11 @@ def run_chaos(opts: ChaosOptions) -> ChaosResult:
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """figure, goal and verdict, value: one line each."""
-    def verdict(r: dict[str, Any]) -> str:
-        if r["met"] is None:
-            return ""
-        return f"{'met' if r['met'] else 'MISSED'} ({r['goal']})"
-
     if not rows:
         return "(no figures)"
-    w1 = max(len(r["figure"]) for r in rows)
-    w2 = max(len(verdict(r)) for r in rows)
-    lines = [f"{'figure':<{w1}}  {'goal':<{w2}}  value"]
-    lines += [f"{r['figure']:<{w1}}  {verdict(r):<{w2}}  {r['value']}" for r in rows]
-    return "\n".join(lines)
+    return columns([("figure", "goal", "value"), *(
+        (r["figure"], "" if r["met"] is None else f"{verdict(r['met'])} ({r['goal']})",
+         r["value"]) for r in rows)])
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -59,3 +59,18 @@ def arguments(doc: Optional[str], quick: dict[str, Any], **flags: Any) -> argpar
 def write_figures(path: Optional[Path], figures: dict[str, Any]) -> None:
     if path is not None:
         path.write_text(json.dumps(figures, indent=1))
+
+
+def verdict(met: Optional[bool]) -> str:
+    """A figure against its goal: met, MISSED, or nothing for a figure without a goal (None)."""
+    return "" if met is None else ("met" if met else "MISSED")
+
+
+def columns(rows: list[tuple[str, ...]], rule: bool = False) -> str:
+    """Rows of cells as text, each column as wide as its widest cell; with `rule`, a line of
+    dashes under the first row (the header)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    if rule:
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -22,9 +22,10 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cmdline import int_list, parse_args, write_figures
+from harness import running
 
 from gpuwatch.simulate.fakenvml import FakeNode, FakeProcess, build_fake_nvml
-from gpuwatch.sources.proc_stat import STATE, STIME, UTIME, parse_stat
+from gpuwatch.sources.proc_stat import STIME, UTIME, parse_stat
 
 # The command line's helpers, where the benches first found them.
 __all__ = ["FakeNode", "FakeProcess", "int_list", "parse_args", "write_figures"]
@@ -99,20 +100,12 @@ def _stop_tree(launcher: int, pids: list[int]) -> None:
     # The launcher's `wait` reaps the children as they die, then it exits. Killed first, it
     # would hand thousands of zombies to PID 1, which in some containers reaps them late.
     deadline = time.monotonic() + 60
-    while _running(launcher):
+    while running(launcher):
         if time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(launcher, 9)
             break
         time.sleep(0.02)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return parse_stat(f.read())[1][STATE] != b"Z"
-    except (OSError, ValueError):
-        return False
 
 
 @contextlib.contextmanager

@@ -56,8 +56,9 @@ from gpuwatch.simulate.fakenvml import (
 )
 
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))  # harness.py, imported as a module
+sys.path.insert(0, str(HERE.parent))  # harness.py and cmdline.py, imported as modules
 
+from cmdline import columns  # noqa: E402
 from harness import (  # noqa: E402
     GIB,
     MIB,
@@ -892,9 +893,7 @@ def figures(r: SoakResult) -> list[tuple[str, str]]:
 
 
 def format_figures(r: SoakResult) -> str:
-    rows = figures(r)
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return columns(figures(r))
 
 
 # ---- the two helper processes: the storm and the raw datagram sender -----------------------------

@@ -1,7 +1,10 @@
-"""The harness bench/soak.py and bench/chaos.py share: the fake driver's state written by several
-threads, the process storm and the feed that tells the driver about it, /metrics read as samples,
-the processes a run starts (all ended on the way out), a sampler of the daemon's memory and
-threads, the daemon's configuration file and the command line both scripts take."""
+"""The harness bench/soak.py and bench/chaos.py share, for any bench that runs the daemon under
+load: the options both take (RunOptions), /metrics read as samples (parse_metrics, total), the
+fake driver's state written by several threads (SharedNode), the process storm and the feed that
+tells the driver about it (storm, StormFeed), /proc readers, the processes a run starts, all
+ended on the way out (Processes, signal_all, collect), a sampler of the daemon's threads, RSS
+and VmHWM (Sampler), its configuration file's [daemon] section, and the command line both
+scripts take (run_arguments, console, unwind_on_signals)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,6 @@ second user's leak was found.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -31,19 +30,18 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from cmdline import arguments, write_figures
 from node import (
     MIB,
     bench_node,
     check_room_for,
     cli_env,
     free_port,
-    parse_args,
     rss_bytes,
     scrape,
     start_daemon,
     stop,
     wait_http,
-    write_figures,
 )
 
 NOBODY = 65534
@@ -147,16 +145,10 @@ def by_label(s: dict[str, float], name: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--processes", type=int, default=600)
-    parser.add_argument("--reports", type=int, default=520)
-    parser.add_argument("--buffers", type=int, default=64)
-    parser.add_argument("--discovered", type=int, default=0,
-                        help="discovered containers with fresh names in each report (max 8)")
-    parser.add_argument("--rate", type=float, default=0.0)
-    parser.add_argument("--interval", type=float, default=2.0)
-    parser.add_argument("--victim-steps", type=int, default=600)
-    args = parse_args(parser, quick={"processes": 60, "reports": 60})
+    args = arguments(
+        __doc__, quick={"processes": 60, "reports": 60}, processes=600, reports=520, buffers=64,
+        discovered=(0, "discovered containers with fresh names in each report (max 8)"),
+        rate=0.0, interval=2.0, victim_steps=600)
     check_room_for(args.processes + 16)
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"

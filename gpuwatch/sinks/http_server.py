@@ -134,9 +134,20 @@ class MetricsHandler(Handler):
                     return self._unauthorized()
                 verdict = web.known(*creds)
                 if verdict is None:
+                    # Known-good credentials never come here (answered from memory above); a
+                    # check waits on its own thread, outside the line for answering slots, the
+                    # peers that failed lately behind the others, and a peer that failed too
+                    # often, or a full queue, gets 429 without one.
+                    peer = _peer_address(conn.peer)
+                    if not web.may_check(peer):
+                        return self._simple(429, extra=(("Retry-After", "2"),))
+
                     def checked() -> Outcome:
-                        return self._route(req) if web.check(*creds) else self._unauthorized()
-                    return Job("auth", checked)
+                        if web.checked(peer, *creds):
+                            return self._route(req)
+                        return self._unauthorized()
+                    return Job("auth", checked, answering=False,
+                               priority=1 if web.suspect(peer) else 0)
                 if not verdict:
                     return self._unauthorized()
         return self._route(req)
@@ -175,8 +186,8 @@ class MetricsHandler(Handler):
         return self._response(401, b"Unauthorized\n",
                               extra=(("WWW-Authenticate", 'Basic realm="gpuwatch"'),))
 
-    def _simple(self, code: int) -> bytes:
-        return self._response(code, f"{_REASONS[code]}\n".encode())
+    def _simple(self, code: int, extra: tuple[tuple[str, str], ...] = ()) -> bytes:
+        return self._response(code, f"{_REASONS[code]}\n".encode(), extra=extra)
 
     def _response(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
                   extra: tuple[tuple[str, str], ...] = (), head: bool = False) -> bytes:
@@ -188,6 +199,13 @@ class MetricsHandler(Handler):
             lines.extend(f"{k}: {v}" for k, v in self.web.config.headers)
         head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         return head_bytes if head else head_bytes + body
+
+
+def _peer_address(peer: object) -> str:
+    """The client's address without its port (what one attacker holds many of)."""
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return str(peer or "local")
 
 
 def _accepts_gzip(header: str) -> bool:

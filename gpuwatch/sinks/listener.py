@@ -17,7 +17,9 @@ What a client can hold is bounded:
 - `response_timeout`, from the end of the request to the last byte handed to the kernel: a
   client that stops reading is closed, quietly (one debug line and a count).
 - `max_answering` answers in flight (rendered or being written) at once: the memory held for
-  clients that do not read is at most that many bodies. Further requests wait their turn.
+  clients that do not read is at most that many bodies. Further requests wait their turn. Work
+  that comes before an answer (checking a password) waits on its own pool, not in that line: a
+  flood of requests needing it delays none of the others.
 
 Each connection ends with one result, counted per socket in `ConnectionStats`: `answered`,
 `refused`, `evicted`, `timed_out` or `failed` (reset or closed by the client before the answer,
@@ -29,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import itertools
 import logging
 import queue
 import selectors
@@ -65,6 +68,7 @@ _HANDSHAKE = "handshake"
 _READING = "reading"
 _WAITING = "waiting"  # request complete, waiting for an answering slot
 _WORKING = "working"  # its answer is being prepared on a pool
+_CHECKING = "checking"  # on a pool, before it may take an answering slot (a password check)
 _WRITING = "writing"
 _BUSY = (_WORKING, _WRITING)
 
@@ -129,10 +133,18 @@ class ConnectionCollector:
 
 @dataclass(frozen=True)
 class Job:
-    """Work for a pool: `run()` returns the answer's bytes, or another Job."""
+    """Work for a pool: `run()` returns the answer's bytes, or another Job.
+
+    `answering`: whether it takes one of the `max_answering` slots (a render holds a body in
+    memory until it is written); a Job that does not (a password check) goes to its pool at
+    once, never into the line of requests waiting for a slot, and never delays one. `priority`
+    orders the Jobs waiting in one pool, lowest first, first come first served among equals.
+    """
 
     pool: str
     run: Callable[[], Union[bytes, Job]]
+    answering: bool = True
+    priority: int = 0
 
 
 Outcome = Union[bytes, Job]
@@ -182,27 +194,30 @@ class Conn:
 
 
 class _Pool:
-    """One worker thread fed by a queue; started when first used."""
+    """One worker thread fed by a priority queue (lowest first, then first come); started when
+    first used."""
+
+    _STOP = -1  # ahead of any work
 
     def __init__(self, name: str, done: Callable[[int, Any], None]) -> None:
         self._name = name
         self._done = done
-        self._queue: queue.SimpleQueue[Optional[tuple[int, Callable[[], Any]]]] = \
-            queue.SimpleQueue()
+        self._queue: queue.PriorityQueue[tuple[int, int, int, Optional[Callable[[], Any]]]] = \
+            queue.PriorityQueue()
+        self._seq = itertools.count()
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, cid: int, fn: Callable[[], Any]) -> None:
+    def submit(self, cid: int, fn: Callable[[], Any], priority: int = 0) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
             self._thread.start()
-        self._queue.put((cid, fn))
+        self._queue.put((max(priority, 0), next(self._seq), cid, fn))
 
     def _work(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            _, _, cid, fn = self._queue.get()
+            if fn is None:
                 return
-            cid, fn = item
             try:
                 result: Any = fn()
             except BaseException as exc:
@@ -211,7 +226,7 @@ class _Pool:
 
     def stop(self) -> None:
         if self._thread is not None:
-            self._queue.put(None)
+            self._queue.put((self._STOP, next(self._seq), 0, None))
             self._thread.join(5)
 
 
@@ -451,9 +466,12 @@ class Listener:
 
     def _proceed(self, conn: Conn, outcome: Outcome) -> None:
         if isinstance(outcome, Job):
-            if conn.state in _BUSY or self._busy < self.max_answering:
+            if not outcome.answering:
+                self._set_state(conn, _CHECKING)
+                self._pool(outcome.pool).submit(conn.id, outcome.run, outcome.priority)
+            elif conn.state in _BUSY or self._busy < self.max_answering:
                 self._set_state(conn, _WORKING)
-                self._pool(outcome.pool).submit(conn.id, outcome.run)
+                self._pool(outcome.pool).submit(conn.id, outcome.run, outcome.priority)
             else:
                 self._set_state(conn, _WAITING)
                 self._waiting.append((conn.id, outcome))

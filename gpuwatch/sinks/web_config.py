@@ -72,6 +72,16 @@ _DECOY_HASH = b"$2b$10$rxLw5QyE9ktJuecC2GwUdOnKvu4/g0ZuKdNrb07CfWew5nNGdc//e"
 _CHECK_EVERY = 1.0
 _CACHE_GOOD = 16
 _CACHE_BAD = 256
+#: Password checks one peer (an IP address) may have the daemon make without a success: a burst,
+#: refilled at a rate. A scraper with the right password fails none; one with a wrong one fails
+#: once a scrape, far below the rate. Beyond it, that peer's unknown credentials are answered 429
+#: without a check (known-good ones still pass: they cost no check).
+FAILED_CHECKS_BURST = 8
+FAILED_CHECKS_PER_SECOND = 0.5
+#: Password checks queued at once, all peers together: beyond it 429, without a check. At ~60 ms
+#: a check, the last of them is decided within about 2 s.
+MAX_PENDING_CHECKS = 32
+_PEERS_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -357,6 +367,10 @@ class WebSettings:
         self._good: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
         self._bad: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
         self._bcrypt = threading.Lock()
+        #: peer -> (failed checks it may still make, when that was computed)
+        self._peers: collections.OrderedDict[str, tuple[float, float]] = \
+            collections.OrderedDict()
+        self._pending = 0
         self._tokens = 0.0
         self._filled = time.monotonic()
         if self.config.rate_limit is not None:
@@ -390,9 +404,10 @@ class WebSettings:
             self._refused = signature
             return
         with self._lock:
+            # The verdicts stay: each is keyed by the user's hash as well as the password, so a
+            # changed or removed user's no longer match, and a renewed certificate or an edit of
+            # anything else keeps the scraper's good credentials answered from memory.
             self.config, self._context = config, context
-            self._good.clear()
-            self._bad.clear()
         # What the new file names may differ: compare against its own files from now on.
         self._signature = _signature(config.files())
         self._refused = None
@@ -434,6 +449,43 @@ class WebSettings:
             if key in self._bad:
                 return False
         return None
+
+    def may_check(self, peer: str) -> bool:
+        """Whether a password check for `peer` may be queued now; takes one of its failed
+        checks (given back if the password is right) and a place in the queue."""
+        now = time.monotonic()
+        with self._lock:
+            if self._pending >= MAX_PENDING_CHECKS:
+                return False
+            left, then = self._peers.pop(peer, (float(FAILED_CHECKS_BURST), now))
+            left = min(float(FAILED_CHECKS_BURST),
+                       left + (now - then) * FAILED_CHECKS_PER_SECOND)
+            allowed = left >= 1
+            self._peers[peer] = (left - 1 if allowed else left, now)
+            while len(self._peers) > _PEERS_KEPT:
+                self._peers.popitem(last=False)
+            if allowed:
+                self._pending += 1
+            return allowed
+
+    def suspect(self, peer: str) -> bool:
+        """Whether `peer` failed a check lately: its checks then wait behind everyone else's."""
+        with self._lock:
+            entry = self._peers.get(peer)
+        return entry is not None and entry[0] < FAILED_CHECKS_BURST - 1
+
+    def checked(self, peer: str, user: str, password: bytes) -> bool:
+        """check(), for a check may_check() let through."""
+        try:
+            good = self.check(user, password)
+        finally:
+            with self._lock:
+                self._pending -= 1
+        if good:
+            with self._lock:
+                left, then = self._peers.get(peer, (0.0, time.monotonic()))
+                self._peers[peer] = (min(float(FAILED_CHECKS_BURST), left + 1), then)
+        return good
 
     def check(self, user: str, password: bytes) -> bool:
         """bcrypt decides, one check at a time (tens of ms of CPU each); the verdict is cached.

@@ -69,6 +69,7 @@ _READING = "reading"
 _WAITING = "waiting"  # request complete, waiting for an answering slot
 _WORKING = "working"  # its answer is being prepared on a pool
 _CHECKING = "checking"  # on a pool, before it may take an answering slot (a password check)
+_HELD = "held"  # its answer held back until `release` (Later)
 _WRITING = "writing"
 _BUSY = (_WORKING, _WRITING)
 
@@ -147,7 +148,16 @@ class Job:
     priority: int = 0
 
 
-Outcome = Union[bytes, Job]
+@dataclass(frozen=True)
+class Later:
+    """An answer held back `delay` seconds (a tarpit): the connection waits, holding no slot
+    and no thread, and is the first to be evicted when connections run short."""
+
+    answer: bytes
+    delay: float
+
+
+Outcome = Union[bytes, Job, Later]
 
 
 class Handler:
@@ -176,8 +186,8 @@ class Handler:
 
 
 class Conn:
-    __slots__ = ("born", "buf", "deadline", "events", "id", "off", "out", "peer", "sock",
-                 "state")
+    __slots__ = ("born", "buf", "deadline", "events", "id", "off", "out", "peer", "release",
+                 "sock", "state")
 
     def __init__(self, cid: int, sock: socket.socket, peer: Any, state: str,
                  deadline: float) -> None:
@@ -191,6 +201,7 @@ class Conn:
         self.out: Optional[memoryview] = None
         self.off = 0
         self.events = 0
+        self.release = 0.0
 
 
 class _Pool:
@@ -384,7 +395,12 @@ class Listener:
             self._sel.register(self.sock, selectors.EVENT_READ, None)
 
     def _evict_one(self) -> bool:
-        """Close the oldest connection still short of a complete request."""
+        """Close the oldest connection whose answer is held back, else the oldest still short
+        of a complete request."""
+        for conn in self._conns.values():
+            if conn.state == _HELD:
+                self._end(conn, "evicted")
+                return True
         for conn in self._conns.values():  # insertion order: oldest first
             if conn.state in (_HANDSHAKE, _READING):
                 self._end(conn, "evicted")
@@ -465,6 +481,13 @@ class Listener:
         self._proceed(conn, outcome)
 
     def _proceed(self, conn: Conn, outcome: Outcome) -> None:
+        if isinstance(outcome, Later):
+            self._set_state(conn, _HELD)
+            conn.out = memoryview(outcome.answer)
+            conn.release = time.monotonic() + outcome.delay
+            conn.deadline = max(conn.deadline, conn.release + self.response_timeout)
+            self._next_expiry = min(self._next_expiry, conn.release)
+            return
         if isinstance(outcome, Job):
             if not outcome.answering:
                 self._set_state(conn, _CHECKING)
@@ -553,7 +576,14 @@ class Listener:
             return
         soonest = now + 1.0
         for conn in list(self._conns.values()):
-            if conn.deadline <= now:
+            if conn.state == _HELD:
+                if conn.release <= now:
+                    self._set_state(conn, _WRITING)
+                    conn.off = 0
+                    self._write(conn)
+                else:
+                    soonest = min(soonest, conn.release)
+            elif conn.deadline <= now:
                 self._end(conn, "timed_out", f"no complete {_phase(conn)} in time")
             else:
                 soonest = min(soonest, conn.deadline)

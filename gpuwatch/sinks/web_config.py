@@ -468,11 +468,25 @@ class WebSettings:
                 self._pending += 1
             return allowed
 
+    def note_failure(self, peer: str) -> None:
+        """A failure decided without a check (a known-bad password): it counts all the same."""
+        now = time.monotonic()
+        with self._lock:
+            left, then = self._peers.pop(peer, (float(FAILED_CHECKS_BURST), now))
+            left = min(float(FAILED_CHECKS_BURST),
+                       left + (now - then) * FAILED_CHECKS_PER_SECOND)
+            self._peers[peer] = (max(0.0, left - 1), now)
+            while len(self._peers) > _PEERS_KEPT:
+                self._peers.popitem(last=False)
+
     def suspect(self, peer: str) -> bool:
         """Whether `peer` failed a check lately: its checks then wait behind everyone else's."""
         with self._lock:
             entry = self._peers.get(peer)
-        return entry is not None and entry[0] < FAILED_CHECKS_BURST - 1
+        if entry is None:
+            return False
+        left = entry[0] + (time.monotonic() - entry[1]) * FAILED_CHECKS_PER_SECOND
+        return left < FAILED_CHECKS_BURST - 1
 
     def checked(self, peer: str, user: str, password: bytes) -> bool:
         """check(), for a check may_check() let through."""

@@ -1075,3 +1075,32 @@ def test_a_user_s_own_socket_takes_no_other_user_s_datagrams() -> None:
         receiver.stop()
     assert not own.exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_the_agent_moves_to_its_user_s_own_socket_takes_requests_there_and_falls_back(
+        sock_path: Path) -> None:
+    from gpuwatch.agent._transport import Transport
+
+    receiver = AgentReceiver(sock_path)
+    receiver.start()
+    own = sock_path.parent / "agent.d" / f"{os.geteuid()}.sock"
+    transport = Transport()
+    try:
+        transport.send(report(step=1), str(sock_path))
+        assert transport.private is None or transport.private == str(own)
+        poll_until("the user's own socket", lambda: own.exists() or None, 10)
+        transport.private_checked = -10.0  # look again now, not in a second
+        transport.send(report(step=2), str(sock_path))
+        assert transport.private == str(own)
+        poll_until("both reports", lambda: receiver.accepted >= 2 or None, 10)
+        # The request goes out from the socket the report came in on, and the agent takes it.
+        assert receiver.request_trace(os.getpid(), 5)
+        got = poll_until("the request", lambda: transport.request(), 10)
+        assert got["kind"] == "trace" and got["steps"] == 5
+    finally:
+        receiver.stop()
+        transport.close()
+    assert not own.exists()
+    # A daemon gone (its sockets removed): the next report tries agent.sock again.
+    transport.send(report(step=3), str(sock_path))
+    assert transport.private is None

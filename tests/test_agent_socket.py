@@ -969,7 +969,7 @@ def test_drain_is_safe_while_reports_arrive(receivers: Callable[..., AgentReceiv
 FLOODER_UID = 4243  # no account needed: a uid of its own, as a second local user
 VICTIM_UID = 65534
 
-_FLOODER = r"""
+_JUNK_FLOODER = r"""
 import os, socket, sys, threading
 path, threads = sys.argv[1], int(sys.argv[2])
 def flood():
@@ -1016,7 +1016,7 @@ def test_a_flood_from_one_user_does_not_starve_another_user_s_reports() -> None:
     receiver.start()
     flooder = subprocess.Popen(
         [setpriv, f"--reuid={FLOODER_UID}", f"--regid={FLOODER_UID}", "--clear-groups",
-         sys.executable, "-c", _FLOODER, str(path), "200"],
+         sys.executable, "-c", _JUNK_FLOODER, str(path), "200"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert flooder.stdout is not None and flooder.stdout.readline() == "flooding\n"

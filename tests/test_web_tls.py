@@ -395,13 +395,12 @@ def wrong_password_flood(port: int, connections: int, stop: Any, source: str = "
         while not stop.is_set():
             i += 1
             token = base64.b64encode(f"prometheus:wrong-{n}-{i}".encode()).decode()
-            with contextlib.suppress(OSError):
-                with socket.create_connection(("127.0.0.1", port), timeout=15,
-                                              source_address=(source, 0)) as s:
-                    s.sendall(f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic "
-                              f"{token}\r\n\r\n".encode())
-                    while s.recv(65536):
-                        pass
+            with contextlib.suppress(OSError), socket.create_connection(
+                    ("127.0.0.1", port), timeout=15, source_address=(source, 0)) as s:
+                s.sendall(f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic "
+                          f"{token}\r\n\r\n".encode())
+                while s.recv(65536):
+                    pass
             stop.wait(0.02)
 
     threads = [threading.Thread(target=attack, args=(n,), daemon=True)

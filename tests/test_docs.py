@@ -54,25 +54,19 @@ def test_every_config_key_is_documented() -> None:
         assert f"`{key}`" in documented, f"{key} is not in docs/config.md"
 
 
-# ---- the README's monitoring recipe, run as a user runs it -----------------------------------
+# ---- the monitoring recipe of docs/prometheus.md, run as a user runs it ---------------------
 
 ROOT = DOCS.parent
-
-
-def _section(title: str) -> str:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index(f"\n## {title}\n")
-    end = readme.find("\n## ", start + 1)
-    return readme[start:end if end >= 0 else None]
 
 
 def _blocks(text: str, language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```$", text, re.M | re.S)
 
 
-def test_the_readmes_prometheus_recipe_runs_verbatim_and_puts_each_file_where_it_is_read(
+def test_the_prometheus_recipe_runs_verbatim_and_puts_each_file_where_it_is_read(
         tmp_path: Path) -> None:
-    """The shell blocks of "Dashboards and alerts", in order, as written (root: `sudo` stands
+    """The shell blocks of docs/prometheus.md (the README's "Prometheus and Grafana" links
+    there), in order, as written (root: `sudo` stands
     for itself), in a mount namespace whose /etc/prometheus and /var/lib are empty: the rules end
     up at the path prometheus.yml's rule_files names, promtool accepts them, the dashboards land
     in the folder the Grafana provider reads, and nothing else goes to Prometheus' rules."""
@@ -87,7 +81,7 @@ def test_the_readmes_prometheus_recipe_runs_verbatim_and_puts_each_file_where_it
         pytest.skip("needs root and unshare(1) for a mount namespace of its own")
     if shutil.which("promtool") is None:
         pytest.skip("promtool is not installed (make test-deps)")
-    section = _section("Dashboards and alerts")
+    section = (DOCS / "prometheus.md").read_text()
     (prometheus_yml,) = [b for b in _blocks(section, "yaml") if "# prometheus.yml" in b]
     rule_files = yaml.safe_load(prometheus_yml)["rule_files"]
     provider = yaml.safe_load((ROOT / "dashboards" / "grafana-provider.yaml").read_text())
@@ -122,3 +116,50 @@ def test_the_readmes_prometheus_recipe_runs_verbatim_and_puts_each_file_where_it
     assert len(installed) == 3, installed
     assert (work / "build" / "monitoring" / "gpuwatch-alerts.yml").exists()
     assert 'job="gpu-nodes"' in (work / "build" / "monitoring" / "gpuwatch-alerts.yml").read_text()
+
+
+# ---- links: the README is short and points into docs/, so every pointer must land --------------
+
+def _markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md")),
+            ROOT / "contrib" / "slurm" / "README.md"]
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks (a link in a shell block is not a link)."""
+    return re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of `path`: lower case, punctuation but `-` and `_`
+    dropped, spaces as `-`, a repeated one numbered."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for title in re.findall(r"^#{1,6} (.+)$", _prose(path.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves_to_a_file_and_heading() -> None:
+    checked = 0
+    for source in _markdown_files():
+        for target in re.findall(r"\]\(([^)\s]+)\)", _prose(source.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue
+            name, _, anchor = target.partition("#")
+            path = (source.parent / name).resolve() if name else source
+            assert path.exists(), f"{source.relative_to(ROOT)} links to {target}: no such file"
+            if anchor:
+                assert anchor in _anchors(path), (
+                    f"{source.relative_to(ROOT)} links to {target}: no such heading")
+            checked += 1
+    assert checked > 50
+
+
+def test_the_readme_links_every_doc() -> None:
+    """A newcomer finds the rest from the README: no page of docs/ is reachable only by luck."""
+    readme = (ROOT / "README.md").read_text()
+    for doc in sorted(DOCS.glob("*.md")):
+        assert f"](docs/{doc.name}" in readme, f"the README does not link docs/{doc.name}"

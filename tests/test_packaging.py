@@ -36,8 +36,8 @@ SDIST_MUST_CARRY = (
     "dashboards/gpuwatch-node.json", "dashboards/gpuwatch-alerts.yml", "dashboards/build.py",
     "deploy/kubernetes/kustomization.yaml", "deploy/kubernetes/daemonset.yaml",
     "deploy/kubernetes/examples/training-pod.yaml", "contrib/slurm/epilog.sh",
-    "contrib/slurm/prolog.sh", "docs/kubernetes.md", "docs/json.md", "tests/conftest.py",
-    "tests/test_packaging.py", "bench/run.py",
+    "contrib/slurm/prolog.sh", "docs/kubernetes.md", "docs/json.md", "docs/prometheus.md",
+    "tests/conftest.py", "tests/test_packaging.py", "bench/run.py",
 )
 #: In git but not a file users need from a release.
 NOT_SHIPPED = {".gitignore", ".ci/run"}

@@ -350,9 +350,9 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     kernel threads, protected names or users, and checks each process's identity right before
     every signal. Every action goes to the audit log (reap.jsonl in the state directory).
     """
-    from gpuwatch.actions.reaper import AUDIT_NAME, REAPABLE_KINDS, Filters, Reaper
+    from gpuwatch.actions.reaper import AUDIT_NAME, Filters, Reaper
     from gpuwatch.actions.release import holders, nvml_after, still_held
-    from gpuwatch.detectors import KINDS
+    from gpuwatch.model import KINDS, REAPABLE_KINDS
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
     from gpuwatch.sinks.reap_view import render_reap
 

@@ -46,6 +46,7 @@ from gpuwatch.actions.signals import (
     may_signal_other_users,
 )
 from gpuwatch.config import Config
+from gpuwatch.model import REAPABLE_KINDS, Kind
 from gpuwatch.sources.processes import ProcessSource
 
 AUDIT_NAME = "reap.jsonl"
@@ -56,8 +57,6 @@ PLANNED, SIGNALLED, EXECUTED, RECOVERED = "planned", "signalled", "executed", "r
 #: How much of the audit log's end the daemon reads when it starts: actions left without a result
 #: are the last ones written.
 AUDIT_TAIL_BYTES = 4 << 20
-#: What a reap may act on by default; unkillable and ghost findings can only be reported.
-REAPABLE_KINDS = frozenset({"orphan", "leftover", "zombie"})
 
 #: What carrying out an action can end in (a dry run's results are all "planned").
 OUTCOMES = ("exited", "killed", "reaped", "gone", "identity-changed", "refused", "unkillable",
@@ -200,7 +199,7 @@ class Reaper:
                 "start_time": f["start_time"], "name": f["name"], "user": f["user"],
                 "job": f["job"], "gpu_memory_bytes": f["gpu_memory_bytes"],
                 "gpus": tuple(f["gpus"])}
-        if f["kind"] == "unkillable":
+        if f["kind"] == Kind.UNKILLABLE:
             return Action(action=REPORT, **base,
                           refused="in uninterruptible sleep: signals cannot end it")
         if pid is None or proc is None or not proc["in_procfs"]:
@@ -209,7 +208,7 @@ class Reaper:
         refusal = self._refusal(proc)
         if refusal is not None:
             return Action(action=REFUSE, **base, refused=refusal)
-        if f["kind"] == "zombie" and (proc["num_threads"] or 0) <= 1:
+        if f["kind"] == Kind.ZOMBIE and (proc["num_threads"] or 0) <= 1:
             parent = processes.get(proc["ppid"])
             if parent is None:
                 return Action(action=REFUSE, **base, refused="its parent is not known")
@@ -282,7 +281,7 @@ class Reaper:
             if a.action == REFUSE:
                 done(i, Result(a, "refused", a.refused or ""))
             elif a.action == REPORT:
-                done(i, Result(a, "unkillable" if a.kind == "unkillable" else "failed",
+                done(i, Result(a, "unkillable" if a.kind == Kind.UNKILLABLE else "failed",
                                a.refused or ""))
             elif a.action == TERMINATE:
                 terminating.append(i)

@@ -466,6 +466,11 @@ class NodeReport:
     #: Each process's job by PID: its own (cgroup, environment), else the job of the tree it was
     #: first seen in (a launcher or a helper carries no job variables of its own).
     jobs: Mapping[int, Job] = field(default_factory=lambda: MappingProxyType({}))
+    #: Where it was made: "poll" (a poll of the command's own) or "daemon" (a running daemon's
+    #: view, with history); and, for a poll, why not the daemon's. A report read back from a
+    #: status document (gpuwatch.sinks.document.from_json) says what the document said.
+    source: str = "poll"
+    source_detail: Optional[str] = None
 
     def job_of(self, p: HostProcess) -> Optional[Job]:
         return self.jobs.get(p.pid, p.job)

@@ -354,6 +354,7 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     from gpuwatch.actions.release import holders, nvml_after, still_held
     from gpuwatch.model import KINDS, REAPABLE_KINDS
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
+    from gpuwatch.sinks.document import from_json
     from gpuwatch.sinks.reap_view import render_reap
 
     unknown = sorted(set(kinds or ()) - set(KINDS))
@@ -368,7 +369,7 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     reaper = Reaper(cfg, cfg.daemon.state_dir / AUDIT_NAME, daemon_pid=daemon_pid)
     filters = Filters(kinds=frozenset(kinds) if kinds else REAPABLE_KINDS, job=job,
                       pids=frozenset(pids or ()), user=user, older_than=older_than)
-    actions = reaper.plan(doc, filters, dry_run=dry_run, grace=grace)
+    actions = reaper.plan(from_json(doc), filters, dry_run=dry_run, grace=grace)
     if not actions:
         _print_reap(as_json, doc, [], dry_run, render_reap)
         sys.exit(EXIT_NOTHING_TO_DO)

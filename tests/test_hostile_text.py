@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import pytest
 
 from gpuwatch.actions.reaper import Action
+from gpuwatch.model import Job
 from gpuwatch.simulate.demo import SimulatedNode, simulated_node, wait_for
 from gpuwatch.simulate.job import launch_env
 from gpuwatch.sinks.doctor_view import render_doctor
@@ -80,7 +81,7 @@ def test_status_cleans_every_text_a_process_chose(width: int) -> None:
 def test_reap_doctor_run_and_top_details_clean_it_too() -> None:
     action = Action(kind="orphan", action="terminate", reason=f"`{HOSTILE}` orphaned",
                     pid=4242, start_time=1.0, name=HOSTILE_NAME, user=HOSTILE,
-                    job={"source": "slurm", "id": HOSTILE}, signals=("SIGTERM",))
+                    job=Job(HOSTILE, "slurm"), signals=("SIGTERM",))
     doc = _hostile_document()
     for width in (0, 60):
         plan = render_reap(doc, [(action, "planned", "")], True, width=width)

@@ -42,7 +42,7 @@ def render_reap(doc: dict[str, Any], rows: list[tuple[Any, str, str]], dry_run: 
     table: list[tuple[str, ...]] = [("PID", "NAME", "USER", "JOB", "KIND", "GPU MEMORY",
                                      "ACTION", "SIGNALS" if dry_run else "RESULT", "WHY")]
     for a, result, detail in rows:
-        job = f"{a.job['source']}:{a.job['id']}" if a.job else "-"
+        job = str(a.job) if a.job else "-"
         memory = human_bytes(a.gpu_memory_bytes) if a.gpu_memory_bytes is not None else "-"
         outcome = ", ".join(a.signals) if dry_run else f"{result}: {detail}" if detail else result
         why = a.refused or a.reason

@@ -182,8 +182,9 @@ class Reaping:
         from gpuwatch.sinks.reap_view import render_reap
 
         filters = Filters(kinds=frozenset({kind}), pids=frozenset({pid}))
-        actions = self._reaper().plan(from_json(doc), filters, dry_run=True)
-        text = render_reap(doc, [(a, "planned", "") for a in actions], True)
+        report = from_json(doc)
+        actions = self._reaper().plan(report, filters, dry_run=True)
+        text = render_reap(report, [(a, "planned", "") for a in actions], True)
         command = (f"gpuwatch reap --dry-run --pid {pid} --kind {kind}"
                    + (" --poll" if self._force_poll else ""))
         in_full = [f"PID {a.pid} ({a.kind}): {a.action}"

@@ -10,6 +10,11 @@ second user's leak was found.
 
     python bench/agent_flood.py [--processes 600] [--reports 520] [--buffers 64] [--rate 0]
                                 [--discovered 0]
+    python bench/agent_flood.py --junk --processes 2000
+
+--junk: each flooder sends a 4-byte datagram that is no report, over and over, blocking on a
+full queue, until the end (the kernel queue, not the daemon's budgets, is what is flooded); the
+second user's leak is then first timed alone, unloaded, and then under the flood, side by side.
 
 --rate paces each flooder (reports a second; 0: as fast as the socket takes them);
 --discovered adds that many discovered containers with fresh 128-character names to each report
@@ -31,22 +36,24 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from cmdline import arguments, write_figures
 from node import (
     MIB,
     bench_node,
     check_room_for,
     cli_env,
     free_port,
-    parse_args,
     rss_bytes,
     scrape,
     start_daemon,
     stop,
     wait_http,
-    write_figures,
 )
 
 NOBODY = 65534
+#: The flooders' user when this runs as root: a user of its own, not root (which may write to
+#: any socket), as a hostile local user would be.
+FLOODER_UID = 4243
 LEAK_PER_STEP = 4 * MIB
 VICTIM_STEPS_PER_SECOND = 10
 
@@ -91,26 +98,47 @@ def _flooder(path: str, index: int, reports: int, buffers: int, discovered: int,
     signal.pause()  # alive, so that the daemon keeps what it took from this process
 
 
+def _junk_flooder(path: str, go: int) -> None:
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(FLOODER_UID)
+        os.setuid(FLOODER_UID)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # blocking: sleeps on a full queue
+    os.read(go, 1)
+    while True:
+        with contextlib.suppress(OSError):
+            sock.sendto(b"junk", path)
+
+
+def _leak_found(url: str, victim: int, started: float, limit: float) -> Optional[float]:
+    """Seconds from `started` until the daemon reports `victim`'s leak, None past `limit`."""
+    while time.monotonic() - started < limit:
+        s = samples(scrape(url)[1])
+        if any(f'pid="{victim}"' in k and 'kind="leak"' in k
+               for k in by_label(s, "gpuwatch_finding")):
+            return time.monotonic() - started
+        time.sleep(0.1)
+    return None
+
+
 def _victim(path: str, steps: int, report_to: int) -> None:
     if os.geteuid() == 0:
         os.setgroups([])
         os.setgid(NOBODY)
         os.setuid(NOBODY)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.setblocking(False)  # as the agent sends: a full queue drops the report
-    sock.bind("")  # an abstract address, as the agent's
-    sent = dropped = 0
+    from gpuwatch.agent._transport import Transport
+
+    # The agent's own transport: non-blocking (a full queue drops the report), an abstract
+    # address, and its user's own socket once the daemon has made one.
+    transport = Transport()
     started = time.monotonic()
     for step in range(steps):
         payload = json.dumps({"v": 1, "kind": "step", "seq": step, "step": step,
                               "rss": (1 << 30) + step * LEAK_PER_STEP, "buffers": {
                                   "fetch_buffer": {"items": step, "bytes": step * LEAK_PER_STEP},
                                   "queue": {"items": 3}}}).encode()
-        try:
-            sock.sendto(payload, path)
-            sent += 1
-        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
-            dropped += 1
+        transport.send(payload, path)
+        sent, dropped = transport.sent, transport.attempts - transport.sent
         os.write(report_to, f"{step} {sent} {dropped}\n".encode())
         time.sleep(max(0.0, started + (step + 1) / VICTIM_STEPS_PER_SECOND - time.monotonic()))
     signal.pause()
@@ -147,16 +175,15 @@ def by_label(s: dict[str, float], name: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--processes", type=int, default=600)
-    parser.add_argument("--reports", type=int, default=520)
-    parser.add_argument("--buffers", type=int, default=64)
-    parser.add_argument("--discovered", type=int, default=0,
-                        help="discovered containers with fresh names in each report (max 8)")
-    parser.add_argument("--rate", type=float, default=0.0)
-    parser.add_argument("--interval", type=float, default=2.0)
-    parser.add_argument("--victim-steps", type=int, default=600)
-    args = parse_args(parser, quick={"processes": 60, "reports": 60})
+    args = arguments(
+        __doc__, quick={"processes": 60, "reports": 60}, processes=600, reports=520, buffers=64,
+        discovered=(0, "discovered containers with fresh names in each report (max 8)"),
+        rate=0.0, interval=2.0, victim_steps=600,
+        junk=(False, "flood with junk datagrams until the end; time the second user's leak "
+                     "unloaded first"))
+    if args.junk:
+        junk_main(args)
+        return
     check_room_for(args.processes + 16)
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
@@ -290,6 +317,100 @@ def main() -> None:
         "victim_found_after_s": found_after, "victim_dropped": v_dropped,
         "flood_seconds": flood_seconds})
     if found_after is None:
+        sys.exit(1)
+
+
+def _victim_process(path: str, steps: int) -> tuple[int, int]:
+    """The second user's leaking process; (its PID, the read end of its progress pipe)."""
+    victim_r, victim_w = os.pipe()
+    victim = _child(lambda: _victim(path, steps, victim_w))
+    os.close(victim_w)
+    os.set_blocking(victim_r, False)
+    return victim, victim_r
+
+
+def _victim_counts(fd: int) -> tuple[int, int, int]:
+    """(step, sent, dropped) the victim last wrote."""
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 1 << 16):
+            data = (data + chunk)[-4096:]
+    lines = [line for line in data.split(b"\n") if line.strip()]
+    if not lines:
+        return (0, 0, 0)
+    step, sent, dropped = (int(x) for x in lines[-1].split())
+    return step, sent, dropped
+
+
+def _end(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def junk_main(args: argparse.Namespace) -> None:
+    check_room_for(args.processes + 16)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    limit = 120.0
+    rows = {}
+    with bench_node(gpus=2, gpu_procs=4) as b:
+        daemon = start_daemon(b, port, args.interval)
+        children: list[int] = []
+        try:
+            wait_http(url, daemon)
+            os.chmod(b.tmp, 0o711)  # the other users must reach agent.sock inside it
+            path = str(Path(cli_env(b)["GPUWATCH_RUNTIME_DIR"]) / "agent.sock")
+            time.sleep(2 * args.interval)
+            before = rss_bytes(daemon.pid)
+
+            victim, victim_r = _victim_process(path, args.victim_steps)
+            found = _leak_found(url, victim, time.monotonic(), limit)
+            rows["unloaded"] = (found, *_victim_counts(victim_r))
+            _end([victim])
+            os.close(victim_r)
+
+            go_r, go_w = os.pipe()
+            for _ in range(args.processes):
+                children.append(_child(lambda: _junk_flooder(path, go_r)))
+            peak = Peak(daemon.pid)
+            peak.start()
+            os.write(go_w, b"g" * args.processes)
+            time.sleep(3)  # the flood under way: the queue full from here on
+            victim, victim_r = _victim_process(path, args.victim_steps)
+            children.append(victim)
+            found = _leak_found(url, victim, time.monotonic(), limit)
+            rows["flooded"] = (found, *_victim_counts(victim_r))
+            flood_s = samples(scrape(url)[1])
+            peak.stopping.set()
+            peak.join()
+        finally:
+            _end(children)
+            stop([daemon])
+    rejected = {k: v for k, v in by_label(flood_s, "gpuwatch_agent_reports_rejected_total")
+                .items() if v}
+    mib = 2 ** 20
+    user = "a second user (UID 65534)" if os.geteuid() == 0 else "another process (same UID)"
+    print(f"{args.processes} processes of one user sending junk datagrams, blocking on a full "
+          f"queue; {user} leaking {LEAK_PER_STEP // mib} MiB a step, "
+          f"{VICTIM_STEPS_PER_SECOND} steps/s, sending as the agent does (non-blocking)")
+    print(f"{'':10} {'leak found after':>17} {'reports sent':>13} {'dropped':>8}")
+    for name, (found_after, _step, sent, dropped) in rows.items():
+        shown = f"{found_after:.1f} s" if found_after is not None else "NOT FOUND"
+        print(f"{name:10} {shown:>17} {sent:>13} {dropped:>8}")
+    unloaded, flooded = rows["unloaded"][0], rows["flooded"][0]
+    if unloaded and flooded:
+        print(f"flooded / unloaded: {flooded / unloaded:.2f}x")
+    print(f"daemon RSS {before / mib:.0f} MiB before, peak {peak.peak / mib:.0f} MiB; "
+          f"rejected during the flood: {json.dumps(rejected)}")
+    write_figures(args.figures, {
+        "processes": args.processes, "unloaded_found_s": unloaded, "flooded_found_s": flooded,
+        "flooded_dropped": rows["flooded"][3], "unloaded_dropped": rows["unloaded"][3],
+        "rss_before_mib": before / mib, "rss_peak_mib": peak.peak / mib})
+    if unloaded is None or flooded is None:
         sys.exit(1)
 
 

@@ -17,7 +17,6 @@ Goal: >= 20,000 realistic reports/s on one core.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -26,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from node import parse_args, write_figures
+from cmdline import arguments, write_figures
 
 from gpuwatch.sources.agent_socket import AgentReceiver
 from gpuwatch.sources.proc_stat import STIME, UTIME, parse_stat
@@ -148,10 +147,8 @@ def measure_end_to_end(seconds: float, blocking: bool) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reports", type=int, default=200_000)
-    parser.add_argument("--seconds", type=float, default=5.0)
-    args = parse_args(parser, quick={"reports": 20_000, "seconds": 1.0})
+    args = arguments(__doc__, quick={"reports": 20_000, "seconds": 1.0}, reports=200_000,
+                     seconds=5.0)
 
     print(f"(a) handle() alone, {args.reports:,} reports from 8 processes, drained every 5,000")
     print(f"{'report':<34}{'bytes':>7}{'reports/s (wall)':>18}{'reports/s (CPU)':>17}")

@@ -23,7 +23,6 @@ Three parts, measured separately because they run at different times:
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import gc
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from node import parse_args, write_figures
+from cmdline import arguments, write_figures
 
 from gpuwatch import agent
 
@@ -96,13 +95,10 @@ def _timer_overhead() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batches", type=int, default=400)
-    parser.add_argument("--rate", type=float, default=10_000, help="steps/s of the paced loop")
-    parser.add_argument("--modules", type=int, default=2000, help="generated modules loaded")
-    parser.add_argument("--objects", type=int, default=100_000,
-                        help="module-level objects in the generated modules, in all")
-    args = parse_args(parser, quick={"batches": 40, "modules": 200, "objects": 10_000})
+    args = arguments(
+        __doc__, quick={"batches": 40, "modules": 200, "objects": 10_000}, batches=400,
+        rate=(10_000.0, "steps/s of the paced loop"), modules=(2000, "generated modules loaded"),
+        objects=(100_000, "module-level objects in the generated modules, in all"))
 
     fetch = [bytes(MIB) for _ in range(64)]
     batches = collections.deque((bytes(4096), i) for i in range(256))

@@ -70,7 +70,6 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -81,10 +80,36 @@ from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE.parent))  # soak.py and node.py, imported as modules
+sys.path.insert(0, str(HERE.parent))  # harness.py and node.py, imported as modules
 
+import harness  # noqa: E402
 import node  # noqa: E402
-import soak  # noqa: E402
+from cmdline import columns, verdict  # noqa: E402
+from harness import (  # noqa: E402
+    GIB,
+    MIB,
+    Processes,
+    RunOptions,
+    Sampler,
+    Samples,
+    SharedNode,
+    StormFeed,
+    console,
+    daemon_config,
+    exited_children,
+    parse_metrics,
+    read_json,
+    run_arguments,
+    running,
+    signal_all,
+    start_ticks,
+    storm,
+    total,
+    unwind_on_signals,
+    wait,
+    work_dir,
+    write_json,
+)
 
 from gpuwatch.simulate.clockjump import ClockJump  # noqa: E402
 from gpuwatch.simulate.fakenvml import (  # noqa: E402
@@ -97,10 +122,6 @@ from gpuwatch.simulate.fakenvml import (  # noqa: E402
     build_fake_nvml,
 )
 from gpuwatch.simulate.job import launch_env  # noqa: E402
-from gpuwatch.sources.proc_stat import START_TIME, STATE, parse_stat  # noqa: E402
-
-MIB = 1 << 20
-GIB = 1 << 30
 
 # ---- the unit's limits (systemd/gpuwatch.service) ----------------------------------------------
 
@@ -136,10 +157,9 @@ _UNWAITED = {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, sign
 
 
 @dataclass
-class ChaosOptions:
+class ChaosOptions(RunOptions):
     duration: float = 120.0
     interval: float = 0.5
-    gpus: int = 4
     storm_rate: float = 500.0
     storm_max_live: int = 1000
     storm_gpu_share: float = 0.02
@@ -156,7 +176,7 @@ class ChaosOptions:
     mixed_rate: float = 400.0
     idle_connections: int = 200
     scrape_every: float = 0.5
-    #: Seconds between two random NVML faults (min, max), and the most kept in the fault table.
+    #: Seconds between two random NVML faults (min, max); the most kept in the fault table.
     fault_gap: tuple[float, float] = (0.2, 1.2)
     fault_records: int = 24
     driver_gone: float = 4.0
@@ -166,9 +186,6 @@ class ChaosOptions:
     #: auto-reap settings: after how long an orphan is reaped, and the grace after SIGTERM.
     auto_after: float = 2.0
     grace: float = 4.0
-    seed: int = 0
-    work_dir: Optional[Path] = None
-    log: Callable[[str], None] = field(default=lambda line: None)
 
 
 def quick_options(**changes: Any) -> ChaosOptions:
@@ -181,47 +198,6 @@ def quick_options(**changes: Any) -> ChaosOptions:
 
 
 # ---- small helpers -----------------------------------------------------------------------------
-
-
-def _start_ticks(pid: int) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(parse_stat(f.read())[1][START_TIME])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _state(pid: int) -> Optional[str]:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return parse_stat(f.read())[1][STATE].decode()
-    except (OSError, ValueError):
-        return None
-
-
-def _running(pid: int, ticks: Optional[int] = None) -> bool:
-    """Alive and not a zombie; with `ticks`, still the same process (not a reused PID)."""
-    if _state(pid) in (None, "Z", "X"):
-        return False
-    return ticks is None or _start_ticks(pid) == ticks
-
-
-def _status_kib(pid: int, key: str) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _tasks(pid: int) -> Optional[int]:
-    try:
-        return len(os.listdir(f"/proc/{pid}/task"))
-    except OSError:
-        return None
 
 
 def _read_int(path: Path) -> Optional[int]:
@@ -241,30 +217,6 @@ def _keyed(path: Path, key: str) -> Optional[int]:
     except (OSError, ValueError):
         pass
     return None
-
-
-def _write_json(path: Path, payload: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _wait(what: str, probe: Callable[[], Any], timeout: float, step: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = probe()
-        if got:
-            return got
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{what}: not within {timeout:g} s")
-        time.sleep(step)
 
 
 def _become(uid: int) -> None:
@@ -454,9 +406,7 @@ class Cgroups:
             for procs in {*self.daemon_procs, *self.actor_procs}:
                 with contextlib.suppress(OSError, ValueError):
                     left.update(int(x) for x in procs.read_text().split())
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            signal_all(left)
             if not left or time.monotonic() >= deadline:
                 return sorted(left)
             time.sleep(0.1)
@@ -480,7 +430,7 @@ class Cgroups:
 
 def owner_tag() -> str:
     """This process, as the names of what the bench makes carry it: PID and start time."""
-    return f"{os.getpid()}-{_start_ticks(os.getpid())}"
+    return f"{os.getpid()}-{start_ticks(os.getpid())}"
 
 
 def clean_stale(say: Callable[[str], None]) -> None:
@@ -488,7 +438,7 @@ def clean_stale(say: Callable[[str], None]) -> None:
     names carry the PID and start time of the bench that made them. Only those of a bench that
     is gone (another one running at the same time keeps its own)."""
     def gone(pid: str, ticks: str) -> bool:
-        return not _running(int(pid), int(ticks))
+        return not running(int(pid), int(ticks))
 
     pattern = re.compile(rf"^{NAME}-(\d+)-(\d+)$")
     try:
@@ -523,56 +473,13 @@ def clean_stale(say: Callable[[str], None]) -> None:
 # ---- the processes the bench starts ------------------------------------------------------------
 
 
-class Processes:
-    """Every process the bench starts, each a group leader in the actors' cgroup; ended by
-    process group, then by PID (with its start time checked), then by emptying the cgroup."""
-
-    def __init__(self, cgroups: Cgroups, log_file: Any) -> None:
-        self.cgroups = cgroups
-        self.log_file = log_file
-        self.procs: list[subprocess.Popen[Any]] = []
-        #: Processes not our children (double-forked, orphaned): PID -> start ticks.
-        self.loose: dict[int, Optional[int]] = {}
-        self.lock = threading.Lock()
-
-    @staticmethod
-    def in_cgroups(procs_files: list[Path], argv: list[str], umask: Optional[str] = None
-                   ) -> list[str]:
-        """`argv`, started by a shell that first moves itself into the cgroups."""
-        script = "".join(f'echo $$ > "{p}" || exit 97; ' for p in procs_files)
-        if umask is not None:
-            script += f"umask {umask}; "
-        return ["/bin/sh", "-c", script + 'exec "$@"', "sh", *argv]
-
-    def start(self, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
-        kw.setdefault("stdout", subprocess.DEVNULL)
-        kw.setdefault("stderr", self.log_file)
-        kw.setdefault("stdin", subprocess.DEVNULL)
-        proc = subprocess.Popen(self.in_cgroups(self.cgroups.actor_procs, argv),
-                                start_new_session=True, **kw)
-        with self.lock:
-            self.procs.append(proc)
-        return proc
-
-    def adopt(self, pid: int) -> None:
-        with self.lock:
-            self.loose[pid] = _start_ticks(pid)
-
-    def kill_all(self) -> None:
-        with self.lock:
-            procs, loose = list(self.procs), dict(self.loose)
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-        for pid, ticks in loose.items():
-            if ticks is not None and _start_ticks(pid) == ticks:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        self.cgroups.empty()
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
+def in_cgroups(procs_files: list[Path], argv: list[str], umask: Optional[str] = None
+               ) -> list[str]:
+    """`argv`, started by a shell that first moves itself into the cgroups."""
+    script = "".join(f'echo $$ > "{p}" || exit 97; ' for p in procs_files)
+    if umask is not None:
+        script += f"umask {umask}; "
+    return ["/bin/sh", "-c", script + 'exec "$@"', "sh", *argv]
 
 
 def as_user(uid: int, argv: list[str]) -> list[str]:
@@ -616,13 +523,7 @@ def _sentinel_loop(log: Path, on_term: str, reap_children: bool) -> None:
         info = signal.sigwaitinfo(waited)
         if info.si_signo == signal.SIGCHLD:
             if reap_children:
-                while True:
-                    try:
-                        pid, status = os.waitpid(-1, os.WNOHANG)
-                    except ChildProcessError:
-                        break
-                    if pid == 0:
-                        break
+                for pid, status in exited_children():
                     _log_line(fd, {"child": pid, "status": status, "at": time.time()})
             continue
         _log_line(fd, {"signal": info.si_signo, "name": signal.Signals(info.si_signo).name,
@@ -651,7 +552,7 @@ def _sentinel_main(a: argparse.Namespace) -> int:
     if a.agent:
         threading.Thread(target=_step_agent, name="train", daemon=True).start()
     if a.ready:
-        _write_json(Path(a.ready), {"pid": os.getpid()})
+        write_json(Path(a.ready), {"pid": os.getpid()})
     _sentinel_loop(Path(a.log), a.on_term, reap_children=False)
     return 0
 
@@ -670,11 +571,11 @@ def _launcher_main(a: argparse.Namespace) -> int:
             argv.append("--agent")
         env = launch_env(rank, a.workers, a.run_id, dict(os.environ))
         workers.append(subprocess.Popen(argv, env=env))
-    pids = _wait("the workers", lambda: [
-        (_read_json(folder / f"{a.name}-worker{r}.ready") or {}).get("pid")
+    pids = wait("the workers", lambda: [
+        (read_json(folder / f"{a.name}-worker{r}.ready") or {}).get("pid")
         for r in range(a.workers)] if all(
         (folder / f"{a.name}-worker{r}.ready").exists() for r in range(a.workers)) else None, 60)
-    _write_json(Path(a.ready), {"launcher": os.getpid(), "workers": pids})
+    write_json(Path(a.ready), {"launcher": os.getpid(), "workers": pids})
     _sentinel_loop(folder / f"{a.name}-launcher.jsonl", "record", reap_children=True)
     return 0
 
@@ -691,13 +592,13 @@ def _service_main(a: argparse.Namespace) -> int:
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1):
             os.dup2(null, fd)
-        _write_json(ready, {"pid": os.getpid()})
+        write_json(ready, {"pid": os.getpid()})
         try:
             _sentinel_loop(Path(a.log), "record", reap_children=False)
         finally:
             os._exit(1)
     os.waitpid(child, 0)
-    _wait("the service", lambda: ready.exists(), 30)
+    wait("the service", lambda: ready.exists(), 30)
     return 0
 
 
@@ -705,10 +606,10 @@ def _service_main(a: argparse.Namespace) -> int:
 
 
 def _storm_main(a: argparse.Namespace) -> int:
-    """soak.storm as `uid`, at most `max_live` alive. At SIGTERM, writes how many were spawned
+    """harness.storm as `uid`, at most `max_live` alive. At SIGTERM, writes how many were spawned
     and how many ended by a signal nobody here sent (a wrong signal)."""
     _become(a.uid)
-    _write_json(Path(a.report), soak.storm(a.rate, a.gpu_share, a.gpus, a.seed,
+    write_json(Path(a.report), storm(a.rate, a.gpu_share, a.gpus, a.seed,
                                            max_live=a.max_live, env={"PATH": "/usr/bin:/bin"}))
     return 0
 
@@ -717,7 +618,7 @@ def _lazy_parent_main(a: argparse.Namespace) -> int:
     """A service that runs GPU work as short subprocesses and collects them on its own schedule:
     a child a second, each holding GPU memory for 1.5 s, collected 1.5 s after it exits.
     Defunct for 1.5 s each time, well inside detectors.zombie_grace (10 s): never a zombie
-    finding. Prints soak.StormFeed's lines for the fake driver."""
+    finding. Prints harness.StormFeed's lines for the fake driver."""
     _become(a.uid)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
@@ -733,9 +634,7 @@ def _lazy_parent_main(a: argparse.Namespace) -> int:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
             print(f"R {pid}", flush=True)
-    for _, pid in children:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+    harness.collect(pid for _, pid in children)
     return 0
 
 
@@ -941,7 +840,7 @@ def _flood_user(user: dict[str, Any], sock_path: str, folder: Path, stop_path: s
             finally:
                 os._exit(1)
         children[pid] = i
-    _write_json(folder / f"{user['role']}-ready.json",
+    write_json(folder / f"{user['role']}-ready.json",
                 {"pids": sorted(children), "user": os.getpid()})
     early: list[dict[str, Any]] = []
     exits: Counter[str] = Counter()
@@ -966,18 +865,14 @@ def _flood_user(user: dict[str, Any], sock_path: str, folder: Path, stop_path: s
     while not stopping["now"]:
         collect(block=False)
         time.sleep(0.2)
-    for pid in list(children):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+    signal_all(list(children), signal.SIGTERM)
     deadline = time.monotonic() + 20
     while children and time.monotonic() < deadline:
         collect(block=False)
         time.sleep(0.05)
-    for pid in list(children):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    signal_all(list(children))
     collect(block=True)
-    _write_json(folder / f"{user['role']}-report.json",
+    write_json(folder / f"{user['role']}-report.json",
                 {"early": early, "exits": dict(exits)})
 
 
@@ -999,12 +894,8 @@ def _flood_main(a: argparse.Namespace) -> int:
     while not stopping.wait(0.5):
         pass
     Path(plan["stop"]).touch()
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    for pid in children:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+    signal_all(children, signal.SIGTERM)
+    harness.collect(children)
     return 0
 
 
@@ -1057,7 +948,7 @@ class DaemonRunner:
                    "--clear-groups", f"--inh-caps={caps}", f"--ambient-caps={caps}",
                    f"--bounding-set=-all,{caps}", "--no-new-privs", "--"]
         daemon = [sys.executable, "-m", "gpuwatch", "daemon", "--config", str(self.c.config)]
-        return Processes.in_cgroups(self.c.cgroups.daemon_procs, [*limits, *setpriv, *daemon],
+        return in_cgroups(self.c.cgroups.daemon_procs, [*limits, *setpriv, *daemon],
                                     umask="077")
 
     def start(self, timeout: float = 90.0) -> Incarnation:
@@ -1076,11 +967,11 @@ class DaemonRunner:
             if proc.poll() is not None:
                 raise RuntimeError(f"the daemon exited with {proc.returncode} while starting: "
                                    + log_path.read_text(errors="replace")[-2000:])
-            if (_read_json(info) or {}).get("pid") != proc.pid:
+            if (read_json(info) or {}).get("pid") != proc.pid:
                 return False
             return self.c.probe()
 
-        _wait("the daemon serving /metrics", serving, timeout, step=0.1)
+        wait("the daemon serving /metrics", serving, timeout, step=0.1)
         inc.serving = time.monotonic()
         self.c.say(f"daemon {n} (PID {proc.pid}) serving {self.c.metrics_url}")
         return inc
@@ -1160,7 +1051,7 @@ class Scrape:
     at: float
     wall: float
     pid: int
-    samples: soak.Samples
+    samples: Samples
 
 
 class Scraper(threading.Thread):
@@ -1216,7 +1107,7 @@ class Scraper(threading.Thread):
             self.attempts.append((started, time.monotonic(), True, ""))
         text = b"\n".join(line for line in body.split(b"\n") if line.startswith(_SCRAPED))
         try:
-            samples = soak.parse_metrics(text.decode(errors="replace"))
+            samples = parse_metrics(text.decode(errors="replace"))
         except Exception as exc:
             self.c.say(f"note: a scrape could not be parsed: {exc!r}")
             return None
@@ -1225,7 +1116,6 @@ class Scraper(threading.Thread):
         return scrape
 
     def _take(self, s: Scrape) -> None:
-        total = soak.total
         polls = total(s.samples, "gpuwatch_polls_total")
         with self.lock:
             self.latest = s
@@ -1271,7 +1161,7 @@ class Scraper(threading.Thread):
                  if n == "gpuwatch_agent_step" and dict(ls).get("pid") == str(pid)]
         inc = self.c.daemon.current
         settled = inc is not None and inc.serving is not None and s.at - inc.serving > 3
-        nvml_up = soak.total(s.samples, "gpuwatch_nvml_up") == 1
+        nvml_up = total(s.samples, "gpuwatch_nvml_up") == 1
         if not steps:
             if self.agent_seen:
                 if settled and nvml_up:
@@ -1301,66 +1191,14 @@ class Scraper(threading.Thread):
         s = self.latest
         if s is None or s.at < since:
             return None
-        up = soak.total(s.samples, "gpuwatch_nvml_up") == 1
+        up = total(s.samples, "gpuwatch_nvml_up") == 1
         ok = [v for (n, _), v in s.samples.items() if n == "gpuwatch_gpu_read_ok"]
         return s.at if up and len(ok) == self.c.opts.gpus and all(ok) else None
 
     def nvml_down_since(self, since: float) -> bool:
         s = self.latest
         return s is not None and s.at >= since and \
-            soak.total(s.samples, "gpuwatch_nvml_up") == 0
-
-
-class Sampler(threading.Thread):
-    """Every 0.2 s: the daemon's threads (/proc/PID/task), RSS and VmHWM."""
-
-    def __init__(self, c: Chaos) -> None:
-        super().__init__(name="sampler", daemon=True)
-        self.c = c
-        self.max_tasks = 0
-        self.max_rss_kib = 0
-        self.hwm_kib: dict[int, int] = {}
-        self.samples = 0
-
-    def run(self) -> None:
-        while not self.c.stop.wait(0.2):
-            inc = self.c.daemon.current
-            if inc is None:
-                continue
-            tasks = _tasks(inc.pid)
-            if tasks is None:
-                continue
-            self.samples += 1
-            self.max_tasks = max(self.max_tasks, tasks)
-            self.max_rss_kib = max(self.max_rss_kib, _status_kib(inc.pid, "VmRSS") or 0)
-            hwm = _status_kib(inc.pid, "VmHWM")
-            if hwm is not None:
-                self.hwm_kib[inc.pid] = max(self.hwm_kib.get(inc.pid, 0), hwm)
-
-
-class ChaosNode(soak.SharedNode):
-    """The fake driver's state, written by several threads: GPU holders and fault records."""
-
-    def add_failure(self, f: FakeFailure, keep: int = 0) -> None:
-        """Add a fault record; with `keep`, only the newest `keep` transient ones stay (the
-        older have run their course, or soon will)."""
-        with self._lock:
-            self.node.failures.append(f)
-            transient = [x for x in self.node.failures if x.times is not None]
-            if keep and len(transient) > keep:
-                old = {id(x) for x in transient[:-keep]}
-                self.node.failures = [x for x in self.node.failures if id(x) not in old]
-            self.node.write()
-
-    def clear_transient(self) -> None:
-        with self._lock:
-            self.node.failures = [x for x in self.node.failures if x.times is None]
-            self.node.write()
-
-    def remove_failure(self, f: FakeFailure) -> None:
-        with self._lock:
-            self.node.failures = [x for x in self.node.failures if x is not f]
-            self.node.write()
+            total(s.samples, "gpuwatch_nvml_up") == 0
 
 
 class FaultInjector(threading.Thread):
@@ -1555,8 +1393,8 @@ class Chaos:
         self.innocents: dict[int, tuple[str, Optional[int], Optional[Path]]] = {}
         self.innocent_agent_pid: Optional[int] = None
         self.reporters: dict[str, set[int]] = {}
-        self.storm_feed: Optional[soak.StormFeed] = None
-        self.lazy_feed: Optional[soak.StormFeed] = None
+        self.storm_feed: Optional[StormFeed] = None
+        self.lazy_feed: Optional[StormFeed] = None
         self.threads: list[threading.Thread] = []
         self.port = node.free_port()
         self.metrics_url = f"http://127.0.0.1:{self.port}/metrics"
@@ -1628,13 +1466,8 @@ class Chaos:
     # -- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
         opts = self.opts
-        if opts.work_dir is not None:
-            self.work = opts.work_dir
-            self.work.mkdir(parents=True, exist_ok=True)
-            if any(self.work.iterdir()):
-                raise ValueError(f"the work directory {self.work} is not empty")
-        else:
-            self.work = Path(tempfile.mkdtemp(prefix=f"{NAME}-{owner_tag()}-"))
+        self.work = work_dir(opts.work_dir, f"{NAME}-{owner_tag()}-")
+        if opts.work_dir is None:
             self.stack.callback(shutil.rmtree, self.work, ignore_errors=True)
         self.work.chmod(0o755)
         self.actor_log = self.stack.enter_context(open(self.work / "actors.log", "ab"))  # noqa: SIM115
@@ -1642,14 +1475,17 @@ class Chaos:
         self.cgroups.create()
         self.stack.callback(self._remove_cgroups)
         self.result.cgroup_mode = self.cgroups.mode
-        self.procs = Processes(self.cgroups, self.actor_log)
+        self.procs = Processes(
+            wrap=lambda argv: in_cgroups(self.cgroups.actor_procs, argv),
+            empty=self.cgroups.empty, stdout=subprocess.DEVNULL, stderr=self.actor_log,
+            stdin=subprocess.DEVNULL)
         self.stack.callback(self.procs.kill_all)
 
         # The fake driver, readable by the daemon's user; the clock library.
         lib = shutil.copytree(build_fake_nvml(), self.work / "lib")
         self.node = FakeNode(self.work / "nvml.state", lib, gpus=opts.gpus)
         self.node.write()
-        self.shared = ChaosNode(self.node)
+        self.shared = SharedNode(self.node)
         self.clock = self.stack.enter_context(ClockJump(self.work))
 
         # Runtime and state directories, the daemon's own; the state directory a small tmpfs.
@@ -1683,13 +1519,8 @@ class Chaos:
         self.config = self.work / "gpuwatch.toml"
         protected = sorted({p.pw_name for p in pwd.getpwall()})
         self.config.write_text(
-            "[daemon]\n"
-            f'listen = "127.0.0.1:{self.port}"\n'
-            f"interval = {opts.interval}\n"
-            f'runtime_dir = "{self.run_dir}"\n'
-            f'state_dir = "{self.state_dir}"\n'
-            "nvml_retry_max = 2\n"
-            "[detectors]\n"
+            daemon_config(f"127.0.0.1:{self.port}", opts.interval, self.run_dir, self.state_dir, 2)
+            + "[detectors]\n"
             "# Everyone with a name: the daemon may only ever report (and reap) the bench's own.\n"
             f"protected_users = {json.dumps(protected)}\n"
             "min_age = 3\n"
@@ -1740,21 +1571,21 @@ class Chaos:
             services[role] = self.procs.start(as_user(ACTOR_UID_BASE + UIDS[role], _python(
                 "_service", "--log", str(sd / f"{role}.jsonl"),
                 "--ready", str(sd / f"{role}.json"))), env=self._env_for(role))
-        job = _wait("the healthy job", lambda: _read_json(d / "healthy.json"), 90, step=0.1)
-        self.innocents[launcher.pid] = ("healthy launcher", _start_ticks(launcher.pid),
+        job = wait("the healthy job", lambda: read_json(d / "healthy.json"), 90, step=0.1)
+        self.innocents[launcher.pid] = ("healthy launcher", start_ticks(launcher.pid),
                                         d / "healthy-launcher.jsonl")
         for rank, pid in enumerate(job["workers"]):
-            self.innocents[pid] = (f"healthy worker {rank}", _start_ticks(pid),
+            self.innocents[pid] = (f"healthy worker {rank}", start_ticks(pid),
                                    d / f"healthy-worker{rank}.jsonl")
             self.shared.hold(pid, device=rank % self.opts.gpus, used=(10 + rank) * GIB)
         self.innocent_agent_pid = job["workers"][0]
         for role, proc in services.items():
             sd = self.dirs[role]
-            info = _wait(role, lambda sd=sd, role=role: _read_json(sd / f"{role}.json"), 60)
+            info = wait(role, lambda sd=sd, role=role: read_json(sd / f"{role}.json"), 60)
             proc.wait(30)
             pid = info["pid"]
             self.procs.adopt(pid)
-            self.innocents[pid] = (role, _start_ticks(pid), sd / f"{role}.jsonl")
+            self.innocents[pid] = (role, start_ticks(pid), sd / f"{role}.jsonl")
             if role == "gpu-service":
                 self.shared.hold(pid, device=self.opts.gpus - 1, used=4 * GIB)
         self.say(f"innocents: {', '.join(f'{v[0]} {k}' for k, v in self.innocents.items())}")
@@ -1769,13 +1600,13 @@ class Chaos:
             "--gpus", str(opts.gpus), "--seed", str(opts.seed), "--report", str(storm_report)),
             stdout=subprocess.PIPE, text=True, env=self.actor_env)
         self.storm, self.storm_report = storm, storm_report
-        self.storm_feed = soak.StormFeed(storm, self.shared)
+        self.storm_feed = StormFeed(storm, self.shared)
         # An innocent that collects its GPU children lazily (defunct 1.5 s at a time).
         self.lazy = self.procs.start(_python(
             "_lazy_parent", "--uid", str(ACTOR_UID_BASE + UIDS["lazy-parent"]),
             "--gpus", str(opts.gpus), "--seed", str(opts.seed)),
             stdout=subprocess.PIPE, text=True, env=self.actor_env)
-        self.lazy_feed = soak.StormFeed(self.lazy, self.shared)
+        self.lazy_feed = StormFeed(self.lazy, self.shared)
         self.lazy_feed.name = "lazy-feed"
         # The flooding users.
         users = []
@@ -1796,13 +1627,14 @@ class Chaos:
         self.flood = self.procs.start(_python("_flood", "--plan", str(plan)), env=self.actor_env)
         for u in users:
             ready = Path(u["dir"]) / f"{u['role']}-ready.json"
-            info = _wait(f"the {u['role']} flood", lambda ready=ready: _read_json(ready), 120,
+            info = wait(f"the {u['role']} flood", lambda ready=ready: read_json(ready), 120,
                          step=0.1)
             self.reporters[u["role"]] = {*info["pids"], info["user"]}
         self.say("flooding users: " + ", ".join(f"{u['role']} {u['processes']}" for u in users))
 
         self.scraper = Scraper(self)
-        self.sampler = Sampler(self)
+        self.sampler = Sampler(lambda: None if self.daemon.current is None
+                               else self.daemon.current.pid, 0.2, self.stop)
         self.faults = FaultInjector(self)
         self.idle = IdleConnections(self, opts.idle_connections)
         self.supervisor = threading.Thread(target=self._supervise, name="supervisor",
@@ -1871,7 +1703,7 @@ class Chaos:
         f = FakeFailure("*", DRIVER_NOT_LOADED)
         self.shared.add_failure(f)
         with contextlib.suppress(TimeoutError):
-            _wait("NVML down", lambda: self.scraper.nvml_down_since(e.started),
+            wait("NVML down", lambda: self.scraper.nvml_down_since(e.started),
                   self.opts.driver_gone + 10, step=0.1)
         e.seen = self.scraper.nvml_down_since(e.started)
         self.stop.wait(max(0.0, e.started + self.opts.driver_gone - time.monotonic()))
@@ -1879,7 +1711,7 @@ class Chaos:
         cleared = time.monotonic()
         e.seconds = cleared - e.started
         try:
-            back = _wait("NVML back", lambda: self.scraper.nvml_ok_after(cleared), 30, step=0.1)
+            back = wait("NVML back", lambda: self.scraper.nvml_ok_after(cleared), 30, step=0.1)
             e.recovered_after = back - cleared
         except TimeoutError:
             e.recovered_after = None
@@ -1927,7 +1759,7 @@ class Chaos:
         self.stop.wait(self.opts.clock_hold)
         # However busy the machine, the jump stays until the daemon has shown it (20 s at most).
         with contextlib.suppress(TimeoutError):
-            _wait("the jump seen", lambda: self.scraper.clock_offset_near(e.started, jump), 20,
+            wait("the jump seen", lambda: self.scraper.clock_offset_near(e.started, jump), 20,
                   step=0.1)
         e.seen = self.scraper.clock_offset_near(e.started, jump)
         self.clock.set(0)
@@ -1937,7 +1769,7 @@ class Chaos:
 
     def _polls_now(self) -> float:
         s = self.scraper.latest
-        return soak.total(s.samples, "gpuwatch_polls_total") if s is not None else 0.0
+        return total(s.samples, "gpuwatch_polls_total") if s is not None else 0.0
 
     def reap_episode(self) -> None:
         """An orphaned job of another user, auto-reaped; the daemon SIGKILLed inside the grace
@@ -1952,14 +1784,14 @@ class Chaos:
         launcher = self.victim_launcher
         r.launcher = launcher.pid
         try:
-            job = _wait("the job to orphan", lambda: _read_json(d / "victim.json"), 60, step=0.1)
+            job = wait("the job to orphan", lambda: read_json(d / "victim.json"), 60, step=0.1)
             for rank, pid in enumerate(job["workers"]):
-                r.victims.append(Victim(pid, _start_ticks(pid), rank,
+                r.victims.append(Victim(pid, start_ticks(pid), rank,
                                         "exit" if rank == 1 else "ignore",
                                         d / f"victim-worker{rank}.jsonl"))
                 self.procs.adopt(pid)
                 self.shared.hold(pid, device=rank % opts.gpus, used=6 * GIB)
-            _wait("the job's workers seen holding GPU memory", lambda: all(
+            wait("the job's workers seen holding GPU memory", lambda: all(
                 self.scraper.holding(v.pid) for v in r.victims), 30, step=0.1)
             os.kill(launcher.pid, signal.SIGKILL)
             launcher.wait()
@@ -1976,7 +1808,7 @@ class Chaos:
                             return time.monotonic()
                 return None
 
-            r.first_sigterm_at = _wait("the daemon's SIGTERM to the orphans", first_sigterm,
+            r.first_sigterm_at = wait("the daemon's SIGTERM to the orphans", first_sigterm,
                                        opts.auto_after + 30, step=0.02)
             self.say(f"auto-reap: the daemon's first SIGTERM "
                      f"{r.first_sigterm_at - r.orphaned_at:.1f} s after the orphaning")
@@ -1990,11 +1822,11 @@ class Chaos:
 
             def all_gone() -> bool:
                 for v in r.victims:
-                    if v.gone_at is None and not _running(v.pid, v.ticks):
+                    if v.gone_at is None and not running(v.pid, v.ticks):
                         v.gone_at = time.monotonic()
                 return all(v.gone_at is not None for v in r.victims)
 
-            _wait("the restarted daemon to finish the reap", all_gone,
+            wait("the restarted daemon to finish the reap", all_gone,
                   opts.auto_after + opts.grace + 45, step=0.1)
             r.done_at = time.monotonic()
         except (TimeoutError, RuntimeError) as exc:
@@ -2002,7 +1834,7 @@ class Chaos:
             self.say(f"auto-reap: {exc}")
         finally:
             for v in r.victims:
-                if _running(v.pid, v.ticks):
+                if running(v.pid, v.ticks):
                     v.ended_by_bench = True
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(v.pid, signal.SIGKILL)
@@ -2021,7 +1853,7 @@ class Chaos:
         cleared = time.monotonic()
         e = self._episode("faults stopped")
         try:
-            back = _wait("NVML read again", lambda: self.scraper.nvml_ok_after(cleared), 20,
+            back = wait("NVML read again", lambda: self.scraper.nvml_ok_after(cleared), 20,
                          step=0.1)
             e.recovered_after = back - cleared
         except TimeoutError:
@@ -2498,7 +2330,7 @@ def run_chaos(opts: ChaosOptions) -> ChaosResult:
                     signal.signal(s, signal.SIG_IGN)
             try:
                 c.stop.set()
-                c.innocents_alive_at_end = {pid: _running(pid, ticks) for pid, (_, ticks, _)
+                c.innocents_alive_at_end = {pid: running(pid, ticks) for pid, (_, ticks, _)
                                             in c.innocents.items()}
                 c.snapshot()
                 stack.close()
@@ -2514,18 +2346,11 @@ def run_chaos(opts: ChaosOptions) -> ChaosResult:
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """figure, goal and verdict, value: one line each."""
-    def verdict(r: dict[str, Any]) -> str:
-        if r["met"] is None:
-            return ""
-        return f"{'met' if r['met'] else 'MISSED'} ({r['goal']})"
-
     if not rows:
         return "(no figures)"
-    w1 = max(len(r["figure"]) for r in rows)
-    w2 = max(len(verdict(r)) for r in rows)
-    lines = [f"{'figure':<{w1}}  {'goal':<{w2}}  value"]
-    lines += [f"{r['figure']:<{w1}}  {verdict(r):<{w2}}  {r['value']}" for r in rows]
-    return "\n".join(lines)
+    return columns([("figure", "goal", "value"), *(
+        (r["figure"], "" if r["met"] is None else f"{verdict(r['met'])} ({r['goal']})",
+         r["value"]) for r in rows)])
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -2563,27 +2388,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--storm-rate", type=float, default=d.storm_rate,
                    help="short-lived processes spawned a second")
     p.add_argument("--idle-connections", type=int, default=d.idle_connections)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                   help="work in DIR and keep it (daemon logs, reap.jsonl, signal logs)")
-    p.add_argument("-q", "--quiet", action="store_true")
+    run_arguments(p, seed=d.seed, keep="daemon logs, reap.jsonl, signal logs")
     sys.argv = [sys.argv[0], *argv]
     a = node.parse_args(p, quick={"minutes": q.duration / 60})
-    started = time.monotonic()
-
-    def say(line: str) -> None:
-        if not a.quiet:
-            print(f"[{time.monotonic() - started:6.1f}] {line}", file=sys.stderr, flush=True)
+    say = console(a.quiet)
 
     base = q if a.quick else d
     opts = ChaosOptions(**{**base.__dict__, "duration": a.minutes * 60,
                            "storm_rate": a.storm_rate, "idle_connections": a.idle_connections,
                            "seed": a.seed, "work_dir": a.keep, "log": say})
-    # Started in the background (`&` leaves SIGINT ignored) or stopped by a supervisor, the
-    # bench must still end everything it started: each signal unwinds through the cleanup.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
+    unwind_on_signals(hangup=True)
     try:
         result = run_chaos(opts)
     except KeyboardInterrupt:

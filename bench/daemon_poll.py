@@ -27,17 +27,16 @@ import sys
 import time
 from typing import Any
 
+from cmdline import arguments, write_figures
 from node import (
     bench_node,
     cli_env,
     cpu_seconds_exact,
     free_port,
-    parse_args,
     polls_total,
     start_daemon,
     stop,
     wait_http,
-    write_figures,
 )
 
 # Runs inside a child whose environment is the fake node's (cli_env).
@@ -109,14 +108,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--idle-rounds", type=int, default=30)
-    parser.add_argument("--interval", type=float, default=0.5)
-    parser.add_argument("--window", type=float, default=40.0)
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--gpu-procs", type=int, default=64)
-    args = parse_args(parser, quick={"rounds": 20, "idle_rounds": 4, "window": 4.0})
+    args = arguments(__doc__, quick={"rounds": 20, "idle_rounds": 4, "window": 4.0},
+                     rounds=200, idle_rounds=30, interval=0.5, window=40.0, gpus=8, gpu_procs=64)
     f = measure(args)
     bare, idle = f["bare_ms"], f["poll_once_idle_ms"]
     print(f"one poll on {f['gpus']} fake GPUs x {f['gpu_procs']} real GPU processes (CPU ms, "

@@ -8,34 +8,29 @@ its place, so the per-identity caches and the history must forget as well as lea
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import time
 
+from cmdline import arguments, write_figures
 from node import (
     GIB,
     bench_node,
     free_port,
     idle_processes,
-    parse_args,
     polls_total,
     rss_bytes,
     start_daemon,
     stop,
     wait_http,
-    write_figures,
 )
 
 from gpuwatch.simulate.fakenvml import FakeProcess
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--polls", type=int, default=10_000)
-    parser.add_argument("--early", type=int, default=100)
-    parser.add_argument("--interval", type=float, default=0.005)
-    args = parse_args(parser, quick={"polls": 300, "early": 50})
+    args = arguments(__doc__, quick={"polls": 300, "early": 50}, polls=10_000, early=100,
+                     interval=0.005)
     port = free_port()
     with bench_node() as b:
         url = f"http://127.0.0.1:{port}/metrics"

@@ -67,7 +67,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional
 
-from node import BenchNode, bench_node, cli_env, int_list, parse_args, write_figures
+from cmdline import options, parse_args, write_figures
+from node import BenchNode, bench_node, cli_env
 
 if TYPE_CHECKING:
     from nvitop import Device
@@ -348,13 +349,9 @@ def print_table(gpus: int, rounds: int, results: dict[int, dict[str, Any]]) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=300,
-                        help="rounds, each side's collection once a round")
-    parser.add_argument("--warmup", type=int, default=5,
-                        help="collections each worker makes before the rounds")
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--gpu-procs", type=int_list, default=[64, 512])
+    parser = options(__doc__, rounds=(300, "rounds, each side's collection once a round"),
+                     warmup=(5, "collections each worker makes before the rounds"), gpus=8,
+                     gpu_procs=[64, 512])
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     args = parse_args(parser, quick={"rounds": 20, "warmup": 2, "gpu_procs": [64]})
     if args.worker:

@@ -22,14 +22,13 @@ import subprocess
 import time
 from typing import Any
 
+from cmdline import options, parse_args, write_figures
 from node import (
     bench_node,
     cli_env,
     console_script,
     cpu_seconds_exact,
     free_port,
-    int_list,
-    parse_args,
     polls_total,
     raw_get,
     rss_bytes,
@@ -37,7 +36,6 @@ from node import (
     start_daemon,
     stop,
     wait_http,
-    write_figures,
 )
 
 
@@ -118,14 +116,10 @@ def compare(args: argparse.Namespace, gpu_procs: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--interval", type=float, default=0.5)
-    parser.add_argument("--window", type=float, default=40.0)
-    parser.add_argument("--scrapes", type=int, default=50)
-    parser.add_argument("--paced", type=int, default=20,
-                        help="scrapes of the daemon one a second, after the alternating ones")
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--gpu-procs", type=int_list, default=[64, 512])
+    parser = options(
+        __doc__, interval=0.5, window=40.0, scrapes=50,
+        paced=(20, "scrapes of the daemon one a second, after the alternating ones"), gpus=8,
+        gpu_procs=[64, 512])
     args = parse_args(parser, quick={"window": 4.0, "scrapes": 5, "paced": 3,
                                           "gpu_procs": [64]})
 

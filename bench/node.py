@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import compileall
 import contextlib
-import json
 import os
 import resource
 import shlex
@@ -19,14 +17,18 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpuwatch.simulate.fakenvml import FakeNode, FakeProcess, build_fake_nvml
-from gpuwatch.sources.proc_stat import STATE, STIME, UTIME, parse_stat
+from cmdline import int_list, parse_args, write_figures
+from harness import running
 
-__all__ = ["FakeNode", "FakeProcess"]
+from gpuwatch.simulate.fakenvml import FakeNode, FakeProcess, build_fake_nvml
+from gpuwatch.sources.proc_stat import STIME, UTIME, parse_stat
+
+# The command line's helpers, where the benches first found them.
+__all__ = ["FakeNode", "FakeProcess", "int_list", "parse_args", "write_figures"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,20 +100,12 @@ def _stop_tree(launcher: int, pids: list[int]) -> None:
     # The launcher's `wait` reaps the children as they die, then it exits. Killed first, it
     # would hand thousands of zombies to PID 1, which in some containers reaps them late.
     deadline = time.monotonic() + 60
-    while _running(launcher):
+    while running(launcher):
         if time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(launcher, 9)
             break
         time.sleep(0.02)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return parse_stat(f.read())[1][STATE] != b"Z"
-    except (OSError, ValueError):
-        return False
 
 
 @contextlib.contextmanager
@@ -301,32 +295,6 @@ def polls_total(url: str, tries: int = 3) -> float:
         if line.startswith("gpuwatch_polls_total "):
             return float(line.split()[1])
     return 0.0
-
-
-# -- the figures each bench hands to bench/run.py ------------------------------------------------
-
-def parse_args(parser: argparse.ArgumentParser, quick: dict[str, Any]) -> argparse.Namespace:
-    """The bench's arguments; under --quick, `quick` replaces the full-size defaults (flags given
-    on the command line still win)."""
-    parser.add_argument("--quick", action="store_true",
-                        help="small sizes and few repetitions: a smoke run, not a measurement")
-    parser.add_argument("--figures", type=Path, default=None,
-                        help="also write the headline figures here, as JSON (for bench/run.py)")
-    args = parser.parse_args()
-    if args.quick:
-        parser.set_defaults(**quick)
-        args = parser.parse_args()
-    return args
-
-
-def write_figures(path: Optional[Path], figures: dict[str, Any]) -> None:
-    if path is not None:
-        path.write_text(json.dumps(figures, indent=1))
-
-
-def int_list(text: str) -> list[int]:
-    """'8,64,512' -> [8, 64, 512], for flags that take several sizes."""
-    return [int(part.replace("_", "")) for part in text.split(",") if part]
 
 
 def cli_env(b: BenchNode) -> dict[str, str]:

@@ -15,7 +15,6 @@ polls once a second, the same for every tool): `gpuwatch status --json` reads it
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -24,15 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node import (
-    bench_node,
-    cli_env,
-    console_script,
-    free_port,
-    parse_args,
-    start_daemon,
-    write_figures,
-)
+from cmdline import arguments, write_figures
+from node import bench_node, cli_env, console_script, free_port, start_daemon
 
 from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 
@@ -90,11 +82,7 @@ def wait_for_daemon(env: dict[str, str], daemon: subprocess.Popen[bytes],
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--gpu-procs", type=int, default=64)
-    args = parse_args(parser, quick={"rounds": 2})
+    args = arguments(__doc__, quick={"rounds": 2}, rounds=15, gpus=8, gpu_procs=64)
     commands = tools()
     wall: dict[str, list[float]] = {name: [] for name in commands}
     cpu: dict[str, list[float]] = {name: [] for name in commands}

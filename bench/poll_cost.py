@@ -45,16 +45,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from node import (
-    FakeNode,
-    bench_node,
-    dataloader_node,
-    int_list,
-    parse_args,
-    settle,
-    unrelated_host_processes,
-    write_figures,
-)
+from cmdline import options, parse_args, write_figures
+from node import FakeNode, bench_node, dataloader_node, settle, unrelated_host_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -328,28 +320,18 @@ def print_rows(title: str, rows: list[tuple[str, dict[str, Any]]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--polls", type=int, default=300)
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--gpu-procs", type=int_list, default=[8, 64, 512],
-                        help="GPU process counts of sweep (a)")
-    parser.add_argument("--host-procs", type=int_list, default=[200, 2000, 10000],
-                        help="idle host process counts of sweep (b)")
-    parser.add_argument("--base-gpu-procs", type=int, default=64,
-                        help="GPU processes during sweep (b)")
-    parser.add_argument("--ratio-procs", type=int_list, default=[64, 512],
-                        help="GPU process counts measured against the floors (c)")
-    parser.add_argument("--rounds", type=int, default=300,
-                        help="rounds of (c), each variant once a round; blocks of (d)")
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=16, help="dataloader workers per rank")
-    parser.add_argument("--churn-every", type=int, default=5,
-                        help="(d): one rank's workers replaced every this many polls")
+    parser = options(
+        __doc__, polls=300, gpus=8, gpu_procs=([8, 64, 512], "GPU process counts of sweep (a)"),
+        host_procs=([200, 2000, 10000], "idle host process counts of sweep (b)"),
+        base_gpu_procs=(64, "GPU processes during sweep (b)"),
+        ratio_procs=([64, 512], "GPU process counts measured against the floors (c)"),
+        rounds=(300, "rounds of (c), each variant once a round; blocks of (d)"), ranks=8,
+        workers=(16, "dataloader workers per rank"),
+        churn_every=(5, "(d): one rank's workers replaced every this many polls"),
+        only_floors=(False, "(c) and (d) only, for a quick comparison (no figures written)"))
     parser.add_argument("--against", type=Path, default=None,
                         help="a directory holding another revision's gpuwatch package: (c) and "
                              "(d) for it too, alternating with this one")
-    parser.add_argument("--only-floors", action="store_true",
-                        help="(c) and (d) only, for a quick comparison (no figures written)")
     args = parse_args(parser, quick={"polls": 40, "gpu_procs": [8, 64], "host_procs": [200, 1000],
                                      "ratio_procs": [64], "rounds": 40})
     if args.only_floors:

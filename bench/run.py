@@ -29,6 +29,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+from cmdline import columns, verdict
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "equal_work", "oneshot", "daemon_rss",
@@ -49,7 +51,7 @@ class Row:
 
     @property
     def verdict(self) -> str:
-        return "" if self.met is None else ("met" if self.met else "MISSED")
+        return verdict(self.met)
 
 
 def run_bench(name: str, quick: bool, figures_path: Path) -> tuple[int, str]:
@@ -455,14 +457,8 @@ def machine() -> dict[str, str]:
 # -- output --------------------------------------------------------------------------------------
 
 def text_table(rows: list[Row]) -> str:
-    widths = [max(len(h), *(len(c) for c in cells)) for h, *cells in zip(
-        ("figure", "value", "goal", ""), *((r.figure, r.value, r.goal, r.verdict) for r in rows))]
-    lines = []
-    for cells in [("figure", "value", "goal", ""),
-                  *((r.figure, r.value, r.goal, r.verdict) for r in rows)]:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return columns([("figure", "value", "goal", ""),
+                    *((r.figure, r.value, r.goal, r.verdict) for r in rows)], rule=True)
 
 
 def markdown_table(rows: list[Row]) -> str:

@@ -21,7 +21,6 @@ at its own descendants, never at all of /proc).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from cmdline import arguments, write_figures
 from node import (
     GIB,
     MIB,
@@ -40,10 +40,8 @@ from node import (
     bench_node,
     console_script,
     cpu_seconds,
-    parse_args,
     rss_bytes,
     unrelated_host_processes,
-    write_figures,
 )
 
 from gpuwatch.actions.supervisor import GPU_SAMPLE
@@ -270,14 +268,11 @@ def steady(window: float, variants: list[tuple[str, bool]], host_procs: int) -> 
 # -- the report ----------------------------------------------------------------------------------
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=25)
-    parser.add_argument("--window", type=float, default=60.0,
-                        help="seconds of steady state measured")
-    parser.add_argument("--host-procs", type=int, default=1000,
-                        help="unrelated host processes for the last steady-state run (0: skip)")
-    parser.add_argument("--host-window", type=float, default=30.0)
-    args = parse_args(parser, quick={"rounds": 2, "window": 6.0, "host_procs": 0})
+    args = arguments(
+        __doc__, quick={"rounds": 2, "window": 6.0, "host_procs": 0}, rounds=25,
+        window=(60.0, "seconds of steady state measured"),
+        host_procs=(1000, "unrelated host processes for the last steady-state run (0: skip)"),
+        host_window=30.0)
 
     s = startup(args.rounds)
     wall, over = s["wall_ms"], s["overhead_ms"]

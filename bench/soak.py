@@ -34,7 +34,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -42,9 +41,7 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
-
-from prometheus_client.parser import text_string_to_metric_families
+from typing import Any, Optional
 
 from gpuwatch.simulate.demo import DemoError, read_json, wait_for
 from gpuwatch.simulate.fakenvml import (
@@ -55,17 +52,35 @@ from gpuwatch.simulate.fakenvml import (
     UNKNOWN,
     FakeFailure,
     FakeNode,
-    FakeProcess,
     build_fake_nvml,
 )
-from gpuwatch.sources.proc_stat import STIME, UTIME, parse_stat
 
-GIB = 1 << 30
-MIB = 1 << 20
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # harness.py and cmdline.py, imported as modules
 
-Labels = tuple[tuple[str, str], ...]
-Samples = dict[tuple[str, Labels], float]
+from cmdline import columns  # noqa: E402
+from harness import (  # noqa: E402
+    GIB,
+    MIB,
+    Pacer,
+    Processes,
+    RunOptions,
+    Sampler,
+    Samples,
+    SharedNode,
+    StormFeed,
+    console,
+    cpu_seconds,
+    daemon_config,
+    parse_metrics,
+    python,
+    run_arguments,
+    signal_all,
+    storm,
+    total,
+    unwind_on_signals,
+    work_dir,
+)
 
 #: The fault kinds, with the NVML error each injects.
 FAULT_KINDS = {"gpu_lost": GPU_IS_LOST, "timeout": TIMEOUT, "unknown": UNKNOWN,
@@ -80,18 +95,11 @@ MALFORMED_REASONS = ("malformed", "version", "oversized", "bad_name", "bad_value
 
 
 @dataclass
-class SoakOptions:
-    duration: float = 600.0
-    interval: float = 0.25
-    gpus: int = 4
-    storm_rate: float = 200.0
-    #: Share of the storm's processes registered as GPU holders while they live.
-    storm_gpu_share: float = 0.05
+class SoakOptions(RunOptions):
     agents: int = 3
     datagram_rate: float = 1000.0
     malformed_share: float = 0.2
-    #: Seconds of normal operation between two faults, and how long a fault lasts (min, max).
-    fault_gap: tuple[float, float] = (3.0, 8.0)
+    #: How long a fault lasts (min, max).
     fault_length: tuple[float, float] = (1.0, 4.0)
     reload_every: float = 10.0
     plant_every: float = 120.0
@@ -102,11 +110,7 @@ class SoakOptions:
     rss_window: Optional[float] = None
     rss_tolerance: float = 0.05
     nvml_retry_max: float = 2.0
-    scrape_every: float = 1.0
     prometheus: bool = False
-    seed: int = 0
-    work_dir: Optional[Path] = None
-    log: Callable[[str], None] = field(default=lambda line: None)
 
     def warmup_seconds(self) -> float:
         return self.warmup if self.warmup is not None else max(10.0, 0.25 * self.duration)
@@ -116,20 +120,6 @@ class SoakOptions:
 
 
 # ---- reading /metrics ----------------------------------------------------------------------------
-
-
-def parse_metrics(text: str) -> Samples:
-    out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """The sum of every sample of `name` whose labels include `labels` (0 when none)."""
-    return sum(v for (n, ls), v in samples.items()
-               if n == name and all(dict(ls).get(k) == want for k, want in labels.items()))
 
 
 def nvml_errors(samples: Samples) -> float:
@@ -163,43 +153,6 @@ class MetricsClient:
             self.ok += 1
             self.latencies.append(time.monotonic() - started)
         return samples
-
-
-# ---- the fake driver's state, shared by every thread that changes it -----------------------------
-
-
-class SharedNode:
-    """One FakeNode written by several threads: every change and its write under one lock."""
-
-    def __init__(self, node: FakeNode) -> None:
-        self.node = node
-        self._lock = threading.Lock()
-
-    def hold(self, pid: int, device: int, used: int) -> None:
-        with self._lock:
-            self.node.hold(pid, device, used)
-
-    def release(self, *pids: int) -> None:
-        with self._lock:
-            gone = set(pids)
-            self.node.processes = [p for p in self.node.processes if p.pid not in gone]
-            self.node.write()
-
-    def apply(self, held: list[FakeProcess], released: set[int]) -> None:
-        """A batch of storm changes in one write."""
-        with self._lock:
-            self.node.processes = [p for p in self.node.processes if p.pid not in released]
-            self.node.processes.extend(held)
-            self.node.write()
-
-    def fail(self, failure: FakeFailure) -> None:
-        with self._lock:
-            self.node.failures = [failure]
-            self.node.write()
-
-    def clear_failures(self) -> None:
-        with self._lock:
-            self.node.clear_failures()
 
 
 # ---- what runs alongside the daemon --------------------------------------------------------------
@@ -412,38 +365,6 @@ class Reloader(threading.Thread):
         self.config_path.write_text(self.base)
 
 
-class StormFeed(threading.Thread):
-    """Applies the storm worker's holds and releases to the fake driver, a batch per write."""
-
-    def __init__(self, proc: subprocess.Popen[str], node: SharedNode) -> None:
-        super().__init__(name="storm-feed", daemon=True)
-        self.proc, self.node = proc, node
-        self.pids: set[int] = set()
-        self.holders = 0
-
-    def run(self) -> None:
-        assert self.proc.stdout is not None
-        held: list[FakeProcess] = []
-        released: set[int] = set()
-        last = time.monotonic()
-        for line in self.proc.stdout:
-            parts = line.split()
-            if not parts:
-                continue
-            pid = int(parts[1])
-            if parts[0] == "S":
-                self.pids.add(pid)
-            elif parts[0] == "H":
-                self.pids.add(pid)
-                self.holders += 1
-                held.append(FakeProcess(device=int(parts[2]), pid=pid, used=int(parts[3])))
-            elif parts[0] == "R":
-                released.add(pid)
-            if (held or released) and time.monotonic() - last >= 0.05:
-                self.node.apply(held, released)
-                held, released, last = [], set(), time.monotonic()
-
-
 # ---- the soak ------------------------------------------------------------------------------------
 
 
@@ -494,82 +415,30 @@ class SoakResult:
         return None if early is None or late is None else (late - early) / early
 
 
-def _rss_bytes(pid: int) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _cpu_seconds(pid: int) -> Optional[float]:
-    try:
-        fields = parse_stat(Path(f"/proc/{pid}/stat").read_bytes())[1]
-    except (OSError, ValueError):
-        return None
-    return (int(fields[UTIME]) + int(fields[STIME])) / os.sysconf("SC_CLK_TCK")
-
-
-class _Processes:
-    """Everything the soak starts, ended on the way out whatever happened."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[Any]] = []
-        self.loose: set[int] = set()
-
-    def start(self, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
-        proc = subprocess.Popen(argv, **kw)
-        self.procs.append(proc)
-        return proc
-
-    def kill_all(self) -> None:
-        for pid in self.loose:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    # Each was started as a group leader: its children go with it.
-                    os.killpg(proc.pid, signal.SIGKILL)
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-
-
-def _python(*args: str) -> list[str]:
-    return [sys.executable, *args]
-
-
-def _start_job(procs: _Processes, work: Path, name: str, env: dict[str, str]
+def _start_job(procs: Processes, work: Path, name: str, env: dict[str, str]
                ) -> tuple[subprocess.Popen[bytes], list[int]]:
     ready = work / f"{name}.json"
-    launcher = procs.start(_python("-m", "gpuwatch.simulate.job", "--workers", "2",
-                                   "--ready", str(ready)), env=env, start_new_session=True)
+    launcher = procs.start(python("-m", "gpuwatch.simulate.job", "--workers", "2",
+                                  "--ready", str(ready)), env=env)
     info = wait_for(f"job {name}", lambda: read_json(ready), 60, alive=launcher)
     workers = [int(p) for p in info["workers"]]
-    procs.loose.update(workers)
+    procs.adopt(*workers)
     return launcher, workers
 
 
-def _trainer(procs: _Processes, env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
-    return procs.start(_python("-m", "gpuwatch.simulate.trainer", *args), env=env,
-                       start_new_session=True, stdout=subprocess.DEVNULL)
+def _trainer(procs: Processes, env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
+    return procs.start(python("-m", "gpuwatch.simulate.trainer", *args), env=env,
+                       stdout=subprocess.DEVNULL)
 
 
 def _base_config(opts: SoakOptions, work: Path) -> str:
-    # Everything in the file (nothing on the command line): a reload then rereads all of it, and
-    # a bad value in it is refused rather than masked by a flag.
-    return (f'[daemon]\nlisten = "127.0.0.1:0"\ninterval = {opts.interval}\n'
-            f'runtime_dir = "{work / "run"}"\nstate_dir = "{work / "state"}"\n'
-            f"nvml_retry_max = {opts.nvml_retry_max}\n"
-            "[exporter]\nmax_process_series = 1000\n")
+    # A bad value in the file is refused rather than masked by a flag.
+    return (daemon_config("127.0.0.1:0", opts.interval, work / "run", work / "state",
+                          opts.nvml_retry_max)
+            + "[exporter]\nmax_process_series = 1000\n")
 
 
-def _start_prometheus(procs: _Processes, work: Path, target: str) -> Optional[str]:
+def _start_prometheus(procs: Processes, work: Path, target: str) -> Optional[str]:
     binary = shutil.which("prometheus")
     if binary is None:
         return None
@@ -582,7 +451,7 @@ def _start_prometheus(procs: _Processes, work: Path, target: str) -> Optional[st
                       f"    static_configs:\n      - targets: ['{target}']\n")
     procs.start([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}",
                  f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                stderr=open(work / "prometheus.log", "wb"), start_new_session=True)  # noqa: SIM115
+                stderr=open(work / "prometheus.log", "wb"))  # noqa: SIM115
     return f"http://127.0.0.1:{port}"
 
 
@@ -599,12 +468,8 @@ def _prometheus_query(base: str, query: str) -> Optional[float]:
 def run_soak(opts: SoakOptions) -> SoakResult:
     result = SoakResult(opts)
     rng = random.Random(opts.seed)
-    work = opts.work_dir or Path(tempfile.mkdtemp(prefix="gpuwatch-soak-"))
-    work.mkdir(parents=True, exist_ok=True)
-    if any(work.iterdir()):
-        # An earlier run's ready files and daemon.json would be read as this run's.
-        raise ValueError(f"soak: the work directory {work} is not empty")
-    procs = _Processes()
+    work = work_dir(opts.work_dir, "gpuwatch-soak-")
+    procs = Processes()
     stop = threading.Event()
     threads: list[threading.Thread] = []
     try:
@@ -618,7 +483,7 @@ def run_soak(opts: SoakOptions) -> SoakResult:
 
 
 def _soak(opts: SoakOptions, result: SoakResult, rng: random.Random, work: Path,
-          procs: _Processes, stop: threading.Event, threads: list[threading.Thread]) -> None:
+          procs: Processes, stop: threading.Event, threads: list[threading.Thread]) -> None:
     log = opts.log
     node = FakeNode(work / "nvml-state", build_fake_nvml(), gpus=opts.gpus)
     node.write()
@@ -643,9 +508,8 @@ def _soak(opts: SoakOptions, result: SoakResult, rng: random.Random, work: Path,
     result.healthy_pids = {healthy_launcher.pid, *healthy_workers, healthy_trainer.pid}
 
     with open(log_path, "wb") as daemon_log:
-        daemon = procs.start(_python("-m", "gpuwatch", "daemon", "--config", str(config_path)),
-                             env=env, stdout=daemon_log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        daemon = procs.start(python("-m", "gpuwatch", "daemon", "--config", str(config_path)),
+                             env=env, stdout=daemon_log, stderr=subprocess.STDOUT)
     info = wait_for("the daemon", lambda: read_json(work / "run" / "daemon.json"), 60,
                     alive=daemon)
     started = time.monotonic()
@@ -660,16 +524,14 @@ def _soak(opts: SoakOptions, result: SoakResult, rng: random.Random, work: Path,
         _trainer(procs, agent_env, "--pattern", "steady", "--step-seconds", "0.01",
                  "--noise-mib", "0.25", "--seed", str(10 + i))
     datagram_report = work / "datagrams.json"
-    sender = procs.start(_python(str(HERE), "_datagrams", str(work / "run" / "agent.sock"),
-                                 str(opts.datagram_rate), str(opts.malformed_share),
-                                 str(opts.seed), str(datagram_report)),
-                         start_new_session=True)
+    sender = procs.start(python(str(HERE), "_datagrams", str(work / "run" / "agent.sock"),
+                                str(opts.datagram_rate), str(opts.malformed_share),
+                                str(opts.seed), str(datagram_report)))
     storm_report = work / "storm.json"
-    storm = procs.start(_python(str(HERE), "_storm", str(opts.storm_rate),
-                                str(opts.storm_gpu_share), str(opts.gpus), str(opts.seed),
-                                str(storm_report)),
-                        stdout=subprocess.PIPE, text=True, start_new_session=True)
-    feed = StormFeed(storm, shared)
+    storm_proc = procs.start(python(str(HERE), "_storm", str(opts.storm_rate),
+                                    str(opts.storm_gpu_share), str(opts.gpus), str(opts.seed),
+                                    str(storm_report)), stdout=subprocess.PIPE, text=True)
+    feed = StormFeed(storm_proc, shared)
     scraper = Scraper(client, opts.scrape_every, stop)
     faults = FaultInjector(shared, client, opts, random.Random(opts.seed + 1), stop)
     reloader = Reloader(daemon.pid, config_path, base_config, client, opts, stop)
@@ -677,13 +539,9 @@ def _soak(opts: SoakOptions, result: SoakResult, rng: random.Random, work: Path,
     for t in threads:
         t.start()
 
-    def sample_rss() -> None:
-        while not stop.wait(1.0):
-            rss = _rss_bytes(daemon.pid)
-            if rss is not None:
-                result.rss.append((time.monotonic() - started, rss))
-
-    rss_thread = threading.Thread(target=sample_rss, name="rss", daemon=True)
+    rss_thread = Sampler(lambda: daemon.pid, 1.0, stop)
+    rss_thread.started = started
+    result.rss = rss_thread.rss
     rss_thread.start()
 
     # Planted problems, round after round, until too little time is left for another.
@@ -706,7 +564,7 @@ def _soak(opts: SoakOptions, result: SoakResult, rng: random.Random, work: Path,
     stop.set()
     for t in (scraper, faults, reloader, rss_thread):
         t.join(60)
-    for worker in (sender, storm):  # their reports are written on SIGTERM
+    for worker in (sender, storm_proc):  # their reports are written on SIGTERM
         worker.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             worker.wait(30)
@@ -737,7 +595,7 @@ def _soak(opts: SoakOptions, result: SoakResult, rng: random.Random, work: Path,
             "scrapes": _prometheus_query(prometheus, f"count_over_time(up[{window}])") or 0.0,
             "up": _prometheus_query(prometheus, f"sum_over_time(up[{window}])") or 0.0,
         }
-    result.daemon_cpu_seconds = _cpu_seconds(daemon.pid)
+    result.daemon_cpu_seconds = cpu_seconds(daemon.pid)
     if result.daemon_alive_at_end:
         daemon.send_signal(signal.SIGTERM)
         try:
@@ -769,7 +627,7 @@ def _soak(opts: SoakOptions, result: SoakResult, rng: random.Random, work: Path,
     (work / "rss.csv").write_text("".join(f"{t:.1f},{rss}\n" for t, rss in result.rss))
 
 
-def _plant_round(procs: _Processes, node: SharedNode, scraper: Scraper, work: Path,
+def _plant_round(procs: Processes, node: SharedNode, scraper: Scraper, work: Path,
                  env: dict[str, str], agent_env: dict[str, str], opts: SoakOptions,
                  rng: random.Random, n: int, daemon: subprocess.Popen[bytes]) -> Round:
     """A job whose launcher is SIGKILLed (its workers hold GPU memory: orphans) and a trainer
@@ -805,9 +663,7 @@ def _plant_round(procs: _Processes, node: SharedNode, scraper: Scraper, work: Pa
     except DemoError as exc:
         opts.log(f"round {n}: {exc}")
     finally:
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        signal_all(workers)
         leaker.kill()
         leaker.wait()
         node.release(*workers, leaker.pid)
@@ -1037,101 +893,10 @@ def figures(r: SoakResult) -> list[tuple[str, str]]:
 
 
 def format_figures(r: SoakResult) -> str:
-    rows = figures(r)
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return columns(figures(r))
 
 
 # ---- the two helper processes: the storm and the raw datagram sender -----------------------------
-
-
-class _Pacer:
-    """`rate` events a second, for a loop that also does other work between them."""
-
-    def __init__(self, rate: float, stopping: threading.Event) -> None:
-        self.period = 1.0 / rate
-        self.stopping = stopping
-        self.next_at = time.monotonic()
-
-    def due(self) -> int:
-        """How many events are due now. A late wake-up catches up, but never by more than a
-        second's worth in one go."""
-        now = time.monotonic()
-        self.next_at = max(self.next_at, now - 1.0)
-        n = 0
-        while self.next_at <= now:
-            self.next_at += self.period
-            n += 1
-        return n
-
-    def wait(self) -> None:
-        """Until the next event is due (at most 10 ms, so the loop's other work keeps up)."""
-        self.stopping.wait(max(0.0, min(0.01, self.next_at - time.monotonic())))
-
-
-def storm(rate: float, gpu_share: float, gpus: int, seed: int,
-          max_live: Optional[int] = None, env: Optional[dict[str, str]] = None
-          ) -> dict[str, Any]:
-    """Spawn `rate` short-lived processes a second (at most `max_live` alive) until SIGTERM;
-    print `S PID` for each, `H PID DEVICE BYTES` for the GPU holders and `R PID` once a holder
-    has exited, for the caller to tell the driver. Returns what it did, with how many children
-    ended by a signal nobody here sent and its longest stall between turns."""
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    rng = random.Random(seed)
-    live: dict[int, bool] = {}
-    spawned = holders = failed = capped = most_alive = 0
-    signalled: dict[str, int] = {}
-    out = sys.stdout
-    pacer = _Pacer(rate, stopping)
-    began = last_turn = time.monotonic()
-    max_stall = 0.0
-    while not stopping.is_set():
-        now = time.monotonic()
-        max_stall, last_turn = max(max_stall, now - last_turn), now
-        for _ in range(pacer.due()):
-            if max_live is not None and len(live) >= max_live:
-                capped += 1
-                continue
-            holder = rng.random() < gpu_share
-            lifetime = rng.uniform(0.5, 2.0) if holder else rng.uniform(0.02, 0.5)
-            try:
-                pid = os.posix_spawn("/bin/sleep", ["sleep", f"{lifetime:.3f}"],
-                                     os.environ if env is None else env)
-            except OSError:
-                failed += 1
-                continue
-            spawned += 1
-            live[pid] = holder
-            most_alive = max(most_alive, len(live))
-            if holder:
-                holders += 1
-                out.write(f"H {pid} {rng.randrange(gpus)} {rng.randrange(1, 8) * GIB}\n")
-            else:
-                out.write(f"S {pid}\n")
-        while live:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            if os.WIFSIGNALED(status):
-                name = signal.Signals(os.WTERMSIG(status)).name
-                signalled[name] = signalled.get(name, 0) + 1
-            if live.pop(pid, False):
-                out.write(f"R {pid}\n")
-        out.flush()
-        pacer.wait()
-    for pid in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in live:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-    return {"seconds": time.monotonic() - began, "max_stall": max_stall, "spawned": spawned,
-            "holders": holders, "spawn_failed": failed, "capped": capped,
-            "max_live": most_alive, "signalled": signalled}
 
 
 def _storm_main(rate: float, gpu_share: float, gpus: int, seed: int, report: Path) -> int:
@@ -1170,7 +935,7 @@ def _datagrams_main(path: str, rate: float, malformed_share: float, seed: int,
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.settimeout(5)
     seq = 0
-    pacer = _Pacer(rate, stopping)
+    pacer = Pacer(rate, stopping)
     while not stopping.is_set():
         for _ in range(pacer.due()):
             seq += 1
@@ -1228,16 +993,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--rss-tolerance", type=float, default=d.rss_tolerance)
     p.add_argument("--prometheus", action="store_true",
                    help="also run a real Prometheus scraping every second (needs `prometheus`)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                   help="work in DIR and keep it (daemon log, fake driver state)")
-    p.add_argument("-q", "--quiet", action="store_true")
+    run_arguments(p, seed=d.seed, keep="daemon log, fake driver state")
     a = p.parse_args(argv)
-    started = time.monotonic()
-
-    def say(line: str) -> None:
-        if not a.quiet:
-            print(f"[{time.monotonic() - started:6.1f}] {line}", file=sys.stderr, flush=True)
+    say = console(a.quiet)
 
     if a.prometheus and shutil.which("prometheus") is None:
         p.error("--prometheus: no `prometheus` on PATH")
@@ -1251,10 +1009,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         plant_every=a.plant_every, warmup=a.warmup, rss_window=a.rss_window,
         rss_tolerance=a.rss_tolerance, prometheus=a.prometheus, seed=a.seed, work_dir=a.keep,
         log=say)
-    # A soak started in the background (`&` leaves SIGINT ignored) or stopped by a supervisor
-    # must still end everything it started: both signals unwind through run_soak's cleanup.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unwind_on_signals()
     result = run_soak(opts)
     print(format_figures(result))
     failed = check(result)

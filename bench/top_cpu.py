@@ -15,7 +15,6 @@ its first screen; a key is `j` (move the selection) sent 20 times a second, less
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import json
@@ -32,17 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from node import (
-    GIB,
-    MIB,
-    bench_node,
-    cli_env,
-    console_script,
-    cpu_seconds,
-    parse_args,
-    rss_bytes,
-    write_figures,
-)
+from cmdline import arguments, write_figures
+from node import GIB, MIB, bench_node, cli_env, console_script, cpu_seconds, rss_bytes
 
 from gpuwatch.sinks.state_socket import StateServer
 
@@ -214,11 +204,8 @@ def measure(term: Terminal, seconds: float, served: Optional[list[int]] = None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--processes", type=int, default=512)
-    parser.add_argument("--seconds", type=float, default=30.0,
-                        help="measuring window of each figure")
-    args = parse_args(parser, quick={"seconds": 6.0})
+    args = arguments(__doc__, quick={"seconds": 6.0}, processes=512,
+                     seconds=(30.0, "measuring window of each figure"))
     gpuwatch = [console_script("gpuwatch")]
     if not Path(gpuwatch[0]).exists():
         gpuwatch = [sys.executable, "-m", "gpuwatch"]

@@ -40,6 +40,7 @@ EXIT_PARTIAL = 4
 # `gpuwatch reap`
 EXIT_NOTHING_TO_DO = 3
 EXIT_NOT_ALL_REAPED = 4
+EXIT_NO_PERMISSION = 77  # sysexits' EX_NOPERM: the audit log cannot be written
 
 STATUS_EXIT_CODES = f"""\b
 Exit codes:
@@ -317,6 +318,8 @@ Exit codes:
   {EXIT_NOTHING_TO_DO}  nothing to do
   {EXIT_NOT_ALL_REAPED}  GPU memory the plan named is still held (a process not ended holds it,
      or NVML still lists an ended one's; NVML unreadable and a process not ended)
+  {EXIT_NO_PERMISSION} the audit log cannot be written (not root, nor the daemon's user): nothing
+     was signalled (a --dry-run still prints its plan, unrecorded, and exits 0)
   {EXIT_CONFIG} bad configuration
 """
 
@@ -350,7 +353,13 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     kernel threads, protected names or users, and checks each process's identity right before
     every signal. Every action goes to the audit log (reap.jsonl in the state directory).
     """
-    from gpuwatch.actions.reaper import AUDIT_NAME, Filters, Reaper
+    from gpuwatch.actions.reaper import (
+        AUDIT_NAME,
+        AuditRefused,
+        Filters,
+        Reaper,
+        audit_refusal,
+    )
     from gpuwatch.actions.release import holders, nvml_after, still_held
     from gpuwatch.model import KINDS, REAPABLE_KINDS
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
@@ -375,7 +384,14 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
         sys.exit(EXIT_NOTHING_TO_DO)
     if dry_run:
         _print_reap(as_json, report, [(a, "planned", "") for a in actions], True, render_reap)
+        if reaper.unrecorded:
+            click.echo(f"gpuwatch reap: the plan is not recorded: {reaper.unrecorded}", err=True)
         sys.exit(EXIT_OK)
+    try:
+        reaper.check_audit_writable()
+    except AuditRefused as exc:
+        click.echo(f"gpuwatch reap: nothing signalled: {exc}", err=True)
+        sys.exit(EXIT_NO_PERMISSION)
     if not yes:
         if not sys.stdin.isatty():
             click.echo("gpuwatch reap: refusing to signal without --yes (no terminal to "
@@ -385,7 +401,11 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
                                      **_fitted()))
         if not click.confirm(f"Reap {len(actions)} process(es)?"):
             sys.exit(EXIT_NOTHING_TO_DO)
-    results = reaper.execute(actions, grace=grace)
+    try:
+        results = reaper.execute(actions, grace=grace)
+    except PermissionError as exc:  # taken away between the check and the plans' write
+        click.echo(f"gpuwatch reap: {audit_refusal(reaper.audit_path, exc)}", err=True)
+        sys.exit(EXIT_NO_PERMISSION)
     reading = nvml_after({r.action.pid for r in results if r.freed and r.action.pid})
     listed = holders(reading) if reading.status.available else None
     held = still_held(results, reading)

@@ -7,9 +7,12 @@ fails at start (or is refused on SIGHUP) instead of being silently ignored.
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import stat
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -36,6 +39,60 @@ EXIT_CONFIG = 78
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and the source of the bad value."""
+
+
+#: The largest configuration file read (the config, the web config, the certificate, key and CA
+#: files it names). A real one is a few KiB; /dev/zero or a log named by mistake is refused
+#: before it costs memory.
+MAX_CONFIG_BYTES = 1 << 20
+
+_DEV_NULL = os.makedev(1, 3)
+_FILE_TYPES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISDIR, "a directory"))
+
+
+def read_config_file(path: Path, what: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
+    """The bytes of `path`, a regular file of at most `limit` bytes; else ConfigError.
+
+    Opened without blocking (a FIFO would wait for a writer, forever) and checked on the open
+    descriptor (no window between the check and the read); at most `limit` + 1 bytes are read,
+    so a file that grows meanwhile costs no more. Error messages name the path and the reason,
+    never a byte of the content: the daemon may read files its caller could not.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read it: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == _DEV_NULL:
+            return b""  # `--config /dev/null`: the usual way to say "no file, defaults"
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _FILE_TYPES if test(st.st_mode)),
+                        "not a regular file")
+            raise ConfigError(f"{what} {path}: is {kind}; expected a regular file")
+        if st.st_size > limit:
+            raise ConfigError(f"{what} {path}: {st.st_size} bytes, more than the "
+                              f"{limit} a configuration file may have")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise ConfigError(f"{what} {path}: more than the {limit} bytes a configuration "
+                              "file may have")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read it: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def _setting(default: Any, check: Callable[[Any], Any], help: str, env: Optional[str] = None
@@ -341,20 +398,25 @@ def _sections() -> dict[str, type]:
     return {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
 
 
-def _apply(config: Config, section: str, key: str, value: Any, origin: str) -> Config:
+def _apply(config: Config, section: str, key: str, value: Any, origin: str,
+           from_file: bool = False) -> Config:
+    """`from_file`: the names are shown only when they are setting names, and values never (a
+    file given by mistake may hold what its reader must not show)."""
     sections = _sections()
     if section not in sections:
-        raise ConfigError(f"{section}: unknown section ({origin}); known: "
-                          + ", ".join(sorted(sections)))
+        shown = f"{shown_name(section, from_file, list(sections))}: unknown section"
+        raise ConfigError(f"{shown} ({origin}); known: " + ", ".join(sorted(sections)))
     part = getattr(config, section)
     by_name = {f.name: f for f in fields(part)}
     if key not in by_name:
-        raise ConfigError(f"{section}.{key}: unknown key ({origin}); known in [{section}]: "
+        shown = f"{section}.{shown_name(key, from_file, list(by_name))}: unknown key"
+        raise ConfigError(f"{shown} ({origin}); known in [{section}]: "
                           + ", ".join(sorted(by_name)))
     try:
         normalised = by_name[key].metadata["check"](value)
     except ValueError as exc:
-        raise ConfigError(f"{section}.{key}: expected {exc}, got {value!r} ({origin})") from None
+        got = _shown_value(value) if from_file else repr(value)
+        raise ConfigError(f"{section}.{key}: expected {exc}, got {got} ({origin})") from None
     return replace(config, **{section: replace(part, **{key: normalised})})
 
 
@@ -384,23 +446,45 @@ def load_config(path: Optional[Path] = None,
     return config
 
 
+_BARE_NAME = re.compile(r"[A-Za-z0-9_\-]{1,40}")
+
+
+def shown_name(name: Any, from_file: bool = False, known: Sequence[str] = ()) -> str:
+    """A key as an error shows it. From a file, only a typo of one of the `known` names is
+    repeated (what the reader looks for); any other key is not, as a file named by mistake is
+    all keys (/etc/shadow)."""
+    bare = isinstance(name, str) and _BARE_NAME.fullmatch(name)
+    if bare and (not from_file or difflib.get_close_matches(name, known, n=1, cutoff=0.6)):
+        return str(name)
+    return "(a key that is no setting name)" if from_file else repr(str(name)[:64])
+
+
+def _shown_value(value: Any) -> str:
+    """A value from a file as an error shows it: numbers and booleans, not text."""
+    if isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    return f"a {type(value).__name__}"
+
+
 def _apply_file(config: Config, path: Path) -> Config:
+    raw = read_config_file(path, "config file")
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+        data = tomllib.loads(raw.decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:
+        # tomllib's messages name the problem and its line and column, not the text there.
         raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start}): TOML files "
                           "are UTF-8") from None
     for section, table in data.items():
         if not isinstance(table, dict):
-            raise ConfigError(f"{section}: expected a [{section}] table, got {table!r} ({path})")
+            name = shown_name(section, True, list(_sections()))
+            raise ConfigError(f"{name}: expected a [{name}] table, got {_shown_value(table)} "
+                              f"({path})")
         for key, value in table.items():
-            config = _apply(config, section, key, value, str(path))
+            config = _apply(config, section, key, value, str(path), from_file=True)
     return config
 
 

@@ -102,6 +102,9 @@ class Daemon:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._reload_requested = False
+        #: A configuration read in progress (off the poll loop), and what it gave when done.
+        self._reload_thread: Optional[threading.Thread] = None
+        self._reload_result: Optional[tuple[Optional[Config], Optional[ConfigError]]] = None
         self._nvml_was_up: Optional[bool] = None
 
         # `_created` series double every counter for no use on a node exporter.
@@ -288,9 +291,13 @@ class Daemon:
         ready = False
         while not self._stop.is_set():
             now = time.monotonic()
-            if self._reload_requested:
+            if self._reload_requested and self._reload_thread is None:
                 self._reload_requested = False
-                self.reload()
+                self._start_reload()
+            result = self._reload_result
+            if result is not None:
+                self._reload_result, self._reload_thread = None, None
+                self._apply_reload(*result)
                 self._render_for_scrapes()  # the reload's outcome, counted, shows at once
             if now >= next_poll:
                 self.poll_once()
@@ -471,11 +478,32 @@ class Daemon:
         return (f"{s.nvml.message}; {len(s.gpus)} GPU(s), {len(s.gpu_holders)} GPU process(es), "
                 f"{len(self._latest.findings)} finding(s)")
 
-    def reload(self) -> bool:
-        systemd_notify.reloading()
+    def _read_config(self) -> tuple[Optional[Config], Optional[ConfigError]]:
         try:
-            new = load_config(self._config_path, overrides=self._overrides)
+            return load_config(self._config_path, overrides=self._overrides), None
         except ConfigError as exc:
+            return None, exc
+
+    def _start_reload(self) -> None:
+        """Read the configuration on a thread of its own: a file on a hung mount, or anything
+        else slow to read, delays the reload, never a poll. The loop applies the result."""
+        systemd_notify.reloading()
+
+        def read() -> None:
+            self._reload_result = self._read_config()
+            self._wake.set()
+
+        self._reload_thread = threading.Thread(target=read, name="gpuwatch-reload", daemon=True)
+        self._reload_thread.start()
+
+    def reload(self) -> bool:
+        """Read and apply the configuration now (the poll loop does the two apart)."""
+        systemd_notify.reloading()
+        return self._apply_reload(*self._read_config())
+
+    def _apply_reload(self, new: Optional[Config], error: Optional[ConfigError]) -> bool:
+        if new is None:
+            exc = error
             log.error("configuration reload refused, keeping the running one: %s", exc)
             self.reloads.labels("refused").inc()
             systemd_notify.ready(status=self._status_line())

@@ -717,13 +717,13 @@ def test_a_datagram_without_credentials_is_counted(sock_path: Path) -> None:
     arrivals = [(report(step=1), [], 0, None), (report(step=1), [ucred_pid0], 0, None)]
 
     class FakeSocket:
-        def recvmsg(self, bufsize: int, ancbufsize: int) -> tuple[bytes, list[Any], int, Any]:
+        def recvmsg(self, bufsize: int, ancbufsize: int, flags: int = 0
+                    ) -> tuple[bytes, list[Any], int, Any]:
             if not arrivals:
-                receiver._stopping.set()
                 raise BlockingIOError
             return arrivals.pop(0)
 
-    receiver._receive_loop(FakeSocket())  # type: ignore[arg-type]
+    receiver._receive_batch(FakeSocket(), shared=True)  # type: ignore[arg-type]
     assert receiver.rejected["no_credentials"] == 2
     assert receiver.accepted == 0
 
@@ -734,11 +734,11 @@ def test_the_receiving_thread_survives_an_exception_while_handling(
     calls = []
 
     def failing_once(payload: bytes, pid: int, uid: int, truncated: bool = False,
-                     address: Any = None) -> None:
+                     address: Any = None, via: Any = None) -> None:
         calls.append(payload)
         if len(calls) == 1:
             raise RuntimeError("a bug")
-        handle(payload, pid, uid, truncated, address)
+        handle(payload, pid, uid, truncated, address, via)
 
     # The thread bound handle() when it started; swap what it calls through the instance.
     monkeypatch.setattr(receiver, "handle", failing_once)
@@ -764,7 +764,8 @@ for step in range(20):
     subprocess.run([sys.executable, "-c", sender, str(sock_path)], check=True, timeout=30)
     wait_handled(receiver, 20)
     assert receiver.accepted == 20
-    assert len(os.listdir("/proc/self/fd")) <= before
+    # One more descriptor is the sending user's own socket (agent.d), made at its first report.
+    assert len(os.listdir("/proc/self/fd")) <= before + len(receiver._private)
 
 
 # -- bounds under load ---------------------------------------------------------------------------
@@ -978,3 +979,144 @@ def test_drain_is_safe_while_reports_arrive(receivers: Callable[..., AgentReceiv
     for r in receiver.drain().values():
         seen.extend(p.step for p in r.points)
     assert seen == list(range(2000))  # none lost or repeated between drains
+
+
+# -- one user's flood and another user's reports ------------------------------------------------
+FLOODER_UID = 4243  # no account needed: a uid of its own, as a second local user
+VICTIM_UID = 65534
+
+_JUNK_FLOODER = r"""
+import os, socket, sys, threading
+path, threads = sys.argv[1], int(sys.argv[2])
+def flood():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # blocking: sleeps on a full queue
+    while True:
+        try:
+            s.sendto(b"junk", path)
+        except OSError:
+            pass
+for _ in range(threads):
+    threading.Thread(target=flood, daemon=True).start()
+print("flooding", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+_VICTIM = r"""
+import json, os, sys, time
+from gpuwatch.agent._transport import Transport
+path, steps = sys.argv[1], int(sys.argv[2])
+t = Transport()
+started = time.monotonic()
+for step in range(steps):
+    t.send(json.dumps({"v": 1, "kind": "step", "seq": step, "step": step,
+                       "rss": step << 22}).encode(), path)
+    time.sleep(max(0.0, started + (step + 1) / 10 - time.monotonic()))
+print(os.getpid(), t.sent, t.dropped, flush=True)
+"""
+
+
+def test_a_flood_from_one_user_does_not_starve_another_user_s_reports() -> None:
+    """200 senders of one user keep agent.sock's kernel queue (net.unix.max_dgram_qlen, 10 by
+    default) full; another user's agent, sending 10 reports a second, non-blocking as the
+    agent does, still has nearly all of them received: from its first accepted report on, it
+    sends to a socket of its own, which only it may write to."""
+    import tempfile
+
+    from tests.daemonproc import setpriv_or_skip
+
+    setpriv = setpriv_or_skip()
+    shared = Path(tempfile.mkdtemp(prefix="gpuwatch-agent-flood-"))
+    shared.chmod(0o755)
+    path = shared / "agent.sock"
+    receiver = AgentReceiver(path, max_reports_per_second=20_000)
+    receiver.start()
+    flooder = subprocess.Popen(
+        [setpriv, f"--reuid={FLOODER_UID}", f"--regid={FLOODER_UID}", "--clear-groups",
+         sys.executable, "-c", _JUNK_FLOODER, str(path), "200"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert flooder.stdout is not None and flooder.stdout.readline() == "flooding\n"
+        poll_until("the flood to fill the queue", lambda: (
+            receiver.rejected["rate_limited"] + receiver.rejected["malformed"] > 1000) or None,
+                   30)
+        steps = 60
+        victim = subprocess.run(
+            [setpriv, f"--reuid={VICTIM_UID}", f"--regid={VICTIM_UID}", "--clear-groups",
+             sys.executable, "-c", _VICTIM, str(path), str(steps)],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        assert victim.returncode == 0, victim.stderr
+        pid, sent, dropped = (int(x) for x in victim.stdout.split())
+        received = receiver.drain().get(pid)
+        got = len(received.points) if received is not None else 0
+        assert got >= 0.8 * steps, f"{got} of {steps} received ({sent} sent, {dropped} dropped)"
+        assert (shared / "agent.d" / f"{VICTIM_UID}.sock").exists()
+    finally:
+        flooder.kill()
+        flooder.wait(10)
+        receiver.stop()
+        import shutil
+
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_user_s_own_socket_takes_no_other_user_s_datagrams() -> None:
+    import shutil
+    import tempfile
+
+    from tests.daemonproc import setpriv_or_skip
+
+    setpriv = setpriv_or_skip()
+    tmp_path = Path(tempfile.mkdtemp(prefix="gpuwatch-agent-own-"))  # reachable by any user
+    tmp_path.chmod(0o755)
+    receiver = AgentReceiver(tmp_path / "agent.sock")
+    receiver.start()
+    try:
+        own = tmp_path / "agent.d" / f"{VICTIM_UID}.sock"
+        code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+                "try:\n    s.sendto(b'x', sys.argv[1]); print('sent')\n"
+                "except OSError as e: print(e.errno)")
+        first = subprocess.run([setpriv, f"--reuid={VICTIM_UID}", f"--regid={VICTIM_UID}",
+                                "--clear-groups", sys.executable, "-c", code,
+                                str(tmp_path / "agent.sock")], capture_output=True, text=True,
+                               timeout=30)
+        assert first.stdout.strip() == "sent"
+        poll_until("the user's own socket", lambda: own.exists() or None, 10)
+        for uid, expected in ((VICTIM_UID, "sent"), (FLOODER_UID, "13")):  # 13: EACCES
+            result = subprocess.run([setpriv, f"--reuid={uid}", f"--regid={uid}",
+                                     "--clear-groups", sys.executable, "-c", code, str(own)],
+                                    capture_output=True, text=True, timeout=30)
+            assert result.stdout.strip() == expected, (uid, result.stdout, result.stderr)
+    finally:
+        receiver.stop()
+    assert not own.exists()
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_the_agent_moves_to_its_user_s_own_socket_takes_requests_there_and_falls_back(
+        sock_path: Path) -> None:
+    from gpuwatch.agent._transport import Transport
+
+    receiver = AgentReceiver(sock_path)
+    receiver.start()
+    own = sock_path.parent / "agent.d" / f"{os.geteuid()}.sock"
+    transport = Transport()
+    try:
+        transport.send(report(step=1), str(sock_path))
+        assert transport.private is None or transport.private == str(own)
+        poll_until("the user's own socket", lambda: own.exists() or None, 10)
+        transport.private_checked = -10.0  # look again now, not in a second
+        transport.send(report(step=2), str(sock_path))
+        assert transport.private == str(own)
+        poll_until("both reports", lambda: receiver.accepted >= 2 or None, 10)
+        # The request goes out from the socket the report came in on, and the agent takes it.
+        assert receiver.request_trace(os.getpid(), 5)
+        got = poll_until("the request", lambda: transport.request(), 10)
+        assert got["kind"] == "trace" and got["steps"] == 5
+    finally:
+        receiver.stop()
+        transport.close()
+    assert not own.exists()
+    # A daemon gone (its sockets removed): the next report tries agent.sock again.
+    transport.send(report(step=3), str(sock_path))
+    assert transport.private is None

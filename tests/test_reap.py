@@ -60,6 +60,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_NOTHING_TO_DO = 3
 EXIT_INCOMPLETE = 4
+EXIT_NO_PERMISSION = 77
 
 
 # ---- the daemon, the CLI, the audit log ---------------------------------------------------------
@@ -600,6 +601,50 @@ def test_a_caller_without_cap_kill_is_refused_another_users_process(
                 assert running(worker)
         (entry,) = executed(audit(states))
         assert (entry["pid"], entry["result"]) == (worker, "refused")
+
+
+GPUWATCH_GROUP = 4242  # a group id no account uses: the `gpuwatch` group of a real install
+
+
+def test_a_gpuwatch_group_member_may_dry_run_and_is_refused_a_reap_it_cannot_record(
+        fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """The state directory as the unit makes it (0750, the daemon's, group gpuwatch): a member
+    of the group, not root, plans without a traceback and is told why it may not reap."""
+    setpriv = setpriv_or_skip()
+    with shared_node(fake_nvml_lib, 0, 0) as (node, env):
+        shared = Path(env["HOME"])
+        runtime, states = Path(env["GPUWATCH_RUNTIME_DIR"]), Path(env["GPUWATCH_STATE_DIR"])
+        os.chown(states, 0, GPUWATCH_GROUP)
+        states.chmod(0o750)
+        (states / "reap.jsonl").write_text("")
+        os.chown(states / "reap.jsonl", 0, GPUWATCH_GROUP)
+        (states / "reap.jsonl").chmod(0o640)
+        member = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}",
+                  f"--groups={GPUWATCH_GROUP}", sys.executable, "-m", "gpuwatch", "reap",
+                  "--json", "--grace", GRACE]
+        with orphaned_worker_under_pid1(tmp_path) as worker:
+            node.hold(worker, device=0, used=GIB)
+            with watching(node, env, tmp_path) as w:
+                w.findings_of("orphan", [worker])
+                os.chown(runtime / "state.sock", -1, GPUWATCH_GROUP)
+                dry = subprocess.run([*member, "--dry-run"], env=env, cwd=shared,
+                                     stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                     timeout=90)
+                assert "Traceback" not in dry.stderr, dry.stderr
+                assert dry.returncode == EXIT_OK, dry.stderr
+                (planned,) = json.loads(dry.stdout)["actions"]
+                assert planned["pid"] == worker
+                assert "not recorded" in dry.stderr and "permission denied" in dry.stderr.lower()
+
+                real = subprocess.run([*member, "--yes"], env=env, cwd=shared,
+                                      stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                      timeout=90)
+                assert "Traceback" not in real.stderr, real.stderr
+                assert real.returncode == EXIT_NO_PERMISSION, real.stderr
+                assert "nothing signalled" in real.stderr
+                assert str(states / "reap.jsonl") in real.stderr
+                assert running(worker)
+        assert audit(states) == []
 
 
 def test_unkillable_and_ghost_findings_are_reported_and_never_signalled(

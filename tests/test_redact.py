@@ -443,3 +443,83 @@ def test_a_real_process_s_launch_env_is_shown_redacted(
     finally:
         worker.kill()
         worker.wait()
+
+
+# -- second round: short password options, bare --key, provider key shapes ----------------------
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    # short password options of known tools
+    (["mongosh", "-u", "admin", "-p", "pSECRET9", "db"],
+     ["mongosh", "-u", "admin", "-p", MASK, "db"]),
+    (["ipmitool", "-I", "lanplus", "-H", "bmc1", "-U", "admin", "-P", "calvin", "power", "status"],
+     ["ipmitool", "-I", "lanplus", "-H", "bmc1", "-U", "admin", "-P", MASK, "power", "status"]),
+    (["sqlcmd", "-S", "db", "-U", "sa", "-P", "Str0ng!"],
+     ["sqlcmd", "-S", "db", "-U", "sa", "-P", MASK]),
+    (["zip", "-P", "hunter2", "out.zip", "a"], ["zip", "-P", MASK, "out.zip", "a"]),
+    (["7z", "a", "-phunter2", "x.7z", "d"], ["7z", "a", f"-p{MASK}", "x.7z", "d"]),
+    (["ldapsearch", "-x", "-D", "cn=admin", "-w", "hunter2", "-b", "dc=x"],
+     ["ldapsearch", "-x", "-D", "cn=admin", "-w", MASK, "-b", "dc=x"]),
+    (["mosquitto_pub", "-u", "u", "-P", "hunter2", "-t", "t"],
+     ["mosquitto_pub", "-u", "u", "-P", MASK, "-t", "t"]),
+    (["rabbitmqadmin", "-u", "guest", "-p", "guest", "list", "queues"],
+     ["rabbitmqadmin", "-u", "guest", "-p", MASK, "list", "queues"]),
+    (["redis-cli", "-a", "pSECRET9"], ["redis-cli", "-a", MASK]),
+    (["curl", "-u", "alice:hunter2", "https://h/x"], ["curl", "-u", f"alice:{MASK}", "https://h/x"]),
+    (["curl", "--user", "alice:hunter2", "https://h/x"],
+     ["curl", "--user", f"alice:{MASK}", "https://h/x"]),
+    (["smbclient", "//h/s", "-U", "alice%hunter2"], ["smbclient", "//h/s", "-U", f"alice%{MASK}"]),
+    (["openssl", "enc", "-aes256", "-k", "hunter2"], ["openssl", "enc", "-aes256", "-k", MASK]),
+    (["openssl", "pkcs12", "-passin", "pass:hunter2"], ["openssl", "pkcs12", "-passin", MASK]),
+    # -p / -P of any other program, when the value is shaped like a password
+    (["x", "-p", "pSECRET9"], ["x", "-p", MASK]),
+    (["python", "worker.py", "-P", "Hunter2xyz"], ["python", "worker.py", "-P", MASK]),
+    # secret names: bare --key, --pass, --passphrase, --pw
+    (["x", "--key", "sk-liveSECRET15"], ["x", "--key", MASK]),
+    (["x", "--key=abc"], ["x", f"--key={MASK}"]),
+    (["x", "--pass", "abc"], ["x", "--pass", MASK]),
+    (["x", "--pw", "abc"], ["x", "--pw", MASK]),
+    (["x", "--passphrase", "abc def"], ["x", "--passphrase", MASK]),
+    (["x", "--api-key", "sk-liveSECRET15"], ["x", "--api-key", MASK]),
+    (["x", "--secret", "sk-liveSECRET15"], ["x", "--secret", MASK]),
+])
+def test_short_password_options_and_bare_key_flags_are_masked(argv: list[str],
+                                                             expected: list[str]) -> None:
+    assert redact_cmdline(argv) == tuple(expected)
+
+
+@pytest.mark.parametrize("argv", [
+    ["python", "-P", "train.py"],           # python's own -P (safe path), a switch
+    ["ssh", "-p", "2222", "host"],
+    ["scp", "-P", "2222", "a", "h:b"],
+    ["docker", "run", "-p", "8080:80", "img"],
+    ["mkdir", "-p", "/scratch/Run1/ckpt"],
+    ["grep", "-P", r"\d+ loss", "log"],
+    ["xargs", "-P", "8", "-n", "1"],
+    ["wget", "-P", "downloads", "https://h/x"],
+    ["ps", "-p", "12345"],
+    ["uvicorn", "app:api", "-p", "8000"],
+    ["mysql", "-u", "root", "-p", "Metrics2024"],  # mysql's -p alone prompts: the next is the db
+    ["curl", "-u", "alice", "https://h/x"],        # no password given: curl prompts
+    ["x", "--text-key", "content", "--first-pass", "abc", "--pw-file", "/run/pw"],
+    ["sort", "--key-field", "2"],
+    ["zip", "-r", "out.zip", "Dir1"],
+])
+def test_short_options_and_key_words_that_are_not_passwords_are_unchanged(argv: list[str]) -> None:
+    _same(argv)
+
+
+@pytest.mark.parametrize(("secret", "shown"), [
+    ("sk_live_51HxYzAbCdEfGhIjKlMnOpQr", f"sk_live_{MASK}"),   # Stripe secret and restricted
+    ("rk_test_51HxYzAbCdEfGhIjKlMnOpQr", f"rk_test_{MASK}"),
+    ("xoxe-1-AbCdEfGhIjKlMnOp123", f"xoxe-{MASK}"),             # Slack refresh tokens
+    ("xapp-1-A012BCDEF-1234567890-abcdef0123", f"xapp-{MASK}"),  # Slack app-level tokens
+    ("nvapi-Ab3dEfGh1jKlMnOpQrStUvWxYz0123456789AbCdEfGhIjKlMnOpQr", f"nvapi-{MASK}"),  # NGC
+    ("gsk_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789AbCdEfGhIjKl", f"gsk_{MASK}"),
+    ("r8_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789", f"r8_{MASK}"),
+    ("glc_eyJvIjoiMTIzNDU2IiwibiI6InN0YWNrLTEyMzQ1Ni1obS1yZWFkIn0=", f"glc_{MASK}"),
+    ("AKIAIOSFODNN7EXAMPLE", f"AKIA{MASK}"),
+    ("ghp_9kXbT3wQmZr7LpVn2YcHsJ5dGfA8eUoRt1Ki", f"ghp_{MASK}"),
+])
+def test_provider_key_shapes_are_masked_anywhere(secret: str, shown: str) -> None:
+    assert redact_cmdline(["x", secret]) == ("x", shown)
+    assert redact_cmdline(["x", f"--header=X-Key:{secret}"]) == ("x", f"--header=X-Key:{shown}")

@@ -103,8 +103,9 @@ def tls_and_auth(pki: Pki, extra_tls: str = "") -> str:
 @needs_openssl
 @pytest.mark.parametrize(("text", "names"), [
     ("tls_server_config:\n  cert_file: s.crt\n  key_file: s.key\n  cipher: x\n",
-     "tls_server_config.cipher: unknown key"),
-    ("tls_config:\n  cert_file: s.crt\n", "tls_config: unknown key"),
+     "tls_server_config: an unknown key"),
+    ("tls_config:\n  cert_file: s.crt\n",
+     "the file: an unknown key (did you mean tls_server_config?)"),
     ("tls_server_config:\n  cert_file: s.crt\n", "tls_server_config.key_file: required"),
     ("tls_server_config:\n  cert_file: s.crt\n  key_file: s.key\n  client_auth_type: Maybe\n",
      "client_auth_type: expected one of NoClientCert"),
@@ -122,7 +123,7 @@ def tls_and_auth(pki: Pki, extra_tls: str = "") -> str:
      "tls_server_config.cert: inline certificates"),
     ("basic_auth_users:\n  alice: hunter2\n", "basic_auth_users.alice: expected a bcrypt hash"),
     ("http_server_config:\n  headers:\n    Server: x\n",
-     "http_server_config.headers.Server: this header cannot be set"),
+     "http_server_config.headers: a header that cannot be set"),
     ("http_server_config:\n  headers:\n    X-Frame-Options: allow\n",
      "X-Frame-Options: expected one of deny, sameorigin"),
     ("rate_limit:\n  interval: 1s\n  burst: 0\n", "rate_limit.burst: expected an integer >= 1"),
@@ -375,3 +376,98 @@ def test_prometheus_scrapes_over_tls_with_basic_auth_and_without_them_gets_nothi
         refused = re.search(r'^gpuwatch_http_responses_total\{code="401"\} (\S+)$', scraped, re.M)
         assert refused and float(refused.group(1)) >= 2
         assert "Traceback" not in d.log()
+
+
+# -- wrong-password floods ----------------------------------------------------------------------
+#: bcrypt at the cost people use (htpasswd -B's default): each check ~60 ms of CPU.
+REAL_COST_HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
+
+
+def wrong_password_flood(port: int, connections: int, stop: Any, source: str = "127.0.0.1",
+                         ) -> list[Any]:
+    """`connections` clients that each send a fresh wrong password, read the answer, and send
+    the next, until `stop` is set: a brute-force attempt, or a scraper misconfigured many
+    times over. Returns the threads."""
+    import threading
+
+    def attack(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            token = base64.b64encode(f"prometheus:wrong-{n}-{i}".encode()).decode()
+            with contextlib.suppress(OSError), socket.create_connection(
+                    ("127.0.0.1", port), timeout=15, source_address=(source, 0)) as s:
+                s.sendall(f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic "
+                          f"{token}\r\n\r\n".encode())
+                while s.recv(65536):
+                    pass
+            stop.wait(0.02)
+
+    threads = [threading.Thread(target=attack, args=(n,), daemon=True)
+               for n in range(connections)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def timed_get(url: str, user: str, password: str = PASSWORD) -> tuple[int, float]:
+    started = time.monotonic()
+    code = get(url, user=user, password=password)[0]
+    return code, time.monotonic() - started
+
+
+def test_a_wrong_password_flood_never_delays_the_authenticated_scraper_even_after_a_reload(
+        tmp_path: Path) -> None:
+    import threading
+
+    path = web_file(tmp_path, f"basic_auth_users:\n  prometheus: {REAL_COST_HASH}\n")
+    web = WebSettings(path)
+    stop = threading.Event()
+    with serving(web) as server:
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        assert get(url, user="prometheus")[0] == 200  # its verdict is now kept
+        threads = wrong_password_flood(server.port, 100, stop)
+        try:
+            wait_for("the flood to be refused in numbers", lambda: (
+                server.stats.responses.get("401", 0) + server.stats.responses.get("429", 0)
+                >= 20) or None, 30)
+            # 100 unknown passwords queued cost 6 s of bcrypt; the scraper waits behind none.
+            scrapes = [timed_get(url, "prometheus") for _ in range(5)]
+            assert all(code == 200 for code, _ in scrapes), scrapes
+            assert max(took for _, took in scrapes) < 2.0, scrapes
+
+            # A reload (a renewed certificate, a new header) keeps the known-good verdicts.
+            config = web.config
+            path.write_text(f"basic_auth_users:\n  prometheus: {REAL_COST_HASH}\n"
+                            "http_server_config:\n  headers:\n    X-Frame-Options: deny\n")
+            os.utime(path, (time.time() + 5, time.time() + 5))
+            wait_for("the reload", lambda: (get(url)[0] and web.config is not config) or None,
+                     10)
+            scrapes = [timed_get(url, "prometheus") for _ in range(5)]
+            assert all(code == 200 for code, _ in scrapes), scrapes
+            assert max(took for _, took in scrapes) < 2.0, scrapes
+            # The peer that keeps failing is turned away without a check.
+            assert server.stats.responses.get("429", 0) > 0
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(20)
+
+
+def test_a_peer_that_keeps_failing_is_refused_checks_and_others_are_checked_first(
+        tmp_path: Path) -> None:
+    from gpuwatch.sinks.web_config import FAILED_CHECKS_BURST
+
+    web = WebSettings(web_file(tmp_path, f"basic_auth_users:\n  prometheus: {HASH}\n"))
+    allowed = 0
+    while web.may_check("192.0.2.1"):
+        assert not web.checked("192.0.2.1", "prometheus", b"wrong")
+        allowed += 1
+    assert allowed == FAILED_CHECKS_BURST
+    assert web.suspect("192.0.2.1") and not web.suspect("192.0.2.2")
+    # Another peer is not affected; a success gives its check back.
+    assert web.may_check("192.0.2.2") and web.checked("192.0.2.2", "prometheus",
+                                                      PASSWORD.encode())
+    assert not web.suspect("192.0.2.2")
+    # Known-good credentials need no check at all, whoever sends them.
+    assert web.known("prometheus", PASSWORD.encode()) is True

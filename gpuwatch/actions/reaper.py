@@ -164,6 +164,8 @@ class Reaper:
                                   else may_signal_others)
         self._signals = signaller or Signaller()
         self.audit = AuditWriter(audit_path, actor, self.euid, clock)
+        #: Why a dry run's plan is not in the audit log (None: it is, or nothing was planned).
+        self.unrecorded: Optional[str] = None
 
     # -- planning ------------------------------------------------------------------------------
     def plan(self, report: NodeReport, filters: Filters = Filters(), dry_run: bool = False,
@@ -183,9 +185,23 @@ class Reaper:
         # Zombies last: terminating their parents first is what may reap them.
         actions.sort(key=lambda a: a.action == VIA_PARENT)
         if dry_run:
-            self.audit.write([self.audit.entry(Result(a, "planned"), PLANNED, dry_run=True)
-                              for a in actions])
+            # A dry run changes nothing, so it is not refused for want of the right to record
+            # it: a reader of the state directory (the gpuwatch group) may plan; `unrecorded`
+            # says why the plan is not on record.
+            try:
+                self.audit.write([self.audit.entry(Result(a, "planned"), PLANNED, dry_run=True)
+                                  for a in actions])
+            except PermissionError as exc:
+                self.unrecorded = audit_refusal(self.audit_path, exc)
         return actions
+
+    def check_audit_writable(self) -> None:
+        """Raise AuditRefused when the audit log cannot be appended to: a reap is recorded
+        before its first signal, so one that cannot be recorded must not start."""
+        try:
+            self.audit.touch()
+        except OSError as exc:
+            raise AuditRefused(audit_refusal(self.audit_path, exc)) from None
 
     def audit_planned(self, actions: Iterable[Action]) -> None:
         """Record plans that are not carried out (the daemon's refused auto-reaps)."""
@@ -349,6 +365,18 @@ def _start_time_of(pid: int) -> Optional[float]:
     return stat.start_time if stat is not None else None
 
 
+class AuditRefused(Exception):
+    """The audit log cannot be written: the message says which file, why, and who can."""
+
+
+def audit_refusal(path: Path, exc: OSError) -> str:
+    reason = exc.strerror or str(exc)
+    who = (" (the audit log is written by root and by the daemon's user; members of the "
+           "gpuwatch group may read it and run --dry-run)"
+           if isinstance(exc, PermissionError) else "")
+    return f"cannot write the audit log {path}: {reason}{who}"
+
+
 class AuditWriter:
     """Appends to the audit log: O_APPEND, one line per write(), under an exclusive flock so
     that the check for a torn last line (a writer killed mid-write) and the append are one step:
@@ -379,6 +407,11 @@ class AuditWriter:
             for e in entries:
                 _write_all(fd, lead + json.dumps(e).encode() + b"\n")
                 lead = b""
+
+    def touch(self) -> None:
+        """Open the log for appending, creating it as a write would, and write nothing."""
+        with self._open():
+            pass
 
     def end_torn_line(self) -> bool:
         """End a torn last line, if there is one (so that it reads as one unreadable line, and

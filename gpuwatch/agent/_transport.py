@@ -5,6 +5,12 @@ for its monitor. Without a daemon the agent backs off (1 s, doubling to 30 s) so
 without gpuwatch costs one failed `sendto` now and then, and a `stat` of the socket path twice
 a second: a daemon that starts again (a new socket file there) is reported to at the next step.
 
+A socket of the user's own: once the daemon has seen a report from this user on agent.sock, it
+makes `agent.d/<uid>.sock` beside it, which only this user may send to, so that its kernel queue
+(10 datagrams where `net.unix.max_dgram_qlen` is the kernel's default) is not shared with another
+user's flood. The agent looks for it at most once a second while it reports to agent.sock, sends
+there once it exists, and goes back to agent.sock if it is gone (a daemon restarted).
+
 The socket is bound to a kernel-chosen abstract address (autobind), which the daemon sees as the
 sender's address and can answer to. An answer is accepted only from the socket the reports go to:
 its source address must be that path, and the kernel's credentials (SO_PASSCRED) must name root or
@@ -19,13 +25,19 @@ import errno
 import json
 import os
 import socket
+import stat
 import struct
+import time
 from typing import Any, Optional
 
 __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "DEFAULT_RUNTIME_DIR", "SOCKET_NAME", "Transport"]
 
 DEFAULT_RUNTIME_DIR = "/run/gpuwatch"
 SOCKET_NAME = "agent.sock"
+#: Beside SOCKET_NAME: `<uid>.sock`, the user's own socket (docs/agent-protocol.md).
+PRIVATE_DIR = "agent.d"
+#: How often, at most, the agent looks for its user's own socket while it has none.
+PRIVATE_CHECK_EVERY = 1.0
 #: With no daemon, one failed send, then silence for this long, doubling up to BACKOFF_MAX.
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 30.0
@@ -44,7 +56,8 @@ _ANCILLARY = socket.CMSG_SPACE(_UCRED.size) if hasattr(socket, "CMSG_SPACE") els
 class Transport:
     """One socket to the daemon, with the backoff that keeps a node without one cheap."""
 
-    __slots__ = ("attempts", "backoff", "dropped", "failed", "failed_on", "path", "sent", "sock")
+    __slots__ = ("attempts", "backoff", "dropped", "failed", "failed_on", "path", "private",
+                 "private_checked", "sent", "sock")
 
     def __init__(self) -> None:
         self.sock: Optional[socket.socket] = None
@@ -53,6 +66,9 @@ class Transport:
         self.attempts = self.sent = self.failed = self.dropped = 0
         #: The socket file the last failed send met (device, inode), None where there was none.
         self.failed_on: Optional[tuple[int, int]] = None
+        #: The user's own socket, when the daemon made one; reports go there instead.
+        self.private: Optional[str] = None
+        self.private_checked = -PRIVATE_CHECK_EVERY
 
     def close(self) -> None:
         sock, self.sock = self.sock, None
@@ -74,7 +90,19 @@ class Transport:
             sock = self.sock
             if sock is None:
                 sock = self.sock = _open()
-            sock.sendto(data, self.path or self.resolve(configured_path))
+            shared = self.path or self.resolve(configured_path)
+            target = self.private or self._look_for_private(shared)
+            if target is not None:
+                try:
+                    sock.sendto(data, target)
+                except OSError as e:
+                    if e.errno in _TRANSIENT:
+                        raise
+                    self.private = None  # gone (a daemon restarted): agent.sock again
+                    self.private_checked = time.monotonic()
+                    sock.sendto(data, shared)
+            else:
+                sock.sendto(data, shared)
         except Exception as e:
             if getattr(e, "errno", None) in _TRANSIENT:
                 self.dropped += 1
@@ -87,6 +115,19 @@ class Transport:
         self.sent += 1
         self.backoff = 0.0
         return 0.0
+
+    def _look_for_private(self, shared: str) -> Optional[str]:
+        now = time.monotonic()
+        if now - self.private_checked < PRIVATE_CHECK_EVERY or self.backoff:
+            return None
+        self.private_checked = now
+        path = os.path.join(os.path.dirname(shared), PRIVATE_DIR, f"{os.geteuid()}.sock")
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                self.private = path
+        except OSError:
+            pass
+        return self.private
 
     def daemon_returned(self) -> bool:
         """While backing off: whether the socket path is another file now than when the send
@@ -113,7 +154,8 @@ class Transport:
             except OSError:
                 break
             _close_passed_fds(ancillary)
-            if flags & socket.MSG_TRUNC or not _from_daemon(ancillary, source, path):
+            if flags & socket.MSG_TRUNC or not _from_daemon(ancillary, source,
+                                                            (path, self.private)):
                 continue
             with contextlib.suppress(ValueError):
                 request = json.loads(data.decode("utf-8"))
@@ -137,9 +179,11 @@ def _open() -> socket.socket:
     return sock
 
 
-def _from_daemon(ancillary: list[tuple[int, int, bytes]], source: Any, path: str) -> bool:
-    if source != path:
+def _from_daemon(ancillary: list[tuple[int, int, bytes]], source: Any,
+                 paths: tuple[str, Optional[str]]) -> bool:
+    if source is None or source not in paths:
         return False
+    path = source
     for level, kind, cdata in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS \
                 and len(cdata) >= _UCRED.size:

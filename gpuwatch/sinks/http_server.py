@@ -33,6 +33,7 @@ from gpuwatch.sinks.listener import (
     ConnectionStats,
     Handler,
     Job,
+    Later,
     Listener,
     Outcome,
 )
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
     from gpuwatch.sinks.web_config import WebSettings
 
 MAX_REQUEST = 16 << 10
+#: How long a refusal (401, 429) to a peer that failed lately is held back: each of its
+#: connections then costs the daemon one TLS handshake every TARPIT seconds, not one a
+#: millisecond. A held connection takes no slot or thread, and is the first evicted.
+TARPIT = 5.0
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
             405: "Method Not Allowed", 429: "Too Many Requests", 431:
             "Request Header Fields Too Large", 500: "Internal Server Error",
@@ -130,15 +135,28 @@ class MetricsHandler(Handler):
                 return self._simple(429)
             if web.users:
                 creds = basic_credentials(req.headers.get("authorization"))
+                peer = _peer_address(conn.peer)
                 if creds is None:
-                    return self._unauthorized()
+                    return self._refuse(web, peer, self._unauthorized())
                 verdict = web.known(*creds)
                 if verdict is None:
+                    # Known-good credentials never come here (answered from memory above); a
+                    # check waits on its own thread, outside the line for answering slots, the
+                    # peers that failed lately behind the others, and a peer that failed too
+                    # often, or a full queue, gets 429 without one.
+                    if not web.may_check(peer):
+                        return self._refuse(web, peer, self._simple(
+                            429, extra=(("Retry-After", "2"),)))
+
                     def checked() -> Outcome:
-                        return self._route(req) if web.check(*creds) else self._unauthorized()
-                    return Job("auth", checked)
+                        if web.checked(peer, *creds):
+                            return self._route(req)
+                        return self._refuse(web, peer, self._unauthorized())
+                    return Job("auth", checked, answering=False,
+                               priority=1 if web.suspect(peer) else 0)
                 if not verdict:
-                    return self._unauthorized()
+                    web.note_failure(peer)
+                    return self._refuse(web, peer, self._unauthorized())
         return self._route(req)
 
     def _route(self, req: Request) -> Outcome:
@@ -171,12 +189,17 @@ class MetricsHandler(Handler):
             return self._response(200, _LANDING, "text/html; charset=utf-8", head=head)
         return self._response(404, b"Not found: metrics are at /metrics.\n", head=head)
 
+    @staticmethod
+    def _refuse(web: WebSettings, peer: str, answer: bytes) -> Outcome:
+        """A refusal, held back (TARPIT) when the peer failed lately."""
+        return Later(answer, TARPIT) if web.suspect(peer) else answer
+
     def _unauthorized(self) -> bytes:
         return self._response(401, b"Unauthorized\n",
                               extra=(("WWW-Authenticate", 'Basic realm="gpuwatch"'),))
 
-    def _simple(self, code: int) -> bytes:
-        return self._response(code, f"{_REASONS[code]}\n".encode())
+    def _simple(self, code: int, extra: tuple[tuple[str, str], ...] = ()) -> bytes:
+        return self._response(code, f"{_REASONS[code]}\n".encode(), extra=extra)
 
     def _response(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
                   extra: tuple[tuple[str, str], ...] = (), head: bool = False) -> bytes:
@@ -188,6 +211,13 @@ class MetricsHandler(Handler):
             lines.extend(f"{k}: {v}" for k, v in self.web.config.headers)
         head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         return head_bytes if head else head_bytes + body
+
+
+def _peer_address(peer: object) -> str:
+    """The client's address without its port (what one attacker holds many of)."""
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return str(peer or "local")
 
 
 def _accepts_gzip(header: str) -> bool:

@@ -17,7 +17,9 @@ What a client can hold is bounded:
 - `response_timeout`, from the end of the request to the last byte handed to the kernel: a
   client that stops reading is closed, quietly (one debug line and a count).
 - `max_answering` answers in flight (rendered or being written) at once: the memory held for
-  clients that do not read is at most that many bodies. Further requests wait their turn.
+  clients that do not read is at most that many bodies. Further requests wait their turn. Work
+  that comes before an answer (checking a password) waits on its own pool, not in that line: a
+  flood of requests needing it delays none of the others.
 
 Each connection ends with one result, counted per socket in `ConnectionStats`: `answered`,
 `refused`, `evicted`, `timed_out` or `failed` (reset or closed by the client before the answer,
@@ -29,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import itertools
 import logging
 import queue
 import selectors
@@ -65,6 +68,8 @@ _HANDSHAKE = "handshake"
 _READING = "reading"
 _WAITING = "waiting"  # request complete, waiting for an answering slot
 _WORKING = "working"  # its answer is being prepared on a pool
+_CHECKING = "checking"  # on a pool, before it may take an answering slot (a password check)
+_HELD = "held"  # its answer held back until `release` (Later)
 _WRITING = "writing"
 _BUSY = (_WORKING, _WRITING)
 
@@ -129,13 +134,30 @@ class ConnectionCollector:
 
 @dataclass(frozen=True)
 class Job:
-    """Work for a pool: `run()` returns the answer's bytes, or another Job."""
+    """Work for a pool: `run()` returns the answer's bytes, or another Job.
+
+    `answering`: whether it takes one of the `max_answering` slots (a render holds a body in
+    memory until it is written); a Job that does not (a password check) goes to its pool at
+    once, never into the line of requests waiting for a slot, and never delays one. `priority`
+    orders the Jobs waiting in one pool, lowest first, first come first served among equals.
+    """
 
     pool: str
     run: Callable[[], Union[bytes, Job]]
+    answering: bool = True
+    priority: int = 0
 
 
-Outcome = Union[bytes, Job]
+@dataclass(frozen=True)
+class Later:
+    """An answer held back `delay` seconds (a tarpit): the connection waits, holding no slot
+    and no thread, and is the first to be evicted when connections run short."""
+
+    answer: bytes
+    delay: float
+
+
+Outcome = Union[bytes, Job, Later]
 
 
 class Handler:
@@ -164,8 +186,8 @@ class Handler:
 
 
 class Conn:
-    __slots__ = ("born", "buf", "deadline", "events", "id", "off", "out", "peer", "sock",
-                 "state")
+    __slots__ = ("born", "buf", "deadline", "events", "id", "off", "out", "peer", "release",
+                 "sock", "state")
 
     def __init__(self, cid: int, sock: socket.socket, peer: Any, state: str,
                  deadline: float) -> None:
@@ -179,30 +201,34 @@ class Conn:
         self.out: Optional[memoryview] = None
         self.off = 0
         self.events = 0
+        self.release = 0.0
 
 
 class _Pool:
-    """One worker thread fed by a queue; started when first used."""
+    """One worker thread fed by a priority queue (lowest first, then first come); started when
+    first used."""
+
+    _STOP = -1  # ahead of any work
 
     def __init__(self, name: str, done: Callable[[int, Any], None]) -> None:
         self._name = name
         self._done = done
-        self._queue: queue.SimpleQueue[Optional[tuple[int, Callable[[], Any]]]] = \
-            queue.SimpleQueue()
+        self._queue: queue.PriorityQueue[tuple[int, int, int, Optional[Callable[[], Any]]]] = \
+            queue.PriorityQueue()
+        self._seq = itertools.count()
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, cid: int, fn: Callable[[], Any]) -> None:
+    def submit(self, cid: int, fn: Callable[[], Any], priority: int = 0) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
             self._thread.start()
-        self._queue.put((cid, fn))
+        self._queue.put((max(priority, 0), next(self._seq), cid, fn))
 
     def _work(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            _, _, cid, fn = self._queue.get()
+            if fn is None:
                 return
-            cid, fn = item
             try:
                 result: Any = fn()
             except BaseException as exc:
@@ -211,7 +237,7 @@ class _Pool:
 
     def stop(self) -> None:
         if self._thread is not None:
-            self._queue.put(None)
+            self._queue.put((self._STOP, next(self._seq), 0, None))
             self._thread.join(5)
 
 
@@ -369,7 +395,12 @@ class Listener:
             self._sel.register(self.sock, selectors.EVENT_READ, None)
 
     def _evict_one(self) -> bool:
-        """Close the oldest connection still short of a complete request."""
+        """Close the oldest connection whose answer is held back, else the oldest still short
+        of a complete request."""
+        for conn in self._conns.values():
+            if conn.state == _HELD:
+                self._end(conn, "evicted")
+                return True
         for conn in self._conns.values():  # insertion order: oldest first
             if conn.state in (_HANDSHAKE, _READING):
                 self._end(conn, "evicted")
@@ -450,10 +481,20 @@ class Listener:
         self._proceed(conn, outcome)
 
     def _proceed(self, conn: Conn, outcome: Outcome) -> None:
+        if isinstance(outcome, Later):
+            self._set_state(conn, _HELD)
+            conn.out = memoryview(outcome.answer)
+            conn.release = time.monotonic() + outcome.delay
+            conn.deadline = max(conn.deadline, conn.release + self.response_timeout)
+            self._next_expiry = min(self._next_expiry, conn.release)
+            return
         if isinstance(outcome, Job):
-            if conn.state in _BUSY or self._busy < self.max_answering:
+            if not outcome.answering:
+                self._set_state(conn, _CHECKING)
+                self._pool(outcome.pool).submit(conn.id, outcome.run, outcome.priority)
+            elif conn.state in _BUSY or self._busy < self.max_answering:
                 self._set_state(conn, _WORKING)
-                self._pool(outcome.pool).submit(conn.id, outcome.run)
+                self._pool(outcome.pool).submit(conn.id, outcome.run, outcome.priority)
             else:
                 self._set_state(conn, _WAITING)
                 self._waiting.append((conn.id, outcome))
@@ -535,7 +576,14 @@ class Listener:
             return
         soonest = now + 1.0
         for conn in list(self._conns.values()):
-            if conn.deadline <= now:
+            if conn.state == _HELD:
+                if conn.release <= now:
+                    self._set_state(conn, _WRITING)
+                    conn.off = 0
+                    self._write(conn)
+                else:
+                    soonest = min(soonest, conn.release)
+            elif conn.deadline <= now:
                 self._end(conn, "timed_out", f"no complete {_phase(conn)} in time")
             else:
                 soonest = min(soonest, conn.deadline)

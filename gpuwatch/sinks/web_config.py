@@ -21,19 +21,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import difflib
 import hashlib
 import ipaddress
 import logging
+import os
 import re
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from gpuwatch.config import ConfigError
+from gpuwatch.config import ConfigError, read_config_file
 from gpuwatch.units import parse_duration
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,16 @@ _DECOY_HASH = b"$2b$10$rxLw5QyE9ktJuecC2GwUdOnKvu4/g0ZuKdNrb07CfWew5nNGdc//e"
 _CHECK_EVERY = 1.0
 _CACHE_GOOD = 16
 _CACHE_BAD = 256
+#: Password checks one peer (an IP address) may have the daemon make without a success: a burst,
+#: refilled at a rate. A scraper with the right password fails none; one with a wrong one fails
+#: once a scrape, far below the rate. Beyond it, that peer's unknown credentials are answered 429
+#: without a check (known-good ones still pass: they cost no check).
+FAILED_CHECKS_BURST = 8
+FAILED_CHECKS_PER_SECOND = 0.5
+#: Password checks queued at once, all peers together: beyond it 429, without a check. At ~60 ms
+#: a check, the last of them is decided within about 2 s.
+MAX_PENDING_CHECKS = 32
+_PEERS_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -111,14 +123,15 @@ def load_web_config(path: Path) -> WebConfig:
     except ImportError as exc:
         raise ConfigError(f"{where}: a web config needs the `web` extra, and {exc.name} is not "
                           "installed: pip install 'gpuwatch[web]'") from None
+    raw_bytes = read_config_file(path, "daemon.web_config")
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read it: {exc.strerror}") from None
+        text = raw_bytes.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start})") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{where}: not valid YAML: {_yaml_problem(exc)}") from None
     if raw is None:
         raw = {}
     doc = _mapping(raw, where, "the file")
@@ -129,10 +142,10 @@ def load_web_config(path: Path) -> WebConfig:
     users: dict[str, bytes] = {}
     for name, hashed in _mapping(doc.get("basic_auth_users") or {}, where,
                                  "basic_auth_users").items():
-        key = f"basic_auth_users.{name}"
+        key = f"basic_auth_users.{name if isinstance(name, str) and len(name) <= 64 else '?'}"
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: basic_auth_users: user names must be strings, "
-                              f"got {name!r}")
+                              f"got a {type(name).__name__}")
         if not isinstance(hashed, str) or not _BCRYPT.fullmatch(hashed) or \
                 not 4 <= int(hashed.split("$")[2]) <= 31:
             raise ConfigError(f"{where}: {key}: expected a bcrypt hash ($2y$10$ and 53 more "
@@ -146,19 +159,29 @@ def load_web_config(path: Path) -> WebConfig:
         raise ConfigError(f"{where}: http_server_config.http2: expected true or false")
     for name, value in _mapping(http.get("headers") or {}, where,
                                 "http_server_config.headers").items():
-        key = f"http_server_config.headers.{name}"
         if name not in HEADERS:
-            raise ConfigError(f"{where}: {key}: this header cannot be set; the ones that can: "
-                              + ", ".join(HEADERS))
+            raise ConfigError(f"{where}: http_server_config.headers: a header that cannot be "
+                              "set; the ones that can: " + ", ".join(HEADERS))
+        key = f"http_server_config.headers.{name}"
         if not isinstance(value, str) or "\n" in value or "\r" in value:
             raise ConfigError(f"{where}: {key}: expected a one-line string")
         if HEADERS[name] and value not in HEADERS[name]:
-            raise ConfigError(f"{where}: {key}: expected one of {', '.join(HEADERS[name])}, "
-                              f"got {value!r}")
+            raise ConfigError(f"{where}: {key}: expected one of {', '.join(HEADERS[name])}")
         if value:
             headers.append((name, value))
     return WebConfig(path=path, tls=tls, users=users, headers=tuple(headers),
                      rate_limit=_rate_limit(doc.get("rate_limit"), where))
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """What is wrong and where, without the text there (PyYAML quotes the offending line, and
+    the file may be one the daemon can read and its reader cannot)."""
+    problem = getattr(exc, "problem", None) or "a syntax error"
+    problem = re.sub(r"'[^']*'|\"[^\"]*\"", "a character", str(problem))
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:
+        return problem
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
 
 
 def _mapping(value: Any, where: str, key: str) -> dict[Any, Any]:
@@ -168,10 +191,14 @@ def _mapping(value: Any, where: str, key: str) -> dict[Any, Any]:
 
 
 def _known(doc: Mapping[Any, Any], keys: tuple[str, ...], where: str, prefix: str) -> None:
+    """Unknown keys are errors; the message suggests the known key it is closest to, and does
+    not repeat the unknown one (a file named by mistake, /etc/shadow, is all "keys")."""
     for key in doc:
         if key not in keys:
-            raise ConfigError(f"{where}: {prefix}{key}: unknown key; known: "
-                              + ", ".join(keys))
+            close = difflib.get_close_matches(str(key)[:64], keys, n=1, cutoff=0.6)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ConfigError(f"{where}: {prefix.rstrip('.') or 'the file'}: an unknown key"
+                              f"{hint}; known: " + ", ".join(keys))
 
 
 def _tls(raw: Any, base: Path, where: str) -> Optional[TlsSettings]:
@@ -207,13 +234,15 @@ def _tls(raw: Any, base: Path, where: str) -> Optional[TlsSettings]:
         raise ConfigError(f"{key('cert_file' if cert is None else 'key_file')}: required "
                           "(with cert_file or key_file, both are)")
     auth = doc.get("client_auth_type") or "NoClientCert"
-    if auth in _UNVERIFIED_CLIENT_AUTH:
+    if not isinstance(auth, str):
+        raise ConfigError(f"{key('client_auth_type')}: expected one of {', '.join(CLIENT_AUTH)}")
+    if auth in _UNVERIFIED_CLIENT_AUTH:  # one of a few known names: safe to show
         raise ConfigError(f"{key('client_auth_type')}: {auth} accepts client certificates "
                           "nobody verified and is not supported; use "
                           "RequireAndVerifyClientCert with client_ca_file")
     if auth not in CLIENT_AUTH:
         raise ConfigError(f"{key('client_auth_type')}: expected one of "
-                          f"{', '.join(CLIENT_AUTH)}, got {auth!r}")
+                          f"{', '.join(CLIENT_AUTH)}")
     ca_file, ca_text = path("client_ca_file"), doc.get("client_ca")
     if ca_text is not None and not isinstance(ca_text, str):
         raise ConfigError(f"{key('client_ca')}: expected PEM text")
@@ -234,7 +263,7 @@ def _tls(raw: Any, base: Path, where: str) -> Optional[TlsSettings]:
     for k, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
         v = doc.get(k) or default
         if v not in TLS_VERSIONS:
-            raise ConfigError(f"{key(k)}: expected one of {', '.join(TLS_VERSIONS)}, got {v!r}")
+            raise ConfigError(f"{key(k)}: expected one of {', '.join(TLS_VERSIONS)}")
         versions[k] = v
     if TLS_VERSIONS[versions["min_version"]] > TLS_VERSIONS[versions["max_version"]]:
         raise ConfigError(f"{key('min_version')}: above max_version")
@@ -278,21 +307,41 @@ def ssl_context(tls: TlsSettings, where: str = "daemon.web_config") -> ssl.SSLCo
         ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
     # HTTP/1.1 only: a client offering HTTP/2 (Go's, Prometheus's) settles on 1.1.
     ctx.set_alpn_protocols(["http/1.1"])
+    cert = read_config_file(tls.cert_file, f"{where}: tls_server_config.cert_file")
+    private = read_config_file(tls.key_file, f"{where}: tls_server_config.key_file")
     try:
-        ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+        # OpenSSL opens files by name, and a name can become a FIFO between a check and the
+        # open: it is given the bytes already read and checked, through anonymous memory files.
+        with _memory_file(cert) as cert_path, _memory_file(private) as key_path:
+            ctx.load_cert_chain(cert_path, key_path)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"{where}: tls_server_config: cannot load cert_file {tls.cert_file} "
                           f"with key_file {tls.key_file}: {_reason(exc)}") from None
     if tls.client_ca_file is not None or tls.client_ca:
+        ca = None if tls.client_ca_file is None else read_config_file(
+            tls.client_ca_file, f"{where}: tls_server_config.client_ca_file")
         try:
-            ctx.load_verify_locations(
-                cafile=str(tls.client_ca_file) if tls.client_ca_file else None,
-                cadata=tls.client_ca or None)
+            if ca is not None:
+                with _memory_file(ca) as ca_path:
+                    ctx.load_verify_locations(cafile=ca_path)
+            if tls.client_ca:
+                ctx.load_verify_locations(cadata=tls.client_ca)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"{where}: tls_server_config: cannot load the client CA: "
                               f"{_reason(exc)}") from None
     ctx.verify_mode = CLIENT_AUTH[tls.client_auth_type]
     return ctx
+
+
+@contextlib.contextmanager
+def _memory_file(data: bytes) -> Iterator[str]:
+    """A path OpenSSL can open that reads `data`: a memfd, seen through /proc/self/fd."""
+    fd = os.memfd_create("gpuwatch-web-config", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
 
 
 def _reason(exc: BaseException) -> str:
@@ -322,6 +371,10 @@ class WebSettings:
         self._good: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
         self._bad: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
         self._bcrypt = threading.Lock()
+        #: peer -> (failed checks it may still make, when that was computed)
+        self._peers: collections.OrderedDict[str, tuple[float, float]] = \
+            collections.OrderedDict()
+        self._pending = 0
         self._tokens = 0.0
         self._filled = time.monotonic()
         if self.config.rate_limit is not None:
@@ -355,9 +408,10 @@ class WebSettings:
             self._refused = signature
             return
         with self._lock:
+            # The verdicts stay: each is keyed by the user's hash as well as the password, so a
+            # changed or removed user's no longer match, and a renewed certificate or an edit of
+            # anything else keeps the scraper's good credentials answered from memory.
             self.config, self._context = config, context
-            self._good.clear()
-            self._bad.clear()
         # What the new file names may differ: compare against its own files from now on.
         self._signature = _signature(config.files())
         self._refused = None
@@ -399,6 +453,57 @@ class WebSettings:
             if key in self._bad:
                 return False
         return None
+
+    def may_check(self, peer: str) -> bool:
+        """Whether a password check for `peer` may be queued now; takes one of its failed
+        checks (given back if the password is right) and a place in the queue."""
+        now = time.monotonic()
+        with self._lock:
+            if self._pending >= MAX_PENDING_CHECKS:
+                return False
+            left, then = self._peers.pop(peer, (float(FAILED_CHECKS_BURST), now))
+            left = min(float(FAILED_CHECKS_BURST),
+                       left + (now - then) * FAILED_CHECKS_PER_SECOND)
+            allowed = left >= 1
+            self._peers[peer] = (left - 1 if allowed else left, now)
+            while len(self._peers) > _PEERS_KEPT:
+                self._peers.popitem(last=False)
+            if allowed:
+                self._pending += 1
+            return allowed
+
+    def note_failure(self, peer: str) -> None:
+        """A failure decided without a check (a known-bad password): it counts all the same."""
+        now = time.monotonic()
+        with self._lock:
+            left, then = self._peers.pop(peer, (float(FAILED_CHECKS_BURST), now))
+            left = min(float(FAILED_CHECKS_BURST),
+                       left + (now - then) * FAILED_CHECKS_PER_SECOND)
+            self._peers[peer] = (max(0.0, left - 1), now)
+            while len(self._peers) > _PEERS_KEPT:
+                self._peers.popitem(last=False)
+
+    def suspect(self, peer: str) -> bool:
+        """Whether `peer` failed a check lately: its checks then wait behind everyone else's."""
+        with self._lock:
+            entry = self._peers.get(peer)
+        if entry is None:
+            return False
+        left = entry[0] + (time.monotonic() - entry[1]) * FAILED_CHECKS_PER_SECOND
+        return left < FAILED_CHECKS_BURST - 1
+
+    def checked(self, peer: str, user: str, password: bytes) -> bool:
+        """check(), for a check may_check() let through."""
+        try:
+            good = self.check(user, password)
+        finally:
+            with self._lock:
+                self._pending -= 1
+        if good:
+            with self._lock:
+                left, then = self._peers.get(peer, (0.0, time.monotonic()))
+                self._peers[peer] = (min(float(FAILED_CHECKS_BURST), left + 1), then)
+        return good
 
     def check(self, user: str, password: bytes) -> bool:
         """bcrypt decides, one check at a time (tens of ms of CPU each); the verdict is cached.

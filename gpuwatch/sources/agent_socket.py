@@ -101,6 +101,7 @@ import logging
 import math
 import os
 import re
+import select
 import socket
 import struct
 import threading
@@ -126,6 +127,14 @@ from gpuwatch.runtime_dir import FileIdentity, file_identity, unlink_if_same
 log = logging.getLogger(__name__)
 
 AGENT_SOCKET_NAME = "agent.sock"
+#: The directory beside agent.sock with a socket for each user that reported: `<uid>.sock`, only
+#: that user may send to it (a POSIX ACL), so its kernel queue is that user's alone.
+PRIVATE_SOCKET_DIR = "agent.d"
+#: Users given a socket of their own, at most; any further user shares agent.sock.
+MAX_PRIVATE_SOCKETS = 64
+#: Datagrams read from one socket before the next ready one is served: the sockets are drained
+#: in turn, so a user flooding its own socket delays the others' by at most this many reports.
+RECEIVE_BATCH = 32
 PROTOCOL_VERSION = 1
 MAX_DATAGRAM = 16_384
 MAX_BUFFERS = 64
@@ -173,6 +182,9 @@ _ANCILLARY_SIZE = socket.CMSG_SPACE(struct.calcsize("3i"))
 # stop() wakes it with is missed; unlike settimeout() it adds no poll() syscall before every
 # receive. Long: each wake-up of an idle daemon takes the interpreter's lock from its poll.
 _RECEIVE_TIMEOUT = struct.pack("ll", 2, 0)
+_POLL_TIMEOUT_MS = 2000
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_UNDEFINED_ID = 0xFFFFFFFF
 
 
 _NO_BUFFERS: Mapping[str, BufferSize] = MappingProxyType({})
@@ -186,8 +198,8 @@ class _Rejected(Exception):
 
 class _Agent:
     __slots__ = ("charged", "discovered_names", "exit_report", "finished_at", "first_seen",
-                 "last_seen", "latest", "names", "pending", "pending_cost", "reply_to", "step",
-                 "step_changed_at", "trace", "uid")
+                 "last_seen", "latest", "names", "pending", "pending_cost", "reply_to",
+                 "reply_via", "step", "step_changed_at", "trace", "uid")
 
     def __init__(self, uid: int, now: float, max_points: int) -> None:
         self.uid = uid
@@ -208,6 +220,9 @@ class _Agent:
         self.discovered_names: dict[str, str] = {}
         #: The abstract address its newest accepted report came from, None when it had none.
         self.reply_to: Optional[bytes] = None
+        #: The daemon's socket that report came in on: the one a request goes out from (the
+        #: agent accepts requests only from the path it reports to).
+        self.reply_via: Optional[socket.socket] = None
         self.trace: Optional[TraceReport] = None
 
 
@@ -288,6 +303,11 @@ class AgentReceiver:
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self._inode: Optional[FileIdentity] = None
+        #: uid -> its own socket, and each one's file (to remove only our own at stop).
+        self._private: dict[int, socket.socket] = {}
+        self._private_files: list[tuple[Path, Optional[FileIdentity]]] = []
+        #: False once the file system refused an ACL: every user shares agent.sock.
+        self._private_supported = True
 
     def configure(self, max_processes: int, memory_budget: int,
                   max_reports_per_second: Optional[float]) -> None:
@@ -356,36 +376,73 @@ class AgentReceiver:
         sock, thread = self._sock, self._thread
         if sock is not None:
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked recvmsg at once
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the receiving thread's poll at once
         if thread is not None:
             thread.join(timeout=5)
         if sock is not None:
             sock.close()
         self._sock = None
         self._thread = None
+        for private in self._private.values():
+            private.close()
+        self._private.clear()
+        for path, identity in self._private_files:
+            unlink_if_same(path, identity)
+        self._private_files.clear()
         # Only our own socket: a daemon started since may have put its own at this path.
         inode, self._inode = self._inode, None
         unlink_if_same(self.path, inode)
 
     def _receive_loop(self, sock: socket.socket) -> None:
-        recvmsg = sock.recvmsg
+        """Serve agent.sock and the users' own sockets in turn, RECEIVE_BATCH datagrams of
+        each ready one at a time, until stop()."""
         stopping = self._stopping.is_set
-        handle = self.handle
+        poller = select.poll()
+        by_fd = {sock.fileno(): sock}
+        poller.register(sock, select.POLLIN)
         while not stopping():
             try:
-                data, ancillary, flags, address = recvmsg(MAX_DATAGRAM + 1, _ANCILLARY_SIZE)
+                ready = poller.poll(_POLL_TIMEOUT_MS)
+            except InterruptedError:
+                continue
+            for fd, events in ready:
+                ready_sock = by_fd.get(fd)
+                if ready_sock is None or stopping():
+                    continue
+                if events & (select.POLLERR | select.POLLNVAL) and ready_sock is not sock:
+                    poller.unregister(fd)
+                    del by_fd[fd]
+                    continue
+                for uid in self._receive_batch(ready_sock, shared=ready_sock is sock):
+                    private = self._open_private(uid)
+                    if private is not None:
+                        by_fd[private.fileno()] = private
+                        poller.register(private, select.POLLIN)
+
+    def _receive_batch(self, sock: socket.socket, shared: bool) -> list[int]:
+        """Read and handle up to RECEIVE_BATCH datagrams waiting on `sock`; the users, seen on
+        the shared socket, who have no socket of their own yet."""
+        recvmsg = sock.recvmsg
+        handle = self.handle
+        newcomers: list[int] = []
+        for _ in range(RECEIVE_BATCH):
+            try:
+                data, ancillary, flags, address = recvmsg(MAX_DATAGRAM + 1, _ANCILLARY_SIZE,
+                                                          socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
-                continue  # the receive timeout: look at the stop flag
+                break
             except OSError as exc:
-                if stopping():
+                if self._stopping.is_set():
                     break
                 log.warning("agent socket: receive failed: %s", exc)
                 if exc.errno in (errno.EBADF, errno.ENOTSOCK, errno.EINVAL):
-                    break  # the socket is gone; nothing will ever arrive on it again
+                    break
                 time.sleep(0.01)  # a transient error (ENOMEM, ENOBUFS): do not spin on it
-                continue
-            if stopping():
                 break
+            if self._stopping.is_set():
+                break
+            if not data and not ancillary and address is None:
+                break  # shut down (stop())
             try:
                 pid = uid = None
                 for level, kind, cdata in ancillary:
@@ -398,15 +455,56 @@ class AgentReceiver:
                 if pid is None or uid is None or pid <= 0:
                     self._count("no_credentials")
                     continue
-                handle(data, pid, uid, bool(flags & socket.MSG_TRUNC), address)
+                if shared and uid not in self._private and uid not in newcomers:
+                    newcomers.append(uid)
+                handle(data, pid, uid, bool(flags & socket.MSG_TRUNC), address, via=sock)
             except Exception:
                 # One bad datagram must never end the receiving thread.
                 log.debug("agent socket: report handling failed", exc_info=True)
                 self._count("malformed")
+        return newcomers
+
+    def _open_private(self, uid: int) -> Optional[socket.socket]:
+        """A socket of `uid`'s own, `agent.d/<uid>.sock`, mode 0600 and a POSIX ACL letting
+        `uid` (and only it, besides the daemon's user and root) send to it; None when the
+        limit is reached or the file system takes no ACL (then agent.sock serves it)."""
+        if not self._private_supported or len(self._private) >= MAX_PRIVATE_SOCKETS \
+                or uid in self._private:
+            return None
+        directory = self.path.parent / PRIVATE_SOCKET_DIR
+        path = directory / f"{uid}.sock"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            with contextlib.suppress(FileExistsError):
+                directory.mkdir(mode=0o755)
+            os.chmod(directory, 0o755)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a stale one from an earlier run
+            sock.bind(str(path))
+            identity = file_identity(path)
+            os.chmod(path, 0o600)
+            if uid not in (0, os.geteuid()):
+                os.setxattr(path, _ACL_XATTR, _acl_granting(uid))
+        except OSError as exc:
+            sock.close()
+            with contextlib.suppress(OSError):
+                path.unlink()
+            if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES,
+                             errno.EROFS):
+                self._private_supported = False
+                log.info("agent socket: no socket of their own for users (%s: %s); all "
+                         "share %s", path, exc.strerror, self.path)
+            else:
+                log.warning("agent socket: cannot make %s: %s", path, exc.strerror)
+            return None
+        self._private[uid] = sock
+        self._private_files.append((path, identity))
+        return sock
 
     # -- validation and storage --------------------------------------------------------------
     def handle(self, payload: bytes, pid: int, uid: int, truncated: bool = False,
-               address: Any = None) -> None:
+               address: Any = None, via: Optional[socket.socket] = None) -> None:
         """Validate one report from `pid`/`uid` (kernel credentials); store it or count why not.
 
         `address` is the sender's, as recvmsg gave it: an abstract one (bytes starting with a NUL
@@ -466,7 +564,7 @@ class AgentReceiver:
             now = self._clock()
             with self._lock:
                 self._store(pid, uid, now, kind, step, rss, allocated, reserved, buffers,
-                            exit_report, active, allocations, discovered, trace, address)
+                            exit_report, active, allocations, discovered, trace, address, via)
                 self._accepted += 1
         except _Rejected as rejected:
             self._count(rejected.reason)
@@ -548,7 +646,8 @@ class AgentReceiver:
                buffers: Optional[dict[str, BufferSize]],
                exit_report: Optional[Mapping[str, Any]], active: Optional[int],
                allocations: Optional[int], discovered: Optional[dict[str, BufferSize]],
-               trace: Optional[_TraceFields], address: Any) -> None:
+               trace: Optional[_TraceFields], address: Any,
+               via: Optional[socket.socket] = None) -> None:
         agent = self._agents.get(pid)
         if agent is not None and agent.uid != uid:
             # The PID was reused by another user's process before the poll forgot the old one.
@@ -603,6 +702,7 @@ class AgentReceiver:
         # The newest socket it sends from is the one it listens on; a report from an unbound or
         # path-bound socket leaves nowhere to answer.
         agent.reply_to = address if type(address) is bytes and address[:1] == b"\0" else None
+        agent.reply_via = via
         if step is not None and step != agent.step:
             agent.step = step
             agent.step_changed_at = now
@@ -758,7 +858,8 @@ class AgentReceiver:
         with self._lock:
             agent = self._agents.get(pid)
             address = agent.reply_to if agent is not None else None
-        sock = self._sock
+            via = agent.reply_via if agent is not None else None
+        sock = self._sock if via is None or via.fileno() < 0 else via
         if address is None or sock is None:
             return False
         payload = json.dumps(request, separators=(",", ":")).encode()
@@ -771,6 +872,15 @@ class AgentReceiver:
 
 
 _TraceFields = tuple[str, str, Optional[int], tuple[TraceSite, ...], tuple[tuple[str, int], ...]]
+
+
+def _acl_granting(uid: int) -> bytes:
+    """A POSIX access ACL (the kernel's xattr form, as setfacl writes it) giving the owner and
+    `uid` read and write, and nobody else anything: `user::rw-,user:<uid>:rw-,group::---,
+    mask::rw-,other::---`."""
+    entries = ((0x01, 6, _ACL_UNDEFINED_ID), (0x02, 6, uid), (0x04, 0, _ACL_UNDEFINED_ID),
+               (0x10, 6, _ACL_UNDEFINED_ID), (0x20, 0, _ACL_UNDEFINED_ID))
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
 
 
 def _sizes(value: Any, limit: int, known: Mapping[str, str], pattern: re.Pattern[str]

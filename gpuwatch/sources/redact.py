@@ -20,7 +20,10 @@ their jobs, so the name rules are deliberately narrow (`--max-new-tokens`, `--pa
 `--text-key content` and `TOKENIZERS_PARALLELISM=false` are common and not secrets).
 
 Short flags are not redacted by name: `-p` is a port for ssh and uvicorn, a PID for py-spy, a
-password only for a few tools. Those few are handled by program name (_SHORT_FLAG_TOOLS).
+password only for a few tools. Those few are handled by program name (_SHORT_FLAG_TOOLS). For any
+other program, the value of a bare `-p`/`-P` is masked only when it is shaped like a password
+(upper and lower case letters and a digit, no path, no port map): ports, PIDs, directories and
+regular expressions stay, `-p pSECRET9` does not.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ MASK = "***"
 # -- names ------------------------------------------------------------------------------------
 
 # A token that is a secret wherever it appears in a name: PASSWORD, PGPASSWORD, CLIENT_SECRET.
-_STRONG_TOKEN = re.compile(r"[a-z0-9]*(?:password|passwd|secret)")
+_STRONG_TOKEN = re.compile(r"[a-z0-9]*(?:password|passwd|passphrase|secret)")
 # Tokens that make a name secret only as its last word: HF_TOKEN, --auth, but not
 # HF_TOKEN_PATH or AUTH_TYPE (those name where or how the secret is, not the secret).
 _WEAK_LAST = frozenset({"token", "auth", "authorization", "credential", "credentials", "pwd",
@@ -93,7 +96,14 @@ def _is_secret_name(name: str) -> bool:
             return False
         # PWD alone is the working directory; MYSQL_PWD is a password.
         return not (last == "pwd" and len(tokens) == 1)
+    if len(tokens) == 1 and last in _ALONE:
+        return True
     return last == "key" and len(tokens) > 1 and tokens[-2] in _KEY_QUALIFIERS
+
+
+# Words that are a secret's name only alone: `--key X`, `--pass X`, openssl's `-passin pass:X`
+# (but `--text-key`, `--first-pass`, `--pw-file` are something else).
+_ALONE = frozenset({"key", "pass", "passin", "passout", "pw", "passwd", "psw"})
 
 
 def _is_switch(name: str) -> bool:
@@ -136,12 +146,47 @@ _ASSIGNMENT_NAME = re.compile(r"[+~]{0,2}[A-Za-z_][A-Za-z0-9_.\-]*")
 _SHORT_FLAG_TOOLS: dict[str, dict[str, bool]] = {
     "sshpass": {"-p": True},
     "redis-cli": {"-a": True},
+    "valkey-cli": {"-a": True},
+    "keydb-cli": {"-a": True},
     "mysql": {"-p": False},
     "mysqldump": {"-p": False},
     "mysqladmin": {"-p": False},
     "mariadb": {"-p": False},
     "mariadb-dump": {"-p": False},
+    "mongo": {"-p": True},
+    "mongosh": {"-p": True},
+    "mongodump": {"-p": True},
+    "mongorestore": {"-p": True},
+    "mongoexport": {"-p": True},
+    "mongoimport": {"-p": True},
+    "rabbitmqadmin": {"-p": True},
+    "racadm": {"-p": True},
+    "ipmitool": {"-P": True},
+    "sqlcmd": {"-P": True},
+    "bcp": {"-P": True},
+    "zip": {"-P": True},
+    "unzip": {"-P": True},
+    "7z": {"-p": False},
+    "7za": {"-p": False},
+    "mosquitto_pub": {"-P": True},
+    "mosquitto_sub": {"-P": True},
+    "ldapsearch": {"-w": True},
+    "ldapadd": {"-w": True},
+    "ldapmodify": {"-w": True},
+    "ldapdelete": {"-w": True},
+    "ldapwhoami": {"-w": True},
+    "ldappasswd": {"-w": True, "-s": True},
+    "openssl": {"-k": True},
 }
+# Flags whose value is `user:password` (curl) or `user%password` (smbclient): the user stays.
+_USER_PASSWORD_FLAGS: dict[str, tuple[frozenset[str], str]] = {
+    "curl": (frozenset({"-u", "--user", "--proxy-user", "-U"}), ":"),
+    "smbclient": (frozenset({"-U", "--user"}), "%"),
+    "rpcclient": (frozenset({"-U", "--user"}), "%"),
+}
+# The short flags that are a password often enough that, for a program not listed above, a
+# value shaped like a password is masked (see _password_shaped).
+_GUESSED_PASSWORD_FLAGS = frozenset({"-p", "-P"})
 # Registry clients: `docker login -p PASSWORD` (while `docker run -p 8080:80` is a port).
 _LOGIN_TOOLS = frozenset({"docker", "podman", "nerdctl", "buildah", "skopeo", "oras", "helm"})
 _LOGIN_PASSWORD_FLAG = "-p"
@@ -161,7 +206,8 @@ class _Program:
         name = _basename(word)
         # `sudo sshpass ...`, `env X=1 mysql ...` switch to the tool; after a wrapper the word is
         # the wrapped command (sshpass -p X ssh -p 2222: the second -p is ssh's port).
-        if name in _SHORT_FLAG_TOOLS or name in _LOGIN_TOOLS or self.name in _WRAPPERS:
+        if (name in _SHORT_FLAG_TOOLS or name in _LOGIN_TOOLS or name in _USER_PASSWORD_FLAGS
+                or self.name in _WRAPPERS):
             self.name = name
             self.login = False
         elif word == "login":
@@ -175,6 +221,36 @@ class _Program:
             return True
         return None
 
+    def user_password_flag(self, flag: str) -> Optional[str]:
+        """The separator of `user<sep>password` when `flag` takes such a value here, else None."""
+        known = _USER_PASSWORD_FLAGS.get(self.name)
+        return known[1] if known is not None and flag in known[0] else None
+
+    def guesses(self, flag: str) -> bool:
+        """Whether a password-shaped value of `flag` is masked: a program with its own list of
+        short password flags is trusted to have it complete."""
+        return (flag in _GUESSED_PASSWORD_FLAGS and self.name not in _SHORT_FLAG_TOOLS
+                and not (self.name in _LOGIN_TOOLS and self.login))
+
+
+# Ports, PIDs, port maps, paths, patterns, counts and lower-case names are not; `pSECRET9`,
+# `Hunter2!` are.
+_PASSWORDISH = re.compile(r"[^\s/:.,]{6,}")
+
+
+def _password_shaped(value: str) -> bool:
+    if not _PASSWORDISH.fullmatch(value) or value.startswith(("$", "-")):
+        return False
+    has_digit = any(c.isdigit() for c in value)
+    return has_digit and any(c.isupper() for c in value) and any(c.islower() for c in value)
+
+
+def _mask_user_password(value: str, sep: str, shell: bool) -> str:
+    user, found, password = value.partition(sep)
+    if not found or not password:
+        return value
+    return f"{user}{sep}{_mask_value(password, shell)}"
+
 
 def _basename(word: str) -> str:
     return word.strip("'\"").rsplit("/", 1)[-1]
@@ -185,10 +261,19 @@ def _redact_words(words: list[str], shell: bool) -> list[str]:
     out: list[str] = []
     wants_value = False
     for i, word in enumerate(words):
+        previous = words[i - 1] if i > 0 else ""
         if wants_value:
             wants_value = False
             if not _FLAG_LIKE.fullmatch(word):
                 out.append(_redact_inline(_mask_value(word, shell)))
+                continue
+        elif i > 0 and not _FLAG_LIKE.fullmatch(word):
+            sep = program.user_password_flag(previous)
+            if sep is not None:
+                out.append(_redact_inline(_mask_user_password(word, sep, shell)))
+                continue
+            if program.guesses(previous) and _password_shaped(word):
+                out.append(_mask_value(word, shell))
                 continue
         if i > 0 and not word.startswith("-"):
             program.see(word)
@@ -300,7 +385,15 @@ _SHAPES: tuple[tuple[re.Pattern[str], Optional[Callable[[str], bool]]], ...] = (
     # OpenAI (sk-, sk-proj-) and Anthropic (sk-ant-) API keys.
     (re.compile(r"(?<![A-Za-z0-9_\-])(sk-)[A-Za-z0-9_\-]{32,}"), _mixed),
     # Slack bot, user, app-level, refresh tokens.
-    (re.compile(r"(?<![A-Za-z0-9])(xox[abposr]-)[A-Za-z0-9\-]{10,}"), None),
+    (re.compile(r"(?<![A-Za-z0-9])(xox[abposre]-)[A-Za-z0-9\-]{10,}"), None),
+    (re.compile(r"(?<![A-Za-z0-9])(xapp-)[A-Za-z0-9\-]{10,}"), None),
+    # Stripe secret and restricted keys (pk_ keys are public).
+    (re.compile(r"(?<![A-Za-z0-9_])((?:sk|rk)_(?:live|test)_)[A-Za-z0-9]{16,}"), None),
+    # NVIDIA NGC / build.nvidia.com, Groq, Replicate, Grafana Cloud.
+    (re.compile(r"(?<![A-Za-z0-9_\-])(nvapi-)[A-Za-z0-9_\-]{32,}"), None),
+    (re.compile(r"(?<![A-Za-z0-9_])(gsk_)[A-Za-z0-9]{32,}"), _mixed),
+    (re.compile(r"(?<![A-Za-z0-9_])(r8_)[A-Za-z0-9]{30,}"), _mixed),
+    (re.compile(r"(?<![A-Za-z0-9_])(glc_)[A-Za-z0-9+/]{32,}=*"), None),
     # AWS access key ids, long-term (AKIA) and temporary (ASIA).
     (re.compile(r"(?<![A-Z0-9])(AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])"), None),
     # Google API keys.
@@ -315,8 +408,8 @@ _SHAPES: tuple[tuple[re.Pattern[str], Optional[Callable[[str], bool]]], ...] = (
 
 # The literal each shape starts with: most words hold none, and one search over the text costs
 # a tenth of trying every shape on it.
-_SHAPE_PREFIX = re.compile(r"hf_|gh[opusr]_|github_pat_|glpat-|sk-|xox[abposr]-|AKIA|ASIA|AIza|"
-                           r"npm_|pypi-|eyJ")
+_SHAPE_PREFIX = re.compile(r"hf_|gh[opusr]_|github_pat_|glpat-|sk-|xox[abposre]-|xapp-|AKIA|"
+                           r"ASIA|AIza|npm_|pypi-|eyJ|[sr]k_(?:live|test)_|nvapi-|gsk_|r8_|glc_")
 
 
 def _redact_inline(text: str) -> str:

@@ -355,15 +355,15 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     """
     from gpuwatch.actions.reaper import (
         AUDIT_NAME,
-        REAPABLE_KINDS,
         AuditRefused,
         Filters,
         Reaper,
         audit_refusal,
     )
     from gpuwatch.actions.release import holders, nvml_after, still_held
-    from gpuwatch.detectors import KINDS
+    from gpuwatch.model import KINDS, REAPABLE_KINDS
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
+    from gpuwatch.sinks.document import from_json
     from gpuwatch.sinks.reap_view import render_reap
 
     unknown = sorted(set(kinds or ()) - set(KINDS))
@@ -373,17 +373,17 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
                    + ", ".join(KINDS), err=True)
         sys.exit(EXIT_USAGE)
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
-    doc = _status_document(cfg, ask_daemon=not poll)
+    report = from_json(_status_document(cfg, ask_daemon=not poll))
     daemon_pid = _daemon_pid(cfg.daemon.runtime_dir / DAEMON_INFO_NAME)
     reaper = Reaper(cfg, cfg.daemon.state_dir / AUDIT_NAME, daemon_pid=daemon_pid)
     filters = Filters(kinds=frozenset(kinds) if kinds else REAPABLE_KINDS, job=job,
                       pids=frozenset(pids or ()), user=user, older_than=older_than)
-    actions = reaper.plan(doc, filters, dry_run=dry_run, grace=grace)
+    actions = reaper.plan(report, filters, dry_run=dry_run, grace=grace)
     if not actions:
-        _print_reap(as_json, doc, [], dry_run, render_reap)
+        _print_reap(as_json, report, [], dry_run, render_reap)
         sys.exit(EXIT_NOTHING_TO_DO)
     if dry_run:
-        _print_reap(as_json, doc, [(a, "planned", "") for a in actions], True, render_reap)
+        _print_reap(as_json, report, [(a, "planned", "") for a in actions], True, render_reap)
         if reaper.unrecorded:
             click.echo(f"gpuwatch reap: the plan is not recorded: {reaper.unrecorded}", err=True)
         sys.exit(EXIT_OK)
@@ -397,7 +397,7 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
             click.echo("gpuwatch reap: refusing to signal without --yes (no terminal to "
                        "confirm on); --dry-run shows the plan", err=True)
             sys.exit(EXIT_USAGE)
-        sys.stdout.write(render_reap(doc, [(a, "planned", "") for a in actions], True,
+        sys.stdout.write(render_reap(report, [(a, "planned", "") for a in actions], True,
                                      **_fitted()))
         if not click.confirm(f"Reap {len(actions)} process(es)?"):
             sys.exit(EXIT_NOTHING_TO_DO)
@@ -410,24 +410,24 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     listed = holders(reading) if reading.status.available else None
     held = still_held(results, reading)
     rows = [(r.action, r.result, r.detail + _released(r, listed)) for r in results]
-    _print_reap(as_json, doc, rows, False, render_reap, held)
+    _print_reap(as_json, report, rows, False, render_reap, held)
     # What an epilog decides on: whether the next job would find GPU memory taken, not whether
     # every line of the plan was carried out (a PID reused before the signal freed nothing, but
     # what it was planned for holds nothing either).
     sys.exit(EXIT_NOT_ALL_REAPED if held else EXIT_OK)
 
 
-def _print_reap(as_json: bool, doc: dict[str, Any], rows: list[Any], dry_run: bool,
+def _print_reap(as_json: bool, report: Any, rows: list[Any], dry_run: bool,
                 render: Any, held: Optional[list[int]] = None) -> None:
     if as_json:
-        json.dump({"schema": 1, "source": doc["source"], "dry_run": dry_run,
+        json.dump({"schema": 1, "source": report.source, "dry_run": dry_run,
                    "actions": [{**a.as_json(), "result": result, "detail": detail}
                                for a, result, detail in rows],
                    "still_held": None if dry_run else sorted(held or ())},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render(doc, rows, dry_run, held, **_fitted()))
+        sys.stdout.write(render(report, rows, dry_run, held, **_fitted()))
 
 
 def _fitted() -> dict[str, Any]:

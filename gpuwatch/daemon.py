@@ -410,8 +410,7 @@ class Daemon:
         reaper = Reaper(self.config, self.config.daemon.state_dir / AUDIT_NAME,
                         daemon_pid=os.getpid(), actor="daemon")
         filters = Filters(kinds=frozenset(policy.auto_kinds), older_than=policy.auto_after)
-        doc = status_document(report, source=SOURCE_DAEMON)
-        planned = reaper.plan(doc, filters)
+        planned = reaper.plan(report, filters)
         actions = [a for a in planned if a.action in (TERMINATE, VIA_PARENT)]
         if self._audit is not None:
             actions = self._audit.not_ended_yet(actions)

@@ -14,9 +14,16 @@ from __future__ import annotations
 import operator
 import reprlib
 from dataclasses import dataclass, fields
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    # So that a type checker reads a decorated class as the frozen dataclass it is.
+    from typing_extensions import dataclass_transform
+else:
+    def dataclass_transform(**_: Any) -> Callable[[T], T]:
+        return lambda f: f
 
 
 def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
@@ -28,6 +35,7 @@ def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
     return operator.attrgetter(*names)  # a tuple for two names or more
 
 
+@dataclass_transform(frozen_default=True)
 def frozen_dataclass(cls: type[T]) -> type[T]:
     cls = dataclass(frozen=True, repr=False, eq=False)(cls)
     fs = fields(cls)  # type: ignore[arg-type]

@@ -35,6 +35,7 @@ from gpuwatch.model import (
     Finding,
     HostProcess,
     Job,
+    Kind,
     NodeSnapshot,
     StepPoint,
 )
@@ -553,7 +554,7 @@ class History:
             kept = self._open_findings.get(f.identity)
             if kept is None:
                 since, reason = now, f.reason
-                refinable = f.kind == "leak" and f.details.get("culprit") is None
+                refinable = f.kind == Kind.LEAK and f.details.get("culprit") is None
             else:
                 since, reason, refinable = kept
                 if refinable and f.details.get("culprit") is not None:

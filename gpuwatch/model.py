@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import field
+from enum import Enum
 from types import MappingProxyType
 from typing import Any, NamedTuple, Optional
 
@@ -336,6 +337,33 @@ class MemoryLimit:
     available_bytes: int
 
 
+class Kind(str, Enum):
+    """What a finding says is wrong: the one list of finding kinds (docs/findings.md).
+
+    A `str` enumeration: a kind is its name everywhere it leaves the program (the JSON document,
+    the metrics' `kind` label, the audit log, `reap --kind`), and compares equal to it.
+    """
+
+    ORPHAN = "orphan"
+    ZOMBIE = "zombie"
+    LEFTOVER = "leftover"
+    GHOST = "ghost"
+    LEAK = "leak"
+    STALLED = "stalled"
+    UNKILLABLE = "unkillable"
+
+    # Its name, not "Kind.ORPHAN", wherever it is written: f-strings, metric labels, str().
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+#: Every kind, in the order metrics and `reap --kind`'s message list them.
+KINDS: tuple[Kind, ...] = tuple(Kind)
+#: What a reap may act on by default: unkillable and ghost findings can only be reported (signals
+#: cannot end the one; there is no process to signal for the other), leaks and stalls are a
+#: person's call.
+REAPABLE_KINDS: frozenset[Kind] = frozenset({Kind.ORPHAN, Kind.LEFTOVER, Kind.ZOMBIE})
+
 FindingIdentity = tuple[str, Optional[int], Optional[float], tuple[int, ...]]
 
 
@@ -348,7 +376,7 @@ class Finding:
     first seen; `job` is the process's job, or the job of the tree it was first seen in.
     """
 
-    kind: str  # orphan | zombie | leftover | ghost | leak | stalled | unkillable
+    kind: Kind
     severity: str
     #: The evidence in words, as first given: it stays the same while the finding is open.
     reason: str
@@ -369,7 +397,7 @@ class Finding:
         return Finding.identity_of(self.kind, self.pid, self.start_time, self.gpus)
 
     @staticmethod
-    def identity_of(kind: str, pid: Optional[int], start_time: Optional[float],
+    def identity_of(kind: Kind, pid: Optional[int], start_time: Optional[float],
                     gpus: tuple[int, ...] = ()) -> FindingIdentity:
         """What tells one finding from another across polls: its kind and process, or for a
         finding of no process (a ghost), its GPUs."""
@@ -438,6 +466,11 @@ class NodeReport:
     #: Each process's job by PID: its own (cgroup, environment), else the job of the tree it was
     #: first seen in (a launcher or a helper carries no job variables of its own).
     jobs: Mapping[int, Job] = field(default_factory=lambda: MappingProxyType({}))
+    #: Where it was made: "poll" (a poll of the command's own) or "daemon" (a running daemon's
+    #: view, with history); and, for a poll, why not the daemon's. A report read back from a
+    #: status document (gpuwatch.sinks.document.from_json) says what the document said.
+    source: str = "poll"
+    source_detail: Optional[str] = None
 
     def job_of(self, p: HostProcess) -> Optional[Job]:
         return self.jobs.get(p.pid, p.job)

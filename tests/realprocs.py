@@ -87,9 +87,15 @@ def gpuwatch(args: list[str], env: Mapping[str, str], timeout: float = 60
 
 
 def status_json(env: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
+    """`gpuwatch status --json`'s exit code and document; the document reads back into the
+    model's types and renders again byte for byte (gpuwatch.sinks.document.from_json)."""
+    from gpuwatch.sinks.document import from_json, status_document
+
     result = gpuwatch(["status", "--json"], env)
     assert result.stdout, result.stderr
-    return result.returncode, json.loads(result.stdout)
+    doc = json.loads(result.stdout)
+    assert json.dumps(status_document(from_json(doc))) == json.dumps(doc)
+    return result.returncode, doc
 
 
 def processes_by_pid(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:

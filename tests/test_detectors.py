@@ -8,19 +8,24 @@ from types import MappingProxyType
 from typing import Any, Optional
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors import assess
+from gpuwatch.detectors import DETECTORS, assess
 from gpuwatch.history import History
 from gpuwatch.jobtree import job_roots
 from gpuwatch.model import (
+    KINDS,
+    REAPABLE_KINDS,
     GpuDevice,
     GpuProcessUsage,
     HostProcess,
     Job,
+    Kind,
     NodeReport,
     NodeSnapshot,
     NvmlCallError,
     NvmlStatus,
 )
+from tests import emitted_kinds
+from tests.emitted_kinds import detectors_report_only_declared_kinds  # noqa: F401 (autouse)
 
 GIB = 1 << 30
 CONFIG = DetectorConfig(zombie_grace=5.0, unkillable_after=30.0, min_age=10.0,
@@ -542,3 +547,33 @@ def test_a_helper_whose_supervisor_is_gone_is_an_orphan_and_never_a_leftover_as_
     for t in (2.0, 30.0, 60.0):  # the trainer ended with the supervisor; grace long past
         report = run(history, with_supervisors(snapshot(t, orphaned, helper), pid_40=None))
         assert sorted(kinds(report)) == [("orphan", 41), ("orphan", 43)]
+
+
+# -- the kinds: one enumeration, and what each detector reports ----------------------------------
+def test_the_kinds_are_exactly_what_the_detectors_declare_each_kind_one_detectors() -> None:
+    declared = [kind for module in DETECTORS for kind in module.EMITS]
+    assert sorted(declared) == sorted(KINDS), "a kind declared twice, or by no detector"
+    assert set(KINDS) == set(Kind) and set(KINDS) >= REAPABLE_KINDS
+    # A kind is its name wherever it is written: JSON, metric labels, f-strings, the audit log.
+    assert [str(k) for k in KINDS] == [f"{k}" for k in KINDS] == [k.value for k in KINDS]
+    assert Kind.ORPHAN == "orphan" and Kind("orphan") is Kind.ORPHAN
+
+
+def test_every_kind_is_reported_in_some_scenario_by_the_detector_that_declares_it() -> None:
+    """Runs scenarios of this module and of test_leak_detection under the fixture above, which
+    fails on any finding outside its detector's EMITS; between them, every kind is raised."""
+    from tests import test_leak_detection as leaks
+
+    emitted_kinds.EMITTED.clear()
+    scenarios = (
+        test_10_uninterruptible_sleep_over_several_polls_is_unkillable_and_a_blip_is_not,
+        test_a_zombie_is_reported_only_after_its_grace_period,
+        test_a_member_without_gpu_memory_is_an_orphan_while_its_job_trains_a_leftover_after,
+        test_a_ghost_must_outlast_the_grace_and_a_one_poll_excess_from_churn_never_is_one,
+        leaks.test_a_buffer_leaking_4_mib_a_step_is_named_within_10_steps_after_warm_up,
+        leaks.test_a_stalled_step_is_flagged_after_the_threshold_and_cleared_when_steps_resume)
+    for scenario in scenarios:
+        scenario()
+    by_module = {module.__name__: module for module in DETECTORS}
+    assert {kind for _, kind in emitted_kinds.EMITTED} == set(KINDS)
+    assert all(kind in by_module[name].EMITS for name, kind in emitted_kinds.EMITTED)

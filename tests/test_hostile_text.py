@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import pytest
 
 from gpuwatch.actions.reaper import Action
+from gpuwatch.model import Job, NodeReport, NodeSnapshot, NvmlStatus
 from gpuwatch.simulate.demo import SimulatedNode, simulated_node, wait_for
 from gpuwatch.simulate.job import launch_env
 from gpuwatch.sinks.doctor_view import render_doctor
@@ -80,15 +81,17 @@ def test_status_cleans_every_text_a_process_chose(width: int) -> None:
 def test_reap_doctor_run_and_top_details_clean_it_too() -> None:
     action = Action(kind="orphan", action="terminate", reason=f"`{HOSTILE}` orphaned",
                     pid=4242, start_time=1.0, name=HOSTILE_NAME, user=HOSTILE,
-                    job={"source": "slurm", "id": HOSTILE}, signals=("SIGTERM",))
-    doc = _hostile_document()
+                    job=Job(HOSTILE, "slurm"), signals=("SIGTERM",))
+    report = NodeReport(NodeSnapshot(taken_at=1.7e9, hostname=HOSTILE, nvml=NvmlStatus(True),
+                                     gpus=(), processes={}), source="daemon")
     for width in (0, 60):
-        plan = render_reap(doc, [(action, "planned", "")], True, width=width)
+        plan = render_reap(report, [(action, "planned", "")], True, width=width)
         assert _no_control(plan), plan
     checks = {"checks": [{"name": "daemon", "status": "fail", "summary": HOSTILE,
                           "fix": HOSTILE}]}
     assert _no_control(render_doctor(checks))
     from gpuwatch.sinks.top.view import details_lines
+    doc = _hostile_document()
     lines = [line.text for line in details_lines(doc, doc["processes"][1]["pid"], None, 100)]
     assert _no_control("\n".join(lines))
     assert "limit_bytes: none" in "\n".join(lines)  # not Python's `None`

@@ -27,6 +27,7 @@ from gpuwatch.model import (
     TraceReport,
     TraceSite,
 )
+from tests.emitted_kinds import detectors_report_only_declared_kinds  # noqa: F401 (autouse)
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -472,6 +472,7 @@ def test_a_worker_that_ignores_sigterm_is_sigkilled_after_the_grace_period(
 def test_a_pid_reused_between_plan_and_signal_is_not_signalled(
         watched: WatchedNode, tmp_path: Path) -> None:
     from gpuwatch.actions.reaper import Filters, Reaper
+    from gpuwatch.sinks.document import from_json
 
     with torchrun_job(tmp_path, workers=1) as job:
         old, doc = watched.orphan(job, used=GIB)
@@ -479,7 +480,7 @@ def test_a_pid_reused_between_plan_and_signal_is_not_signalled(
         audit_path.parent.mkdir()
         reaper = Reaper(load_config(watched.daemon.config_path, environ={}),
                         audit_path=audit_path, daemon_pid=watched.daemon.proc.pid)
-        actions = reaper.plan(doc, Filters(kinds=frozenset({"orphan"})))
+        actions = reaper.plan(from_json(doc), Filters(kinds=frozenset({"orphan"})))
         assert [a.pid for a in actions] == [old]
 
         os.kill(old, signal.SIGKILL)
@@ -502,6 +503,7 @@ def test_a_pid_reused_between_plan_and_signal_is_not_signalled(
 def test_pid_1_the_daemon_kernel_threads_and_protected_processes_are_refused_with_reasons(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     from gpuwatch.actions.reaper import Filters, Reaper
+    from gpuwatch.sinks.document import from_json
 
     config_path = tmp_path / "reaper.toml"
     config_path.write_text('[detectors]\nprotected_names = ["reap-guarded"]\n'
@@ -524,7 +526,7 @@ def test_pid_1_the_daemon_kernel_threads_and_protected_processes_are_refused_wit
 
         reaper = Reaper(load_config(config_path, environ={}),
                         audit_path=tmp_path / "reap.jsonl", daemon_pid=w.daemon.proc.pid)
-        actions = reaper.plan(doc, Filters(kinds=frozenset({"orphan"})))
+        actions = reaper.plan(from_json(doc), Filters(kinds=frozenset({"orphan"})))
         results = {r.action.pid: r for r in reaper.execute(actions, grace=1.0)}
         assert set(results) == {*why, unguarded}
         for pid, reason in why.items():
@@ -539,6 +541,7 @@ def test_pid_1_the_daemon_kernel_threads_and_protected_processes_are_refused_wit
 def test_as_root_another_users_process_is_reaped_only_while_allow_other_users_is_on(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     from gpuwatch.actions.reaper import Filters, Reaper
+    from gpuwatch.sinks.document import from_json
 
     if os.geteuid() != 0:
         pytest.skip("needs root")
@@ -552,14 +555,14 @@ def test_as_root_another_users_process_is_reaped_only_while_allow_other_users_is
         only_orphans = Filters(kinds=frozenset({"orphan"}))
 
         strict = Reaper(load_config(forbidding, environ={}), audit_path=tmp_path / "reap.jsonl")
-        (refused,) = strict.execute(strict.plan(doc, only_orphans), grace=1.0)
+        (refused,) = strict.execute(strict.plan(from_json(doc), only_orphans), grace=1.0)
         assert refused.result == "refused", refused
         assert "another user" in refused.detail.lower(), refused.detail
         assert running(nobodys)
 
         default = Reaper(load_config(Path("/dev/null"), environ={}),
                          audit_path=tmp_path / "reap.jsonl")
-        (reaped,) = default.execute(default.plan(doc, only_orphans), grace=1.0)
+        (reaped,) = default.execute(default.plan(from_json(doc), only_orphans), grace=1.0)
         assert reaped.result == "exited", reaped
         assert not running(nobodys)
 
@@ -647,6 +650,7 @@ def test_a_gpuwatch_group_member_may_dry_run_and_is_refused_a_reap_it_cannot_rec
 def test_unkillable_and_ghost_findings_are_reported_and_never_signalled(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     from gpuwatch.actions.reaper import Filters, Reaper
+    from gpuwatch.sinks.document import from_json
 
     with signal_recorder(tmp_path, name="stuck-in-d") as (stuck, log):
         fake_node.hold(stuck, device=0, used=GIB)
@@ -666,7 +670,7 @@ def test_unkillable_and_ghost_findings_are_reported_and_never_signalled(
                                              doc["taken_at"])]
         reaper = Reaper(load_config(Path("/dev/null"), environ={}),
                         audit_path=tmp_path / "reap.jsonl")
-        actions = reaper.plan(doc, Filters(kinds=frozenset({"unkillable"})))
+        actions = reaper.plan(from_json(doc), Filters(kinds=frozenset({"unkillable"})))
         (result,) = reaper.execute(actions, grace=1.0)
         assert result.action.pid == stuck and result.action.action == "report"
         assert list(result.action.signals) == []

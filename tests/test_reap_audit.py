@@ -32,6 +32,7 @@ from gpuwatch.actions.signals import CAP_KILL, Signaller
 from gpuwatch.config import load_config
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
+from gpuwatch.sinks.document import from_json
 from gpuwatch.sources.processes import ProcessSource
 from tests.daemonproc import (
     RunningDaemon,
@@ -216,7 +217,7 @@ def test_every_candidate_gets_sigterm_before_any_grace_is_waited_and_each_result
         _, doc = status_json(cli_env)
         reaper = Reaper(load_config(Path("/dev/null"), environ={}),
                         audit_path=states / "reap.jsonl")
-        actions = reaper.plan(doc, Filters(kinds=frozenset({"orphan"})))
+        actions = reaper.plan(from_json(doc), Filters(kinds=frozenset({"orphan"})))
         assert sorted(a.pid for a in actions) == sorted(pids)
         # The one that ignores SIGTERM first: signalled one at a time, it would hold every
         # other's SIGTERM back by the whole grace.
@@ -300,7 +301,7 @@ def test_a_pid_reused_during_the_grace_is_recorded_as_gone_and_the_newcomer_is_n
         procs = HeldProcs()
         reaper = Reaper(load_config(Path("/dev/null"), environ={}),
                         audit_path=states / "reap.jsonl", signaller=Signaller(procs))
-        actions = reaper.plan(doc, Filters(kinds=frozenset({"orphan"})))
+        actions = reaper.plan(from_json(doc), Filters(kinds=frozenset({"orphan"})))
         results: list[Result] = []
         batch = threading.Thread(target=lambda: results.extend(reaper.execute(actions,
                                                                                grace=120)),

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.cli import EXIT_NVML_UNAVAILABLE, EXIT_OK, EXIT_PARTIAL
+from gpuwatch.model import Kind
 from gpuwatch.simulate import fakenvml
 from gpuwatch.simulate.fakenvml import FakeNode
-from gpuwatch.sinks.document import status_document
+from gpuwatch.sinks.document import from_json, status_document
 from gpuwatch.sinks.status_view import render_status
 from gpuwatch.units import short_command
 from tests import leakreports
@@ -355,3 +356,16 @@ def test_an_instrumented_process_shows_its_agents_step_and_buffers_under_its_row
     assert all(len(line) <= 80 for line in under)
     assert " ".join(line.strip() for line in under).replace("; ", ";") == lines[at + 1].strip(
         ).replace("; ", ";")
+
+
+def test_a_document_reads_back_into_the_models_types_and_renders_again_byte_for_byte() -> None:
+    """What the command line reads from the daemon's state socket is read once, at the edge,
+    into the types the reaper, `top` and the views work on; nothing is lost or changed on the
+    way (status_json checks the same of every real document the tests read)."""
+    for report in (leakreports.leak_report(), leakreports.leak_report(())):
+        text = json.dumps(status_document(report, source="daemon"))
+        back = from_json(json.loads(text))
+        assert json.dumps(status_document(back)) == text
+        assert back.source == "daemon" and back.snapshot.clock_step == 0.0
+        assert [f.kind for f in back.findings] == [f.kind for f in report.findings]
+        assert all(isinstance(f.kind, Kind) for f in back.findings)

@@ -31,6 +31,7 @@ from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.sinks.document import status_document
 from gpuwatch.sinks.status_view import render_status
 from tests.daemonproc import pids_with_series, running_daemon, value
+from tests.emitted_kinds import detectors_report_only_declared_kinds  # noqa: F401 (autouse)
 from tests.realprocs import GIB, gpuwatch, processes_by_pid, running_job, status_json
 
 LIST_CALLS = "nvmlDeviceGetComputeRunningProcesses*"

@@ -1,7 +1,7 @@
 """The reaper: free GPU memory held by processes of dead jobs, safely.
 
-It plans from a status document (the daemon's view, or one poll), so `reap --dry-run` shows
-exactly what the daemon sees. Safety, in order of precedence:
+It plans from a report (the daemon's view, read back from its status document, or one poll),
+so `reap --dry-run` shows exactly what the daemon sees. Safety, in order of precedence:
 - only findings of reapable kinds are candidates; what signals cannot end (unkillable) or where
   there is no process (a ghost) is reported, never signalled;
 - never PID 1, the daemon itself, kernel threads, protected names or users; another user's process
@@ -28,7 +28,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -46,6 +46,7 @@ from gpuwatch.actions.signals import (
     may_signal_other_users,
 )
 from gpuwatch.config import Config
+from gpuwatch.model import KINDS, REAPABLE_KINDS, Finding, HostProcess, Job, Kind, NodeReport
 from gpuwatch.sources.processes import ProcessSource
 
 AUDIT_NAME = "reap.jsonl"
@@ -56,8 +57,6 @@ PLANNED, SIGNALLED, EXECUTED, RECOVERED = "planned", "signalled", "executed", "r
 #: How much of the audit log's end the daemon reads when it starts: actions left without a result
 #: are the last ones written.
 AUDIT_TAIL_BYTES = 4 << 20
-#: What a reap may act on by default; unkillable and ghost findings can only be reported.
-REAPABLE_KINDS = frozenset({"orphan", "leftover", "zombie"})
 
 #: What carrying out an action can end in (a dry run's results are all "planned").
 OUTCOMES = ("exited", "killed", "reaped", "gone", "identity-changed", "refused", "unkillable",
@@ -74,6 +73,7 @@ REFUSE = "refuse"
 
 @dataclass(frozen=True)
 class Filters:
+    #: Kinds, or their names (`reap --kind`, the config's auto_kinds): a Kind is its name.
     kinds: frozenset[str] = REAPABLE_KINDS
     job: Optional[str] = None
     pids: frozenset[int] = frozenset()
@@ -83,14 +83,15 @@ class Filters:
 
 @dataclass(frozen=True)
 class Action:
-    kind: str
+    kind: Kind
     action: str
     reason: str
     pid: Optional[int]
+    #: As the status document gives it: on the wall clock, in hundredths of a second.
     start_time: Optional[float]
     name: Optional[str] = None
     user: Optional[str] = None
-    job: Optional[dict[str, str]] = None
+    job: Optional[Job] = None
     gpu_memory_bytes: Optional[int] = None
     gpus: tuple[int, ...] = ()
     #: The process that gets the signal: the finding's, or a zombie's parent.
@@ -101,7 +102,9 @@ class Action:
 
     def as_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "start_time": self.start_time, "name": self.name,
-                "user": self.user, "job": self.job, "kind": self.kind, "action": self.action,
+                "user": self.user,
+                "job": {"id": self.job.id, "source": self.job.source} if self.job else None,
+                "kind": self.kind, "action": self.action,
                 "target": self.target, "signals": list(self.signals),
                 "gpu_memory_bytes": self.gpu_memory_bytes, "gpus": list(self.gpus),
                 "reason": self.reason, "refused": self.refused}
@@ -109,10 +112,14 @@ class Action:
     @staticmethod
     def from_json(d: dict[str, Any]) -> Action:
         """The action of an audit line (its target's start time is not recorded)."""
-        return Action(kind=str(d.get("kind")), action=str(d.get("action")),
+        job, kind = d.get("job"), d.get("kind")
+        return Action(kind=Kind(kind) if kind in KINDS else kind,  # type: ignore[arg-type]
+                      action=str(d.get("action")),
                       reason=str(d.get("reason")), pid=d.get("pid"),
                       start_time=d.get("start_time"), name=d.get("name"), user=d.get("user"),
-                      job=d.get("job"), gpu_memory_bytes=d.get("gpu_memory_bytes"),
+                      job=(Job(str(job.get("id")), str(job.get("source")))
+                           if isinstance(job, dict) else None),
+                      gpu_memory_bytes=d.get("gpu_memory_bytes"),
                       gpus=tuple(d.get("gpus") or ()), target=d.get("target"),
                       signals=tuple(d.get("signals") or ()), refused=d.get("refused"))
 
@@ -161,17 +168,20 @@ class Reaper:
         self.unrecorded: Optional[str] = None
 
     # -- planning ------------------------------------------------------------------------------
-    def plan(self, doc: dict[str, Any], filters: Filters = Filters(), dry_run: bool = False,
+    def plan(self, report: NodeReport, filters: Filters = Filters(), dry_run: bool = False,
              grace: Optional[float] = None) -> list[Action]:
         """`grace` (default: the config's) is only what the plan says; execute() takes its own.
 
         A dry run's plan goes to the audit log here; any other plan when execute() carries it
         out (a plan that is shown and declined was never more than a dry run)."""
-        processes = {p["pid"]: p for p in doc["processes"]}
-        chosen = [f for f in doc["findings"] if self._selected(f, doc, filters)]
-        candidates = {f["pid"] for f in chosen if f["pid"] is not None}
+        processes = report.snapshot.processes
+        chosen = [f for f in report.findings if self._selected(f, report, filters)]
+        candidates = {f.pid for f in chosen if f.pid is not None}
         wait = self.config.reaper.grace if grace is None else grace
-        actions = [self._action(f, processes, candidates, wait) for f in chosen]
+        # Start times as the status document gives them (the audit log records those, and the
+        # signalling path checks a process's identity against them): on the wall clock.
+        wall = report.snapshot.wall
+        actions = [self._action(f, processes, candidates, wait, wall) for f in chosen]
         # Zombies last: terminating their parents first is what may reap them.
         actions.sort(key=lambda a: a.action == VIA_PARENT)
         if dry_run:
@@ -197,63 +207,66 @@ class Reaper:
         """Record plans that are not carried out (the daemon's refused auto-reaps)."""
         self.audit.write([self.audit.entry(Result(a, "planned"), PLANNED) for a in actions])
 
-    def _selected(self, f: dict[str, Any], doc: dict[str, Any], filters: Filters) -> bool:
-        if f["kind"] not in filters.kinds:
+    def _selected(self, f: Finding, report: NodeReport, filters: Filters) -> bool:
+        if f.kind not in filters.kinds:
             return False
-        if filters.pids and f["pid"] not in filters.pids:
+        if filters.pids and f.pid not in filters.pids:
             return False
-        if filters.user is not None and f["user"] != filters.user:
+        if filters.user is not None and f.user != filters.user:
             return False
-        if filters.job is not None and not _job_matches(f["job"], filters.job):
+        if filters.job is not None and not _job_matches(f.job, filters.job):
             return False
-        return doc["taken_at"] - f["since"] >= filters.older_than
+        return report.snapshot.taken_at - f.since >= filters.older_than
 
-    def _action(self, f: dict[str, Any], processes: dict[int, dict[str, Any]],
-                candidates: set[int], grace: float) -> Action:
-        pid = f["pid"]
+    def _action(self, f: Finding, processes: Mapping[int, HostProcess], candidates: set[int],
+                grace: float, wall: Callable[[float], float]) -> Action:
+        def started(t: Optional[float]) -> Optional[float]:
+            return round(wall(t), 2) if t is not None else None
+
+        pid = f.pid
         proc = processes.get(pid) if pid is not None else None
-        base = {"kind": f["kind"], "reason": f["reason"], "pid": pid,
-                "start_time": f["start_time"], "name": f["name"], "user": f["user"],
-                "job": f["job"], "gpu_memory_bytes": f["gpu_memory_bytes"],
-                "gpus": tuple(f["gpus"])}
-        if f["kind"] == "unkillable":
+        base = {"kind": f.kind, "reason": f.reason, "pid": pid,
+                "start_time": started(f.start_time), "name": f.name, "user": f.user,
+                "job": f.job, "gpu_memory_bytes": f.gpu_memory_bytes, "gpus": f.gpus}
+        if f.kind == Kind.UNKILLABLE:
             return Action(action=REPORT, **base,
                           refused="in uninterruptible sleep: signals cannot end it")
-        if pid is None or proc is None or not proc["in_procfs"]:
+        if pid is None or proc is None or not proc.in_procfs:
             return Action(action=REPORT, **base,
                           refused="no process to signal: only the driver can release it")
         refusal = self._refusal(proc)
         if refusal is not None:
             return Action(action=REFUSE, **base, refused=refusal)
-        if f["kind"] == "zombie" and (proc["num_threads"] or 0) <= 1:
-            parent = processes.get(proc["ppid"])
+        if f.kind == Kind.ZOMBIE and (proc.num_threads or 0) <= 1:
+            parent = processes.get(proc.ppid) if proc.ppid is not None else None
             if parent is None:
                 return Action(action=REFUSE, **base, refused="its parent is not known")
-            if parent["pid"] in candidates:
-                signals: tuple[str, ...] = (f"none: its parent {parent['pid']} is reaped too",)
+            if parent.pid in candidates:
+                signals: tuple[str, ...] = (f"none: its parent {parent.pid} is reaped too",)
             else:
                 refusal = self._refusal(parent)
-                if refusal is not None and parent["pid"] != 1:
+                if refusal is not None and parent.pid != 1:
                     return Action(action=REFUSE, **base, refused=f"its parent is {refusal}")
-                signals = (f"SIGCHLD to its parent {parent['pid']}",)
-            return Action(action=VIA_PARENT, **base, target=parent["pid"],
-                          target_start_time=parent["start_time"], signals=signals)
-        return Action(action=TERMINATE, **base, target=pid, target_start_time=f["start_time"],
+                signals = (f"SIGCHLD to its parent {parent.pid}",)
+            return Action(action=VIA_PARENT, **base, target=parent.pid,
+                          target_start_time=started(parent.start_time), signals=signals)
+        return Action(action=TERMINATE, **base, target=pid,
+                      target_start_time=started(f.start_time),
                       signals=("SIGTERM", f"SIGKILL after {grace:g} s"))
 
-    def _refusal(self, proc: dict[str, Any]) -> Optional[str]:
-        pid, name, user = proc["pid"], proc["name"] or "", proc["user"] or ""
+    def _refusal(self, proc: HostProcess) -> Optional[str]:
+        pid, name, user = proc.pid, proc.name or "", proc.user or ""
         if pid <= 1:
             return "PID 1"
         if pid == self.daemon_pid or pid == os.getpid():
             return "the gpuwatch daemon itself" if pid == self.daemon_pid else "gpuwatch itself"
-        if pid == 2 or proc["ppid"] == 2:
+        if pid == 2 or proc.ppid == 2:
             return "a kernel thread"
         if name in self.config.detectors.protected_names:
             return f"a protected name ({name})"
         if user in self.config.detectors.protected_users:
             return f"a protected user's process ({user})"
-        if proc["uid"] is not None and proc["uid"] != self.euid:
+        if proc.uid is not None and proc.uid != self.euid:
             if not self.may_signal_others:
                 return (f"another user's process ({user}): signalling it needs CAP_KILL, "
                         "which this reaper lacks")
@@ -298,7 +311,7 @@ class Reaper:
             if a.action == REFUSE:
                 done(i, Result(a, "refused", a.refused or ""))
             elif a.action == REPORT:
-                done(i, Result(a, "unkillable" if a.kind == "unkillable" else "failed",
+                done(i, Result(a, "unkillable" if a.kind == Kind.UNKILLABLE else "failed",
                                a.refused or ""))
             elif a.action == TERMINATE:
                 terminating.append(i)
@@ -446,12 +459,12 @@ def _ends_a_line(fd: int) -> bool:
     return size == 0 or os.pread(fd, 1, size - 1) == b"\n"
 
 
-def _job_matches(job: Optional[dict[str, str]], wanted: str) -> bool:
+def _job_matches(job: Optional[Job], wanted: str) -> bool:
     """`--job 41234` (the id a scheduler hands its epilog) or `--job slurm:41234` (as `status`
     shows it)."""
-    if not job:
+    if job is None:
         return False
-    return wanted in (job["id"], f"{job['source']}:{job['id']}")
+    return wanted in (job.id, str(job))
 
 
 @dataclass

@@ -40,7 +40,7 @@ from types import MappingProxyType
 from typing import Callable, Optional, Protocol
 
 from gpuwatch.config import AgentConfig
-from gpuwatch.model import AgentReading, NodeReport, NodeSnapshot, TraceReport
+from gpuwatch.model import AgentReading, Kind, NodeReport, NodeSnapshot, TraceReport
 from gpuwatch.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class TraceRequests:
         now = self._clock()
         agents = report.snapshot.agents
         for f in report.findings:
-            if f.kind != "leak" or f.pid is None:
+            if f.kind != Kind.LEAK or f.pid is None:
                 continue
             details = f.details
             if details.get("found_by") is not None:

@@ -23,11 +23,11 @@ from gpuwatch.detectors import (
 )
 from gpuwatch.detectors.common import is_protected
 from gpuwatch.history import History
-from gpuwatch.model import Finding, NodeReport, NodeSnapshot
+from gpuwatch.model import KINDS, Finding, NodeReport, NodeSnapshot
 
+#: Each declares the kinds it reports (EMITS); between them, every kind of gpuwatch.model.KINDS
+#: (tests/test_detectors.py ties the two, and runs each over scenarios to check its EMITS).
 DETECTORS = (orphans, zombies, leftovers, ghosts, unkillable, leaks, stalled)
-#: Every kind a detector here can report, for metrics that must show 0 rather than nothing.
-KINDS = ("orphan", "zombie", "leftover", "ghost", "leak", "stalled", "unkillable")
 
 __all__ = ["DETECTORS", "KINDS", "assess", "detect", "is_protected"]
 

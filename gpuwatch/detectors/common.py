@@ -6,7 +6,7 @@ from typing import Optional
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.launch_env import RUN_ID_KEY, WORKER_MARKER_KEYS, run_supervisor
-from gpuwatch.model import Finding, HostProcess, Job, NodeSnapshot
+from gpuwatch.model import Finding, HostProcess, Job, Kind, NodeSnapshot
 from gpuwatch.units import human_bytes, short_command
 
 # Guards the climb against a corrupt or cyclic parent chain.
@@ -21,7 +21,7 @@ def is_protected(p: HostProcess, config: DetectorConfig) -> bool:
     return (p.name or "") in config.protected_names or (p.user or "") in config.protected_users
 
 
-def finding(kind: str, severity: str, p: HostProcess, reason: str) -> Finding:
+def finding(kind: Kind, severity: str, p: HostProcess, reason: str) -> Finding:
     return Finding(
         kind=kind,
         severity=severity,

@@ -20,8 +20,11 @@ from collections.abc import Iterator
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import finding
 from gpuwatch.history import History
-from gpuwatch.model import Finding, NodeSnapshot, holders_unknown
+from gpuwatch.model import Finding, Kind, NodeSnapshot, holders_unknown
 from gpuwatch.units import human_bytes
+
+#: The kinds of finding this detector reports (a test runs it over scenarios and checks).
+EMITS = frozenset({Kind.GHOST})
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
@@ -33,18 +36,18 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             # Only carried over from a GPU's last good read: NVML does not list it now.
             unlisted = all(u.gpu_index in blind and u.memory_bytes is None for u in p.gpu_usage)
             if unlisted:
-                if history.open_since(Finding.identity_of("ghost", p.pid, p.start_time)) is None:
+                if history.open_since(Finding.identity_of(Kind.GHOST, p.pid, p.start_time)) is None:
                     continue
             else:
                 since = history.unlisted_since(p.pid)
                 if since is None or now - since < grace:
                     continue
-            yield finding("ghost", "warning", p,
+            yield finding(Kind.GHOST, "warning", p,
                           "NVML lists this PID on the GPU but /proc has no such process "
                           "(exited without releasing its memory, or another PID namespace)")
     for g in snapshot.gpus:
         unattributed = g.unattributed_memory_bytes
-        was_open = history.open_since(Finding.identity_of("ghost", None, None, (g.index,)))
+        was_open = history.open_since(Finding.identity_of(Kind.GHOST, None, None, (g.index,)))
         if unattributed is None:
             held = was_open is not None  # unknown: not released
         else:
@@ -53,7 +56,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                 or history.unattributed_held(g.index, config.ghost_min_bytes, grace, now))
         if held:
             yield Finding(
-                kind="ghost", severity="warning", gpus=(g.index,),
+                kind=Kind.GHOST, severity="warning", gpus=(g.index,),
                 gpu_memory_bytes=unattributed,
                 reason=(f"GPU {g.index} has memory in use that no listed process accounts for "
                         f"(over {human_bytes(config.ghost_min_bytes)})"))

@@ -33,7 +33,10 @@ from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import finding, is_protected
 from gpuwatch.detectors.trend import Growth, growth, is_growing, may_grow, median
 from gpuwatch.history import History, ProcessHistory, Series, StepSeries
-from gpuwatch.model import Finding, HostProcess, MemoryLimit, NodeSnapshot, TraceReport
+from gpuwatch.model import Finding, HostProcess, Kind, MemoryLimit, NodeSnapshot, TraceReport
+
+#: The kinds of finding this detector reports (a test runs it over scenarios and checks).
+EMITS = frozenset({Kind.LEAK})
 
 #: An item count must grow by at least this much per step, and by this share of itself, to call
 #: a buffer leaking by items: a bounded queue or cache jitters around its capacity.
@@ -161,7 +164,7 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
         reason += "; " + culprit.explains()
     if limit is not None:
         reason += f"; runs out against the {limit.source} limit"
-    return _with_details(finding("leak", severity, p, reason), details)
+    return _with_details(finding(Kind.LEAK, severity, p, reason), details)
 
 
 class _Culprit(NamedTuple):
@@ -244,7 +247,7 @@ def _trace_of(p: HostProcess, g: Growth, steps: StepSeries, snapshot: NodeSnapsh
     if trace is None:
         return None
     start = _time_at(steps, g.first_x)
-    opened = history.open_since(Finding.identity_of("leak", p.pid, p.start_time))
+    opened = history.open_since(Finding.identity_of(Kind.LEAK, p.pid, p.start_time))
     if opened is not None:
         start = min(start, opened)
     return trace if trace.received_at >= start else None
@@ -331,7 +334,7 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
                            projected_oom_at=round(snapshot.taken_at + seconds_left))
             severity = "critical" if seconds_left <= _CRITICAL_WITHIN else "warning"
         against = f"; runs out against the {limit.source} limit" if limit is not None else ""
-        return _with_details(finding("leak", severity, p,
+        return _with_details(finding(Kind.LEAK, severity, p,
                                      f"{what} grows steadily (no agent){against}"), details)
     return None
 

@@ -15,8 +15,11 @@ from collections.abc import Iterator
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import command, finding, is_protected, named, supervisor_gone
 from gpuwatch.history import History
-from gpuwatch.model import Finding, NodeSnapshot
+from gpuwatch.model import Finding, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
+
+#: The kinds of finding this detector reports (a test runs it over scenarios and checks).
+EMITS = frozenset({Kind.LEFTOVER})
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
@@ -41,4 +44,4 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                 reason = (f"`{command(p)}`{label} still runs; its trainer "
                           f"{named(trainer_pid, trainer_name)} ended after "
                           f"{clock_time(snapshot.wall(job.finished_at))}")
-            yield finding("leftover", "warning", p, reason)
+            yield finding(Kind.LEFTOVER, "warning", p, reason)

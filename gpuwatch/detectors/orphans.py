@@ -37,8 +37,11 @@ from gpuwatch.detectors.common import (
 from gpuwatch.history import History
 from gpuwatch.jobtree import is_launcher, is_namespace_init, is_supervisor
 from gpuwatch.launch_env import LAUNCHER_SET_KEYS
-from gpuwatch.model import Finding, HostProcess, NodeSnapshot
+from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
+
+#: The kinds of finding this detector reports (a test runs it over scenarios and checks).
+EMITS = frozenset({Kind.ORPHAN})
 
 #: Set only by a torchrun agent, for the workers it starts (each in a session of its own).
 _TORCHELASTIC_KEY = "TORCHELASTIC_RUN_ID"
@@ -51,18 +54,18 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             continue
         reason = supervisor_gone(p, snapshot)
         if reason is not None:
-            yield finding("orphan", "critical" if p.holds_gpu else "warning", p, reason)
+            yield finding(Kind.ORPHAN, "critical" if p.holds_gpu else "warning", p, reason)
             continue
         h = history.get(p.identity)
         if h is not None and h.first_ppid not in (None, 0, 1) and p.ppid != h.first_ppid:
             reason = _lineage_reason(p, h.first_ppid, h.parent_start, h.parent_name, snapshot,
                                      history)
             if p.holds_gpu or _job_still_training(p, history):
-                yield finding("orphan", "critical" if p.holds_gpu else "warning", p, reason)
+                yield finding(Kind.ORPHAN, "critical" if p.holds_gpu else "warning", p, reason)
         elif p.holds_gpu:
             reason = _environment_reason(p, snapshot, config)
             if reason is not None:
-                yield finding("orphan", "critical", p, reason)
+                yield finding(Kind.ORPHAN, "critical", p, reason)
 
 
 def _job_still_training(p: HostProcess, history: History) -> bool:

@@ -12,8 +12,11 @@ from collections.abc import Iterator
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import finding, is_protected
 from gpuwatch.history import History
-from gpuwatch.model import Finding, NodeSnapshot
+from gpuwatch.model import Finding, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
+
+#: The kinds of finding this detector reports (a test runs it over scenarios and checks).
+EMITS = frozenset({Kind.STALLED})
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
@@ -26,7 +29,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             continue
         if snapshot.taken_at - agent.step_changed_at < config.stall_after:
             continue
-        yield finding("stalled", "warning", p,
+        yield finding(Kind.STALLED, "warning", p,
                       f"step {agent.step} has not advanced since "
                       f"{clock_time(snapshot.wall(agent.step_changed_at))} "
                       "while holding GPU memory")

@@ -16,8 +16,11 @@ from collections.abc import Iterator
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import finding, is_protected
 from gpuwatch.history import History
-from gpuwatch.model import Finding, HostProcess, NodeSnapshot
+from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
+
+#: The kinds of finding this detector reports (a test runs it over scenarios and checks).
+EMITS = frozenset({Kind.UNKILLABLE})
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
@@ -41,7 +44,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         else:
             severity = "warning"
             where = f"waits in {_where(p)}, not in the GPU driver, and holds no GPU memory"
-        yield finding("unkillable", severity, p,
+        yield finding(Kind.UNKILLABLE, severity, p,
                       f"{since}; {where}; signals cannot end it")
 
 

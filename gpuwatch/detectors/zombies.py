@@ -14,7 +14,10 @@ from collections.abc import Iterator
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import finding, is_protected, named
 from gpuwatch.history import History
-from gpuwatch.model import Finding, NodeSnapshot
+from gpuwatch.model import Finding, Kind, NodeSnapshot
+
+#: The kinds of finding this detector reports (a test runs it over scenarios and checks).
+EMITS = frozenset({Kind.ZOMBIE})
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
@@ -39,4 +42,4 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             severity = "warning"
             reason = (f"defunct; parent {named(p.ppid, parent.name if parent else None)} "
                       "has not reaped it")
-        yield finding("zombie", severity, p, reason)
+        yield finding(Kind.ZOMBIE, severity, p, reason)

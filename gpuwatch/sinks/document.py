@@ -8,6 +8,7 @@ every field; bump SCHEMA_VERSION on any incompatible change.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from types import MappingProxyType
 from typing import Any, Optional
 
 from gpuwatch import __version__
@@ -22,12 +23,19 @@ from gpuwatch.document_types import (
 )
 from gpuwatch.model import (
     AgentReading,
+    BufferSize,
     Finding,
     GpuDevice,
     GpuProcessUsage,
     HostProcess,
     Job,
+    Kind,
     NodeReport,
+    NodeSnapshot,
+    NvmlCallError,
+    NvmlStatus,
+    SourceError,
+    StepPoint,
     holders_unknown,
 )
 
@@ -38,8 +46,11 @@ SOURCE_DAEMON = "daemon"
 SOURCE_POLL = "poll"
 
 
-def status_document(report: NodeReport, source: str = SOURCE_POLL,
+def status_document(report: NodeReport, source: Optional[str] = None,
                     source_detail: Optional[str] = None) -> StatusDocument:
+    """The document of `report`; `source` and `source_detail` default to the report's."""
+    if source is None:
+        source, source_detail = report.source, report.source_detail
     snapshot = report.snapshot
     nvml = snapshot.nvml
     blind = {g.index for g in snapshot.gpus if holders_unknown(g)}
@@ -211,3 +222,104 @@ def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
         "kernel_stack": list(p.kernel_stack),
         "agent": _agent(agent, wall),
     }
+
+
+# -- reading a document back -------------------------------------------------------------------
+def from_json(doc: StatusDocument) -> NodeReport:
+    """The report a status document was rendered from, as far as it tells: what the command
+    line reads from the daemon's state socket, read once here so that the reaper, `top` and
+    the views work on the model's types. Every time in it is already on the wall clock (its
+    clock step is 0), and `status_document(from_json(doc)) == doc`
+    (tests/test_status.py checks). An agent's reading keeps what the document shows of it: its
+    step, times and latest figures, none of its step history."""
+    usages = {p["pid"]: tuple(_usage_of(p["pid"], u) for u in p["gpus"])
+              for p in doc["processes"]}
+    processes = {p["pid"]: _process_of(p, usages[p["pid"]]) for p in doc["processes"]}
+    on_gpu: dict[int, list[GpuProcessUsage]] = {}
+    for pid in sorted(usages):
+        for u in usages[pid]:
+            on_gpu.setdefault(u.gpu_index, []).append(u)
+    nvml = doc["nvml"]
+    snapshot = NodeSnapshot(
+        taken_at=doc["taken_at"], hostname=doc["node"],
+        nvml=NvmlStatus(available=nvml["available"], error=nvml["error"],
+                        error_code=nvml["error_code"], driver_version=nvml["driver_version"],
+                        nvml_version=nvml["nvml_version"],
+                        cuda_driver_version=nvml["cuda_driver_version"],
+                        device_count=nvml["device_count"]),
+        gpus=tuple(_gpu_of(g, tuple(on_gpu.get(g["index"], ()))) for g in doc["gpus"]),
+        processes=MappingProxyType(processes),
+        errors=tuple(SourceError(e["source"], e["message"]) for e in doc["errors"]),
+        poll_duration_seconds=doc["poll_duration_seconds"],
+        job_roots=MappingProxyType({p["pid"]: p["job_root"] for p in doc["processes"]
+                                    if p["job_root"] is not None}),
+        agents=MappingProxyType({p["pid"]: _agent_of(p["pid"], p["uid"], a)
+                                 for p in doc["processes"] if (a := p["agent"]) is not None}))
+    return NodeReport(
+        snapshot, tuple(_finding_of(f) for f in doc["findings"]),
+        MappingProxyType({pid: p.job for pid, p in processes.items() if p.job is not None}),
+        source=doc["source"], source_detail=doc["source_detail"])
+
+
+def _job_of(job: Optional[JobDoc]) -> Optional[Job]:
+    return Job(job["id"], job["source"]) if job is not None else None
+
+
+def _usage_of(pid: int, u: GpuUsageDoc) -> GpuProcessUsage:
+    return GpuProcessUsage(gpu_index=u["index"], gpu_uuid=u["uuid"], pid=pid,
+                           memory_bytes=u["memory_bytes"], kinds=frozenset(u["type"].split("+")),
+                           gpu_instance_id=u["gpu_instance_id"],
+                           compute_instance_id=u["compute_instance_id"])
+
+
+def _gpu_of(g: GpuDoc, processes: tuple[GpuProcessUsage, ...]) -> GpuDevice:
+    return GpuDevice(
+        index=g["index"], uuid=g["uuid"], name=g["name"], pci_bus_id=g["pci_bus_id"],
+        memory_total_bytes=g["memory_total_bytes"], memory_used_bytes=g["memory_used_bytes"],
+        memory_free_bytes=g["memory_free_bytes"],
+        memory_reserved_bytes=g["memory_reserved_bytes"],
+        utilization_gpu_percent=g["utilization_gpu_percent"],
+        utilization_memory_percent=g["utilization_memory_percent"],
+        mig_enabled=g["mig_enabled"], processes=processes,
+        errors=tuple(NvmlCallError(e["call"], e["code"] if e["code"] is not None else -1,
+                                   e["message"]) for e in g["errors"]),
+        lost=g["lost"])
+
+
+def _process_of(p: ProcessDoc, usage: tuple[GpuProcessUsage, ...]) -> HostProcess:
+    return HostProcess(
+        pid=p["pid"], in_procfs=p["in_procfs"], ppid=p["ppid"], pgid=p["pgid"], sid=p["sid"],
+        start_time=p["start_time"], name=p["name"], cmdline=tuple(p["cmdline"]),
+        user=p["user"], uid=p["uid"], state=p["state"], rss_bytes=p["rss_bytes"],
+        num_threads=p["num_threads"], cgroup=p["cgroup"], job=_job_of(p["job"]),
+        launch_env=MappingProxyType(dict(p["launch_env"])), gpu_usage=usage,
+        read_errors=tuple(p["read_errors"]), wchan=p["wchan"],
+        kernel_stack=tuple(p["kernel_stack"]))
+
+
+def _agent_of(pid: int, uid: Optional[int], a: AgentDoc) -> AgentReading:
+    figures = (a["rss_bytes"], a["cuda_allocated_bytes"], a["cuda_reserved_bytes"],
+               a["cuda_active_bytes"], a["cuda_allocations"])
+    latest = None
+    if a["buffers"] or any(x is not None for x in figures):
+        latest = StepPoint(
+            step=a["step"] or 0, at=a["last_seen"] or 0.0, rss_bytes=a["rss_bytes"],
+            cuda_allocated_bytes=a["cuda_allocated_bytes"],
+            cuda_reserved_bytes=a["cuda_reserved_bytes"],
+            buffers=MappingProxyType({name: BufferSize(items=b["items"], bytes=b["bytes"])
+                                      for name, b in a["buffers"].items()}),
+            cuda_active_bytes=a["cuda_active_bytes"], cuda_allocations=a["cuda_allocations"])
+    return AgentReading(
+        pid=pid, uid=uid if uid is not None else -1, first_seen=a["first_seen"] or 0.0,
+        last_seen=a["last_seen"] or 0.0, step=a["step"], step_changed_at=a["step_changed_at"],
+        finished_at=a["finished_at"],
+        exit_report=MappingProxyType(dict(a["exit"])) if a["exit"] is not None else None,
+        points=(), latest=latest)
+
+
+def _finding_of(f: FindingDoc) -> Finding:
+    return Finding(kind=Kind(f["kind"]), severity=f["severity"], reason=f["reason"],
+                   pid=f["pid"], start_time=f["start_time"], name=f["name"], user=f["user"],
+                   job=_job_of(f["job"]), gpus=tuple(f["gpus"]),
+                   gpu_memory_bytes=f["gpu_memory_bytes"], since=f["since"],
+                   details=MappingProxyType(dict(f["details"])))

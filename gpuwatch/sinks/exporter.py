@@ -29,8 +29,7 @@ from gpuwatch.agent_budget import (
     REFUSED_WHAT,
     BudgetStats,
 )
-from gpuwatch.detectors import KINDS
-from gpuwatch.model import Finding, HostProcess, Job, NodeReport, NodeSnapshot
+from gpuwatch.model import KINDS, Finding, HostProcess, Job, Kind, NodeReport, NodeSnapshot
 
 # Label names for a process. `job_id`, not `job`: Prometheus owns `job` (the scrape job) and
 # would rename ours to `exported_job` (docs/design-notes.md).
@@ -332,7 +331,7 @@ class ReportCollector(Collector):
         per_step, oom_step, per_second, oom_at = [], [], [], []
         culprit_bytes, culprit_items = [], []
         for f in report.findings:
-            if f.kind != "leak":
+            if f.kind != Kind.LEAK:
                 continue
             d = f.details
             culprit = culprit_label(d.get("culprit"))

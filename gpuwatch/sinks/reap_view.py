@@ -6,6 +6,7 @@ import datetime as _dt
 import textwrap
 from typing import Any, Optional
 
+from gpuwatch.model import NodeReport
 from gpuwatch.sinks.text import (
     UNICODE,
     Glyphs,
@@ -27,22 +28,23 @@ _NARROWING: tuple[Narrowing, ...] = (
 _MIN_WHY = 24
 
 
-def render_reap(doc: dict[str, Any], rows: list[tuple[Any, str, str]], dry_run: bool,
+def render_reap(report: NodeReport, rows: list[tuple[Any, str, str]], dry_run: bool,
                 held: Optional[list[int]] = None, width: int = 0,
                 glyphs: Glyphs = UNICODE) -> str:
     """The plan (`dry_run`) or its results; `held`: the PIDs whose GPU memory the plan named is
     still held after acting (release.still_held). Fitted to `width` as `status` is (0: lines in
     full); every text a process chose is cleaned."""
-    when = _dt.datetime.fromtimestamp(doc["taken_at"], tz=_dt.timezone.utc)
-    via = "from the running daemon" if doc["source"] == "daemon" else "one poll"
-    head = clean(f"gpuwatch reap · node {doc['node']} · findings of {when:%H:%M:%S}Z, {via}"
+    snapshot = report.snapshot
+    when = _dt.datetime.fromtimestamp(snapshot.wall(snapshot.taken_at), tz=_dt.timezone.utc)
+    via = "from the running daemon" if report.source == "daemon" else "one poll"
+    head = clean(f"gpuwatch reap · node {snapshot.hostname} · findings of {when:%H:%M:%S}Z, {via}"
                  + (" · dry run: nothing is sent" if dry_run else ""))
     if not rows:
         return f"{head}\nnothing to do\n"
     table: list[tuple[str, ...]] = [("PID", "NAME", "USER", "JOB", "KIND", "GPU MEMORY",
                                      "ACTION", "SIGNALS" if dry_run else "RESULT", "WHY")]
     for a, result, detail in rows:
-        job = f"{a.job['source']}:{a.job['id']}" if a.job else "-"
+        job = str(a.job) if a.job else "-"
         memory = human_bytes(a.gpu_memory_bytes) if a.gpu_memory_bytes is not None else "-"
         outcome = ", ".join(a.signals) if dry_run else f"{result}: {detail}" if detail else result
         why = a.refused or a.reason

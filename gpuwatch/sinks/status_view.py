@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Optional
 
+from gpuwatch.model import Kind
 from gpuwatch.sinks.colour import paint
 from gpuwatch.sinks.text import (
     UNICODE,
@@ -80,7 +81,7 @@ def _findings_table(doc: dict[str, Any], width: int, verbose: bool = False,
             human_duration(doc["taken_at"] - f["since"]),
             clean(f["reason"] + finding_figures(details)),
         ))
-        if f["kind"] == "leak":
+        if f["kind"] == Kind.LEAK:
             notes[len(rows) - 1] = [clean(note) for note in leak_notes(details, verbose)]
     widths = fit_widths(natural_widths(rows), width, _FINDING_NARROWING, _MIN_REASON)
 

@@ -178,11 +178,13 @@ class Reaping:
         """The dry run's plan (audited as `reap --dry-run` audits it). Raises OSError when
         the audit log cannot be written."""
         from gpuwatch.actions.reaper import Filters
+        from gpuwatch.sinks.document import from_json
         from gpuwatch.sinks.reap_view import render_reap
 
         filters = Filters(kinds=frozenset({kind}), pids=frozenset({pid}))
-        actions = self._reaper().plan(doc, filters, dry_run=True)
-        text = render_reap(doc, [(a, "planned", "") for a in actions], True)
+        report = from_json(doc)
+        actions = self._reaper().plan(report, filters, dry_run=True)
+        text = render_reap(report, [(a, "planned", "") for a in actions], True)
         command = (f"gpuwatch reap --dry-run --pid {pid} --kind {kind}"
                    + (" --poll" if self._force_poll else ""))
         in_full = [f"PID {a.pid} ({a.kind}): {a.action}"
@@ -205,11 +207,13 @@ class Reaping:
         self._thread.start()
 
     def _execute(self, plan: Plan) -> None:
+        from gpuwatch.sinks.document import from_json
+
         try:
             reaper = self._reaper()
             # Planned again, not a dry run this time, from the document the user confirmed:
             # the audit log then reads as it does for `gpuwatch reap --pid PID --kind KIND`.
-            actions = reaper.plan(plan.doc, plan.filters, dry_run=False)
+            actions = reaper.plan(from_json(plan.doc), plan.filters, dry_run=False)
             results = reaper.execute(actions)
             if not results:
                 result = (f"PID {plan.pid}: nothing to reap any more", WARNING)

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
+from gpuwatch.model import Kind
 from gpuwatch.sinks.status_view import (
     agent_phrase,
     buffer_phrases,
@@ -271,7 +272,7 @@ def _subtree_totals(procs: dict[int, dict[str, Any]], shown: set[int], figure: s
 
 def _row_notes(f: dict[str, Any]) -> list[str]:
     """Under a leak's row: its figures (growth, projected out-of-memory step) and its culprit."""
-    if f["kind"] != "leak":
+    if f["kind"] != Kind.LEAK:
         return []
     details = f.get("details") or {}
     notes = []

@@ -17,8 +17,14 @@ from dataclasses import field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from gpuwatch.agent import MAX_SEARCH_SECONDS
 from gpuwatch.frozen import frozen_dataclass
+from gpuwatch.protocol import (
+    DEFAULT_RUNTIME_DIR,
+    MAX_SEARCH_SECONDS,
+    MAX_TRACE_STEPS,
+    RUNTIME_DIR_VARIABLE,
+    SOCKET_NAME,
+)
 from gpuwatch.units import parse_duration
 
 if sys.version_info >= (3, 11):
@@ -234,9 +240,9 @@ class DaemonConfig:
                            env="GPUWATCH_LISTEN")
     interval: float = _setting(2.0, _positive_seconds, "seconds between polls",
                                env="GPUWATCH_INTERVAL")
-    runtime_dir: Path = _setting(Path("/run/gpuwatch"), _path,
-                                 "agent.sock and state.sock live here",
-                                 env="GPUWATCH_RUNTIME_DIR")
+    runtime_dir: Path = _setting(Path(DEFAULT_RUNTIME_DIR), _path,
+                                 f"{SOCKET_NAME} and state.sock live here",
+                                 env=RUNTIME_DIR_VARIABLE)
     state_dir: Path = _setting(Path("/var/lib/gpuwatch"), _path,
                                "the reaper's audit log lives here", env="GPUWATCH_STATE_DIR")
     log_format: str = _setting("text", _one_of("text", "json"), "text or json",
@@ -357,7 +363,7 @@ class AgentConfig:
         60, _int_between(0, MAX_SEARCH_SECONDS),
         "seconds an instrumented process whose leak has no culprit is asked to search for "
         "growing containers at a higher share of its time (0: never asked)")
-    trace_steps: int = _setting(10, _int_between(1, 100),
+    trace_steps: int = _setting(10, _int_between(1, MAX_TRACE_STEPS),
                                 "training steps a process is asked to trace, 1 to 100")
     trace_cooldown: float = _setting(
         900.0, _non_negative_seconds,

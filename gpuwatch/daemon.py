@@ -50,6 +50,8 @@ from gpuwatch.history import History
 from gpuwatch.logs import setup_logging
 from gpuwatch.model import NodeReport, NodeSnapshot
 from gpuwatch.poll import Poller
+from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET_NAME
+from gpuwatch.protocol import TRACE_STATUSES
 from gpuwatch.runtime_dir import (
     DAEMON_INFO_NAME,
     EXIT_ALREADY_RUNNING,
@@ -63,7 +65,7 @@ from gpuwatch.sinks.exposition import RenderedMetrics
 from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
 from gpuwatch.sinks.listener import ConnectionCollector, ConnectionStats
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
-from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME, TRACE_STATUSES, AgentReceiver
+from gpuwatch.sources.agent_socket import AgentReceiver
 from gpuwatch.sources.nvml import NvmlSource
 
 log = logging.getLogger("gpuwatch.daemon")

@@ -42,10 +42,10 @@ from gpuwatch.config import (
     split_listen,
 )
 from gpuwatch.model import GpuDevice, NvmlReading
+from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET_NAME
 from gpuwatch.runtime_dir import DAEMON_INFO_NAME
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 from gpuwatch.sinks.text import plural
-from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME
 from gpuwatch.sources.jobs import parse_cgroup
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.proc_stat import is_kernel_thread, parse_stat

@@ -39,6 +39,7 @@ from gpuwatch.model import (
     NodeSnapshot,
     StepPoint,
 )
+from gpuwatch.protocol import MAX_BUFFERS  # buffer names followed per process
 
 Identity = tuple[int, Optional[float]]
 _NAN = math.nan
@@ -102,8 +103,6 @@ class Series:
         return len(self.xs)
 
 
-#: Buffer names followed per process; matches the agent protocol's per-process bound.
-MAX_BUFFERS = 64
 #: Discovered containers followed per process. The agent names its current top growers (8 at a
 #: time), and those change over a run; the least recently reported are dropped beyond this.
 MAX_DISCOVERED = 32

@@ -3,7 +3,8 @@ set for the processes of a job, and what they say.
 
 Shared by the process source (which reads them from /proc/PID/environ), the detectors (which
 judge by them), the supervisor (which sets them) and the views: kept here, below all of them,
-so that a detector needs nothing of a source to know what a worker is. Standard library only.
+so that a detector needs nothing of a source to know what a worker is. Standard library only,
+and nothing of gpuwatch: the agent may import it as it imports gpuwatch.protocol (.importlinter).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ RUN_ID_KEY = "GPUWATCH_RUN_ID"
 #: as ProcessSource computes it (seconds since the epoch, two decimals), so that a PID reused by
 #: another process is told apart from the supervisor.
 RUN_SUPERVISOR_KEY = "GPUWATCH_RUN_SUPERVISOR"
+#: Set by torchrun's elastic agent for the workers it starts: names the job as `torchelastic`.
+TORCHELASTIC_RUN_ID_KEY = "TORCHELASTIC_RUN_ID"
 
 #: Variables that only a launcher sets for the processes it starts as ranks of a distributed
 #: program. Allocation-wide ones are absent on purpose: every process in a Slurm allocation has
@@ -65,6 +68,71 @@ LAUNCHER_SET_KEYS: frozenset[str] = frozenset({
     "MPI_LOCALRANKID",
     "MV2_COMM_WORLD_RANK",
 })
+
+
+#: Distributed-launch variables kept as evidence of what a process is. Everything else in an
+#: environment is dropped unread: environments hold tokens and passwords.
+LAUNCH_ENV_KEYS: tuple[str, ...] = (
+    # torchrun / torchelastic, set per worker by the elastic agent.
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "LOCAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    # Lightning's and several launchers' node index.
+    "NODE_RANK",
+    # Slurm: the job (both spellings are set), the array it belongs to, the task's place in the
+    # step, and the GPUs it was allocated (a process using others is worth flagging).
+    "SLURM_JOB_ID",
+    "SLURM_JOBID",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_STEP_ID",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_GPUS",
+    "SLURM_STEP_GPUS",
+    # MPI ranks: Open MPI, PMI-1/2 (MPICH, Intel MPI, Slurm's pmi2), PMIx, Intel MPI, MVAPICH2.
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_RANK",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+    # Horovod's own launcher (under mpirun it relies on the MPI variables above).
+    "HOROVOD_RANK",
+    "HOROVOD_LOCAL_RANK",
+    "HOROVOD_SIZE",
+    # jax.distributed.initialize() reads this one itself. JAX_PROCESS_ID / JAX_NUM_PROCESSES are
+    # only conventions of user scripts (JAX takes ranks from Slurm, Open MPI or its arguments),
+    # so they are not kept.
+    "JAX_COORDINATOR_ADDRESS",
+    # The raylet sets it in every worker it starts: which Ray job a GPU-holding worker serves.
+    "RAY_JOB_ID",
+    # Which GPUs the process was handed, by its launcher or by the container toolkit / device
+    # plugin: compared with what NVML says it uses.
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    # No pod-name variable: Kubernetes sets none by default (POD_NAME and the like are whatever a
+    # manifest chose via the downward API), and the cgroup already names the pod by UID.
+    # `gpuwatch run`: the job's name, and which supervisor it runs under (see RUN_SUPERVISOR_KEY).
+    "GPUWATCH_RUN_ID",
+    "GPUWATCH_RUN_SUPERVISOR",
+)
 
 
 class SupervisorRef(NamedTuple):

@@ -9,8 +9,8 @@ from typing import Optional
 
 import pytest
 
+from gpuwatch.launch_env import RUN_ID_KEY, RUN_SUPERVISOR_KEY
 from gpuwatch.simulate.fakenvml import FakeNode, build_fake_nvml
-from gpuwatch.sources.jobs import RUN_ID_KEY, RUN_SUPERVISOR_KEY
 from tests import process_guard
 
 # Before anything is started: every process of this run inherits the tag.

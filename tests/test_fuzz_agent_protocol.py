@@ -26,7 +26,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME, AgentReceiver
+from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET_NAME
+from gpuwatch.sources.agent_socket import AgentReceiver
 
 # No example database in the working tree: a failure prints its reproduction blob instead.
 FAST = settings(max_examples=400, deadline=None, database=None, print_blob=True,

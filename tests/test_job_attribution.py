@@ -10,16 +10,13 @@ from typing import Any, Optional
 
 import pytest
 
+from gpuwatch.launch_env import LAUNCH_ENV_KEYS, WORKER_MARKER_KEYS, SupervisorRef, run_supervisor
 from gpuwatch.model import Job
 from gpuwatch.sources.jobs import (
-    LAUNCH_ENV_KEYS,
-    WORKER_MARKER_KEYS,
     CgroupInfo,
-    SupervisorRef,
     attribute_job,
     parse_cgroup,
     parse_environ,
-    run_supervisor,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cgroup"

@@ -45,8 +45,9 @@ from gpuwatch.launch_env import (
     EXIT_GPU_HELD,
     EXIT_NOT_EXECUTABLE,
     EXIT_NOT_FOUND,
+    RUN_ID_KEY,
+    RUN_SUPERVISOR_KEY,
 )
-from gpuwatch.sources.jobs import RUN_ID_KEY, RUN_SUPERVISOR_KEY
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource, ProcStat
 from gpuwatch.units import short_command

@@ -42,12 +42,17 @@ from typing import Any, Callable, Optional, Union
 from gpuwatch.agent._exit import EXIT_CODE_INTERRUPTED, exit_now, leftovers, say
 from gpuwatch.agent._sizing import SAMPLES, count, measure
 from gpuwatch.agent._transport import BACKOFF_FIRST, BACKOFF_MAX, Transport
+from gpuwatch.protocol import (
+    BUFFER_NAME_PATTERN,
+    MAX_BUFFERS,
+    MAX_DATAGRAM,
+    MAX_SEARCH_SECONDS,
+    PROTOCOL_VERSION,
+)
+from gpuwatch.protocol import INT_LIMIT as _INT_LIMIT
 
 __all__ = ["configure", "finished", "graceful_shutdown", "step", "unwatch", "watch"]
 
-PROTOCOL_VERSION = 1
-MAX_DATAGRAM = 16384
-MAX_BUFFERS = 64
 DEFAULT_MIN_INTERVAL = 0.05
 #: Watched buffers and CUDA figures are measured for at most one step report in this many
 #: seconds: every report of a loop slower than this, ten a second of a faster one.
@@ -69,8 +74,6 @@ SCAN_BUDGET_MAX = 0.005
 SEARCH_SHARE = 0.06
 SEARCH_BUDGET_MAX = 0.04
 SEARCH_COOLDOWN = 300.0
-#: The protocol's bound on a search request's `seconds` (the daemon's `agent.search_seconds`).
-MAX_SEARCH_SECONDS = 60
 #: How often the agent looks for a request from the daemon (one non-blocking read).
 REQUEST_INTERVAL = 0.5
 _OFF = frozenset({"0", "false", "no", "off"})
@@ -78,8 +81,7 @@ _OFF = frozenset({"0", "false", "no", "off"})
 __all__ += ["BACKOFF_FIRST", "BACKOFF_MAX", "EXIT_CODE_INTERRUPTED", "MAX_SEARCH_SECONDS",
             "SAMPLES"]
 
-_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
-_INT_LIMIT = 1 << 63
+_NAME = re.compile(BUFFER_NAME_PATTERN)
 _monotonic = time.monotonic
 # json.dumps with any option builds a new encoder per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)

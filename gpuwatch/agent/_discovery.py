@@ -52,6 +52,9 @@ from collections import deque
 from collections.abc import Generator, Iterator, Mapping, Sized
 from typing import Any, Callable, Optional, cast
 
+from gpuwatch.protocol import MAX_DISCOVERED_NAME as MAX_NAME
+from gpuwatch.protocol import MAX_DISCOVERED_PER_REPORT
+
 __all__ = ["LIBRARY_SHARE", "MAX_RECORDS", "Scanner", "is_library"]
 
 #: Container names tracked at most; beyond, new names are ignored (and counted).
@@ -60,8 +63,6 @@ MAX_RECORDS = 100_000
 MAX_SIZINGS = 16
 #: Objects handled between two reads of the clock.
 CHECK_EVERY = 64
-#: The protocol's limit on a name's length.
-MAX_NAME = 128
 #: The least share of a slice the library's modules get while there are some to walk.
 LIBRARY_SHARE = 0.25
 # Growers kept through a pass for sizing and ranking: a bounded heap, whatever the program.
@@ -285,7 +286,7 @@ class Scanner:
                  "_visits")
 
     def __init__(self, modules: Optional[Mapping[str, types.ModuleType]] = None, *,
-                 budget: float = 0.002, top: int = 8,
+                 budget: float = 0.002, top: int = MAX_DISCOVERED_PER_REPORT,
                  exclude: tuple[str, ...] = ("gpuwatch.agent",),
                  max_records: int = MAX_RECORDS) -> None:
         budget = float(budget)

@@ -13,10 +13,11 @@ import sys
 import threading
 from typing import Any, Optional
 
+from gpuwatch.protocol import MAX_EXIT_THREADS as MAX_THREAD_NAMES
+from gpuwatch.protocol import MAX_THREAD_NAME
+
 __all__ = ["EXIT_CODE_INTERRUPTED", "exit_now", "leftovers", "say"]
 
-MAX_THREAD_NAMES = 64
-MAX_THREAD_NAME = 64
 EXIT_CODE_INTERRUPTED = 130
 
 

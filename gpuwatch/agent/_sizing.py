@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from itertools import islice
 from typing import Any, Optional
 
+from gpuwatch.protocol import INT_LIMIT as _INT_LIMIT
+
 __all__ = ["SAMPLES", "count", "measure"]
 
 #: Items sampled from a container (spread over it), from each container inside it, and from
 #: each container inside those; deeper is unknown.
 SAMPLES = (8, 4, 2)
 
-_INT_LIMIT = 1 << 63
 _SCALAR = -1  # a number or None inside a container: holds no buffer memory worth counting
 _CONTAINERS = (list, tuple, deque, dict, set, frozenset)
 _CONTAINER_TYPES = frozenset(_CONTAINERS)

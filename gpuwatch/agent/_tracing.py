@@ -37,6 +37,12 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from gpuwatch.protocol import MAX_TRACE_FILE as MAX_FILE
+from gpuwatch.protocol import MAX_TRACE_SITES as MAX_SITES
+from gpuwatch.protocol import MAX_TRACE_STEPS as MAX_STEPS
+from gpuwatch.protocol import MAX_TRACE_WHY as MAX_WHY
+from gpuwatch.protocol import MAX_TRACEBACK as MAX_FRAMES
+
 try:
     import tracemalloc
 except ImportError:  # pragma: no cover - an interpreter without it (PyPy)
@@ -44,11 +50,6 @@ except ImportError:  # pragma: no cover - an interpreter without it (PyPy)
 
 __all__ = ["MAX_BODY_BYTES", "MAX_FRAMES", "MAX_SITES", "MAX_STEPS", "Tracer"]
 
-MAX_STEPS = 100
-MAX_SITES = 8
-MAX_FRAMES = 16
-MAX_FILE = 256
-MAX_WHY = 200
 #: The JSON of a report body stays under this, whatever the file names hold, leaving room in a
 #: 16,384-byte datagram for the report around it.
 MAX_BODY_BYTES = 12288

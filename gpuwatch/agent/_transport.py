@@ -30,19 +30,21 @@ import struct
 import time
 from typing import Any, Optional
 
+from gpuwatch.protocol import (
+    DEFAULT_RUNTIME_DIR,
+    MAX_REQUEST_DATAGRAM,
+    PRIVATE_SOCKET_DIR,
+    RUNTIME_DIR_VARIABLE,
+    SOCKET_NAME,
+)
+
 __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "DEFAULT_RUNTIME_DIR", "SOCKET_NAME", "Transport"]
 
-DEFAULT_RUNTIME_DIR = "/run/gpuwatch"
-SOCKET_NAME = "agent.sock"
-#: Beside SOCKET_NAME: `<uid>.sock`, the user's own socket (docs/agent-protocol.md).
-PRIVATE_DIR = "agent.d"
 #: How often, at most, the agent looks for its user's own socket while it has none.
 PRIVATE_CHECK_EVERY = 1.0
 #: With no daemon, one failed send, then silence for this long, doubling up to BACKOFF_MAX.
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 30.0
-#: Requests are a few dozen bytes; anything longer is not from the daemon.
-MAX_REQUEST = 512
 #: Datagrams read per check: a flood of forged requests costs the loop at most this many reads.
 READS_PER_CHECK = 4
 
@@ -79,7 +81,7 @@ class Transport:
     def resolve(self, configured: Optional[str]) -> str:
         if self.path is None:
             self.path = configured or os.path.join(
-                os.environ.get("GPUWATCH_RUNTIME_DIR") or DEFAULT_RUNTIME_DIR, SOCKET_NAME)
+                os.environ.get(RUNTIME_DIR_VARIABLE) or DEFAULT_RUNTIME_DIR, SOCKET_NAME)
         return self.path
 
     def send(self, data: bytes, configured_path: Optional[str]) -> float:
@@ -121,7 +123,7 @@ class Transport:
         if now - self.private_checked < PRIVATE_CHECK_EVERY or self.backoff:
             return None
         self.private_checked = now
-        path = os.path.join(os.path.dirname(shared), PRIVATE_DIR, f"{os.geteuid()}.sock")
+        path = os.path.join(os.path.dirname(shared), PRIVATE_SOCKET_DIR, f"{os.geteuid()}.sock")
         try:
             if stat.S_ISSOCK(os.stat(path).st_mode):
                 self.private = path
@@ -147,7 +149,7 @@ class Transport:
         found = []
         for _ in range(READS_PER_CHECK):
             try:
-                data, ancillary, flags, source = sock.recvmsg(MAX_REQUEST + 1, _ANCILLARY,
+                data, ancillary, flags, source = sock.recvmsg(MAX_REQUEST_DATAGRAM + 1, _ANCILLARY,
                                                               socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 break

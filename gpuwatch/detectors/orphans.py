@@ -36,15 +36,12 @@ from gpuwatch.detectors.common import (
 )
 from gpuwatch.history import History
 from gpuwatch.jobtree import is_launcher, is_namespace_init, is_supervisor
-from gpuwatch.launch_env import LAUNCHER_SET_KEYS
+from gpuwatch.launch_env import LAUNCHER_SET_KEYS, TORCHELASTIC_RUN_ID_KEY
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.ORPHAN})
-
-#: Set only by a torchrun agent, for the workers it starts (each in a session of its own).
-_TORCHELASTIC_KEY = "TORCHELASTIC_RUN_ID"
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
@@ -128,7 +125,7 @@ def _adopter(p: HostProcess, parent: HostProcess) -> str | None:
                    f"{p.pgid}, has exited")
     else:
         return None
-    if p.pgid == p.pid and _TORCHELASTIC_KEY not in p.launch_env:
+    if p.pgid == p.pid and TORCHELASTIC_RUN_ID_KEY not in p.launch_env:
         # What an init or a supervisor starts on purpose (the container's command) leads its
         # own group. torchrun's workers do too, but only a torchrun agent sets its run id.
         return None

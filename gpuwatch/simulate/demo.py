@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional, TextIO, TypeVar
 import gpuwatch
 from gpuwatch.actions.signals import SAME, ProcessRef, Signaller
 from gpuwatch.config import DEFAULT_PORT, split_listen
+from gpuwatch.protocol import RUNTIME_DIR_VARIABLE
 from gpuwatch.simulate.fakenvml import STATE_ENV, FakeNode, FakeNvmlBuildError, build_fake_nvml
 from gpuwatch.sinks.text import plural
 from gpuwatch.sources.processes import ProcessSource
@@ -352,7 +353,7 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
             started, torchrun, work_dir, "job-c", _run_id("sft"), pause, "--workers", "1", "--",
             sys.executable, "-m", "gpuwatch.simulate.trainer", "--pattern", "leak",
             "--leak-mib", "2", "--noise-mib", "1", "--steps", "300", "--linger", "86400",
-            "--step-seconds", str(pace / 5), env={**env, "GPUWATCH_RUNTIME_DIR": str(runtime)})
+            "--step-seconds", str(pace / 5), env={**env, RUNTIME_DIR_VARIABLE: str(runtime)})
         node.hold(instrumented.workers[0], device=0, used=6 * GIB)
         yield SimulatedNode(work_dir, node, training, finishing, instrumented, daemon,
                             info["metrics_url"], started)
@@ -409,7 +410,7 @@ def _run(sim: SimulatedNode, args: list[str], env: dict[str, str],
 
 def _reap(gpuwatch_cmd: list[str], sim: SimulatedNode, pause: Callable[[float], None]) -> None:
     """The end of the story: what an SRE (or a Slurm epilog) would run on the node."""
-    env = {**sim.node.env(), "GPUWATCH_RUNTIME_DIR": str(sim.runtime_dir),
+    env = {**sim.node.env(), RUNTIME_DIR_VARIABLE: str(sim.runtime_dir),
            "GPUWATCH_STATE_DIR": str(sim.work_dir / "state")}
     for args in (["reap", "--dry-run"], ["reap", "--yes", "--kind", "orphan", "--grace", "2"]):
         _say(f"\n$ gpuwatch {' '.join(args)}")
@@ -481,7 +482,7 @@ def demo_environment(sim: SimulatedNode) -> str:
     `doctor` and `status --poll` find no NVML library), the daemon's runtime directory (without
     it, `status` finds no daemon) and its state directory (the reap audit log)."""
     env = {"LD_LIBRARY_PATH": str(sim.node.lib_dir), STATE_ENV: str(sim.node.state_path),
-           "GPUWATCH_RUNTIME_DIR": str(sim.runtime_dir),
+           RUNTIME_DIR_VARIABLE: str(sim.runtime_dir),
            "GPUWATCH_STATE_DIR": str(sim.work_dir / "state")}
     return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
 

@@ -62,6 +62,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, Optional
 
+from gpuwatch.launch_env import TORCHELASTIC_RUN_ID_KEY
+
 PR_SET_CHILD_SUBREAPER = 36
 
 # Set by the launcher for one worker only; a helper started next to the workers has none of these.
@@ -82,7 +84,7 @@ def launch_env(rank: int, world_size: int, run_id: str,
         "WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": "29500",
-        "TORCHELASTIC_RUN_ID": run_id,
+        TORCHELASTIC_RUN_ID_KEY: run_id,
     })
     return env
 

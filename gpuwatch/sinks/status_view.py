@@ -377,9 +377,7 @@ def shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool,
     """
     markers: frozenset[str] = frozenset()
     if not nvml_available:
-        # Here only: the job module brings the snapshot model, which a render of a document
-        # (`gpuwatch status` asking the daemon) otherwise never needs.
-        from gpuwatch.sources.jobs import WORKER_MARKER_KEYS as markers
+        from gpuwatch.launch_env import WORKER_MARKER_KEYS as markers
     shown: set[int] = set()
     for p in procs.values():
         # holds_gpu None: a holder of its GPU's last good read, unknown now; shown, with "?".

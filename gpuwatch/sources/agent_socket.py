@@ -112,7 +112,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Optional
 
-from gpuwatch.agent import MAX_SEARCH_SECONDS
 from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.model import (
     NO_DISCOVERY,
@@ -122,33 +121,38 @@ from gpuwatch.model import (
     TraceReport,
     TraceSite,
 )
+from gpuwatch.protocol import (
+    BUFFER_NAME_PATTERN,
+    DISCOVERED_NAME_PATTERN,
+    INT_LIMIT,
+    MAX_BUFFERS,
+    MAX_DATAGRAM,
+    MAX_DISCOVERED_PER_REPORT,
+    MAX_EXIT_THREADS,
+    MAX_SEARCH_SECONDS,
+    MAX_THREAD_NAME,
+    MAX_TRACE_FILE,
+    MAX_TRACE_SITES,
+    MAX_TRACE_STEPS,
+    MAX_TRACE_WHY,
+    MAX_TRACEBACK,
+    PRIVATE_SOCKET_DIR,
+    PROTOCOL_VERSION,
+    REPORT_KINDS,
+    TRACE_STATUSES,
+)
 from gpuwatch.runtime_dir import FileIdentity, file_identity, unlink_if_same
 
 log = logging.getLogger(__name__)
 
-AGENT_SOCKET_NAME = "agent.sock"
-#: The directory beside agent.sock with a socket for each user that reported: `<uid>.sock`, only
-#: that user may send to it (a POSIX ACL), so its kernel queue is that user's alone.
-PRIVATE_SOCKET_DIR = "agent.d"
 #: Users given a socket of their own, at most; any further user shares agent.sock.
 MAX_PRIVATE_SOCKETS = 64
 #: Datagrams read from one socket before the next ready one is served: the sockets are drained
 #: in turn, so a user flooding its own socket delays the others' by at most this many reports.
 RECEIVE_BATCH = 32
-PROTOCOL_VERSION = 1
-MAX_DATAGRAM = 16_384
-MAX_BUFFERS = 64
-MAX_NAMES_PER_PROCESS = 64
-MAX_EXIT_THREADS = 64
-MAX_THREAD_NAME = 64
-MAX_DISCOVERED = 8
+#: Distinct buffer names a process may use over its whole life (the protocol's per-report bound).
+MAX_NAMES_PER_PROCESS = MAX_BUFFERS
 MAX_DISCOVERED_NAMES_PER_PROCESS = 256
-MAX_TRACE_SITES = 8
-MAX_TRACEBACK = 16
-MAX_TRACE_FILE = 256
-MAX_TRACE_WHY = 200
-MAX_TRACE_STEPS = 100
-TRACE_STATUSES = ("done", "refused", "failed")
 #: Global cap on pending entries (a step point counts 1, plus 1 per buffer in it).
 DEFAULT_MAX_PENDING = 131_072
 DEFAULT_MAX_PROCESSES = 1024
@@ -171,11 +175,11 @@ REASONS = ("malformed", "version", "oversized", "too_many_buffers", "bad_name", 
            "bad_type", "no_credentials", "too_many_processes", "rate_limited", "user_share",
            "memory_budget")
 
-_INT_LIMIT = 1 << 63
-_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
-_DISCOVERED_NAME = re.compile(r"[A-Za-z0-9_.:/<>-]{1,128}")
+_INT_LIMIT = INT_LIMIT
+_NAME = re.compile(BUFFER_NAME_PATTERN)
+_DISCOVERED_NAME = re.compile(DISCOVERED_NAME_PATTERN)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_KINDS = ("step", "finished", "exit", "trace")
+_KINDS = REPORT_KINDS
 _UCRED = struct.Struct("iII")  # pid_t, uid_t, gid_t: the size of "3i", unsigned ids
 _ANCILLARY_SIZE = socket.CMSG_SPACE(struct.calcsize("3i"))
 # A kernel-side receive timeout, so the thread sees its stop flag even if the shutdown() that
@@ -552,7 +556,7 @@ class AgentReceiver:
             discovered = None
             if raw_discovered is not None:
                 agent = self._agents.get(pid)
-                discovered = _sizes(raw_discovered, MAX_DISCOVERED,
+                discovered = _sizes(raw_discovered, MAX_DISCOVERED_PER_REPORT,
                                     agent.discovered_names if agent is not None else {},
                                     _DISCOVERED_NAME)
             exit_report = trace = None

@@ -15,14 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-from gpuwatch.launch_env import (  # noqa: F401  (some are imported from here still)
-    LAUNCHER_SET_KEYS,
-    RUN_ID_KEY,
-    RUN_SUPERVISOR_KEY,
-    WORKER_MARKER_KEYS,
-    SupervisorRef,
-    run_supervisor,
-)
+from gpuwatch.launch_env import LAUNCH_ENV_KEYS, RUN_ID_KEY, TORCHELASTIC_RUN_ID_KEY
 from gpuwatch.model import Job
 
 
@@ -261,70 +254,6 @@ def _unit(segments: list[str]) -> Optional[str]:
 
 # -- /proc/PID/environ --------------------------------------------------------------------------
 
-#: Distributed-launch variables kept as evidence of what a process is. Everything else in an
-#: environment is dropped unread: environments hold tokens and passwords.
-LAUNCH_ENV_KEYS: tuple[str, ...] = (
-    # torchrun / torchelastic, set per worker by the elastic agent.
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_NAME",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "LOCAL_RANK",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    # Lightning's and several launchers' node index.
-    "NODE_RANK",
-    # Slurm: the job (both spellings are set), the array it belongs to, the task's place in the
-    # step, and the GPUs it was allocated (a process using others is worth flagging).
-    "SLURM_JOB_ID",
-    "SLURM_JOBID",
-    "SLURM_ARRAY_JOB_ID",
-    "SLURM_ARRAY_TASK_ID",
-    "SLURM_STEP_ID",
-    "SLURM_PROCID",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_NTASKS",
-    "SLURM_JOB_GPUS",
-    "SLURM_STEP_GPUS",
-    # MPI ranks: Open MPI, PMI-1/2 (MPICH, Intel MPI, Slurm's pmi2), PMIx, Intel MPI, MVAPICH2.
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "PMIX_RANK",
-    "MPI_LOCALRANKID",
-    "MV2_COMM_WORLD_RANK",
-    "MV2_COMM_WORLD_LOCAL_RANK",
-    # Horovod's own launcher (under mpirun it relies on the MPI variables above).
-    "HOROVOD_RANK",
-    "HOROVOD_LOCAL_RANK",
-    "HOROVOD_SIZE",
-    # jax.distributed.initialize() reads this one itself. JAX_PROCESS_ID / JAX_NUM_PROCESSES are
-    # only conventions of user scripts (JAX takes ranks from Slurm, Open MPI or its arguments),
-    # so they are not kept.
-    "JAX_COORDINATOR_ADDRESS",
-    # The raylet sets it in every worker it starts: which Ray job a GPU-holding worker serves.
-    "RAY_JOB_ID",
-    # Which GPUs the process was handed, by its launcher or by the container toolkit / device
-    # plugin: compared with what NVML says it uses.
-    "CUDA_VISIBLE_DEVICES",
-    "NVIDIA_VISIBLE_DEVICES",
-    # No pod-name variable: Kubernetes sets none by default (POD_NAME and the like are whatever a
-    # manifest chose via the downward API), and the cgroup already names the pod by UID.
-    # `gpuwatch run`: the job's name, and which supervisor it runs under (see RUN_SUPERVISOR_KEY).
-    "GPUWATCH_RUN_ID",
-    "GPUWATCH_RUN_SUPERVISOR",
-)
-
 _WANTED_KEYS = frozenset(LAUNCH_ENV_KEYS)
 # Longer than any real value (eight MIG UUIDs in CUDA_VISIBLE_DEVICES are ~330 characters), short
 # enough that a process cannot push megabytes into every snapshot through one variable.
@@ -439,7 +368,7 @@ def attribute_job(cgroup: Optional[CgroupInfo], launch_env: Mapping[str, str]) -
         value = _env_value(env, key)
         if _SLURM_JOB_ID_VALUE.fullmatch(value):
             return Job(value, "slurm")
-    run_id = _env_value(env, "TORCHELASTIC_RUN_ID")
+    run_id = _env_value(env, TORCHELASTIC_RUN_ID_KEY)
     if run_id and run_id != _DEFAULT_TORCHELASTIC_RUN_ID:
         return Job(run_id, "torchelastic")
     if cgroup is None:

@@ -112,8 +112,9 @@ def measure_end_to_end(seconds: float, blocking: bool) -> dict[str, float]:
         path = Path(tmp) / "agent.sock"
         receiver = AgentReceiver(path)
         receiver.start()
-        assert receiver._thread is not None and receiver._thread.native_id is not None
-        tid = receiver._thread.native_id
+        thread = receiver.transport._thread
+        assert thread is not None and thread.native_id is not None
+        tid = thread.native_id
         sender = subprocess.Popen(
             [sys.executable, "-c", _SENDER, str(path), str(seconds),
              "blocking" if blocking else "nonblocking"],

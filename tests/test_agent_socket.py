@@ -329,7 +329,7 @@ def test_discovered_names_are_kept_for_the_least_recently_reported_to_go_not_cap
         receiver.handle(report(step=i, discovered={"mod.steady": {"items": i}, **names}), 1,
                         1000)
     assert receiver.accepted == 100 and sum(receiver.rejected.values()) == 0
-    kept = receiver._agents[1].discovered_names
+    kept = receiver.store._agents[1].discovered_names
     assert len(kept) == MAX_DISCOVERED_NAMES_PER_PROCESS
     assert "mod.steady" in kept and "mod.grower699" in kept and "mod.grower0" not in kept
     # An evicted name is valid again when it comes back.
@@ -339,7 +339,7 @@ def test_discovered_names_are_kept_for_the_least_recently_reported_to_go_not_cap
     # Points share one string per name with the store, as buffers do.
     receiver.handle(report(step=101, discovered={"mod.steady": {}}), 1, 1000)
     (name,) = receiver.drain()[1].points[-1].discovered
-    assert name is next(k for k in receiver._agents[1].discovered_names if k == "mod.steady")
+    assert name is next(k for k in receiver.store._agents[1].discovered_names if k == "mod.steady")
 
 
 def test_the_newest_trace_report_is_kept_and_reports_are_counted_by_status() -> None:
@@ -723,7 +723,7 @@ def test_a_datagram_without_credentials_is_counted(sock_path: Path) -> None:
                 raise BlockingIOError
             return arrivals.pop(0)
 
-    receiver._receive_batch(FakeSocket(), shared=True)  # type: ignore[arg-type]
+    receiver.transport._receive_batch(FakeSocket(), shared=True)  # type: ignore[arg-type]
     assert receiver.rejected["no_credentials"] == 2
     assert receiver.accepted == 0
 
@@ -740,8 +740,8 @@ def test_the_receiving_thread_survives_an_exception_while_handling(
             raise RuntimeError("a bug")
         handle(payload, pid, uid, truncated, address, via)
 
-    # The thread bound handle() when it started; swap what it calls through the instance.
-    monkeypatch.setattr(receiver, "handle", failing_once)
+    # What the transport hands each datagram to.
+    monkeypatch.setattr(receiver.transport, "_handle", failing_once)
     receiver.stop()
     receiver.start()
     pid = send(sock_path, report(step=1), report(step=2))
@@ -765,7 +765,7 @@ for step in range(20):
     wait_handled(receiver, 20)
     assert receiver.accepted == 20
     # One more descriptor is the sending user's own socket (agent.d), made at its first report.
-    assert len(os.listdir("/proc/self/fd")) <= before + len(receiver._private)
+    assert len(os.listdir("/proc/self/fd")) <= before + len(receiver.transport._private)
 
 
 # -- bounds under load ---------------------------------------------------------------------------
@@ -852,7 +852,7 @@ def test_memory_is_bounded_whatever_is_sent() -> None:
         tracemalloc.stop()
 
     assert receiver.accepted > 0 and receiver.rejected["too_many_buffers"] > 0
-    assert receiver._pending_total <= max_pending + processes * 73
+    assert receiver.store._pending_total <= max_pending + processes * 73
     assert after_four - after_one < 64 << 10  # flat: later rounds add nothing
     # What the docstring promises: a fixed part per process plus a part per pending entry.
     per_process, per_entry = 104 << 10, 256
@@ -931,7 +931,7 @@ def test_a_stale_socket_is_replaced(receivers: Callable[..., AgentReceiver],
 def test_stop_is_prompt_and_removes_the_socket(sock_path: Path) -> None:
     receiver = AgentReceiver(sock_path)
     receiver.start()
-    thread = receiver._thread
+    thread = receiver.transport._thread
     assert thread is not None and thread.is_alive()
     started = time.monotonic()
     receiver.stop()

@@ -240,10 +240,10 @@ def test_through_a_real_socket_with_passed_descriptors(batch: list[tuple[bytes, 
             # The one opened meanwhile is the socket of this user's own (agent.d/<uid>.sock),
             # which the receiving thread makes once the datagram that asks for it is counted.
             deadline = time.monotonic() + 20
-            while not receiver._private and receiver._private_supported:
+            while not receiver.transport._private and receiver.transport._private_supported:
                 assert time.monotonic() < deadline, "no socket of the user's own"
                 time.sleep(0.005)
-            own = {str(sock.fileno()) for sock in receiver._private.values()}
+            own = {str(sock.fileno()) for sock in receiver.transport._private.values()}
             assert open_fds() - own == before - own
             sender.sendto(b'{"v": 1, "kind": "step", "seq": 1, "step": 1}', str(receiver.path))
             wait_counted(receiver, len(batch) + 1)

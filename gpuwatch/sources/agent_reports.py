@@ -1,0 +1,246 @@
+"""Agent reports read and checked: one datagram in, a `Report` out, or `Rejected` with the
+reason the receiver counts (docs/agent-protocol.md; the bounds are gpuwatch.protocol's).
+
+Written for speed (the goal is over 20,000 reports/s on one core): one strict UTF-8 decode, one
+`json.loads`, type checks with `type(x) is int` (a bool is not an int), and the buffer-name regex
+only for names not already accepted from the same process (`known_names`). The optional parts
+(`discovered`, the CUDA allocator's counts, `trace` reports) cost a report without them a
+dictionary lookup each.
+
+Where the protocol leaves a choice open, this decides: a report without `v` is rejected as
+`version`; one without `kind`, or a `step` report without `step`, is `malformed`; an unknown
+`kind` is `bad_value`; a JSON `null` for an optional figure means the same as leaving it out
+(unknown); `exit` is read on `exit` reports only, `trace` on `trace` reports only (one without it
+is `malformed`); every field of a trace site or traceback frame is required (`bad_type` when
+missing); text in a trace report (file names, `why`) may not hold control characters
+(`bad_value`), since it ends up in log lines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple, Optional
+
+from gpuwatch.model import BufferSize, TraceSite
+from gpuwatch.protocol import (
+    BUFFER_NAME_PATTERN,
+    DISCOVERED_NAME_PATTERN,
+    INT_LIMIT,
+    MAX_BUFFERS,
+    MAX_DATAGRAM,
+    MAX_DISCOVERED_PER_REPORT,
+    MAX_EXIT_THREADS,
+    MAX_THREAD_NAME,
+    MAX_TRACE_FILE,
+    MAX_TRACE_SITES,
+    MAX_TRACE_WHY,
+    MAX_TRACEBACK,
+    PROTOCOL_VERSION,
+    REPORT_KINDS,
+    TRACE_STATUSES,
+)
+
+_INT_LIMIT = INT_LIMIT
+_NAME = re.compile(BUFFER_NAME_PATTERN)
+_DISCOVERED_NAME = re.compile(DISCOVERED_NAME_PATTERN)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_KINDS = REPORT_KINDS
+_EMPTY_EXIT: Mapping[str, Any] = MappingProxyType({})
+_NO_NAMES: Mapping[str, str] = MappingProxyType({})
+
+#: A trace report's fields: status, why, steps, sites, traceback.
+TraceFields = tuple[str, str, Optional[int], tuple[TraceSite, ...], tuple[tuple[str, int], ...]]
+
+
+class Rejected(Exception):
+    """A report refused, with the reason counted (`gpuwatch_agent_reports_rejected_total`)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+
+class Report(NamedTuple):
+    """One report as checked: the fields the receiver keeps, None where not sent."""
+
+    kind: str
+    step: Optional[int]
+    rss: Optional[int]
+    allocated: Optional[int]
+    reserved: Optional[int]
+    active: Optional[int]
+    allocations: Optional[int]
+    buffers: Optional[dict[str, BufferSize]]
+    discovered: Optional[dict[str, BufferSize]]
+    exit_report: Optional[Mapping[str, Any]]
+    trace: Optional[TraceFields]
+
+
+def parse_report(payload: bytes, truncated: bool = False,
+                 known_names: Mapping[str, str] = _NO_NAMES,
+                 known_discovered: Mapping[str, str] = _NO_NAMES) -> Report:
+    """Check one datagram; raises Rejected. `known_names` and `known_discovered` are the names
+    already accepted from the same process (they skip the regex)."""
+    if truncated or len(payload) > MAX_DATAGRAM:
+        raise Rejected("oversized")
+    try:
+        doc = json.loads(payload.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise Rejected("malformed") from None
+    if type(doc) is not dict:
+        raise Rejected("malformed")
+    version = doc.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise Rejected("version")
+    kind = _choice(doc.get("kind"), _KINDS)
+    _optional_int(doc.get("seq"))
+    step = _optional_int(doc.get("step"))
+    if step is None and kind == "step":
+        raise Rejected("malformed")
+    rss = _optional_int(doc.get("rss"))
+    allocated = reserved = active = allocations = None
+    cuda = doc.get("cuda")
+    if cuda is not None:
+        if type(cuda) is not dict:
+            raise Rejected("bad_type")
+        allocated = _optional_int(cuda.get("allocated"))
+        reserved = _optional_int(cuda.get("reserved"))
+        active = _optional_int(cuda.get("active"))
+        allocations = _optional_int(cuda.get("allocations"))
+    raw_buffers = doc.get("buffers")
+    buffers: Optional[dict[str, BufferSize]] = None
+    if raw_buffers is not None:
+        buffers = _sizes(raw_buffers, MAX_BUFFERS, known_names, _NAME)
+    raw_discovered = doc.get("discovered")
+    discovered = None
+    if raw_discovered is not None:
+        discovered = _sizes(raw_discovered, MAX_DISCOVERED_PER_REPORT, known_discovered,
+                            _DISCOVERED_NAME)
+    exit_report = trace = None
+    if kind != "step":
+        if kind == "exit":
+            exit_report = _exit_report(doc.get("exit"))
+        elif kind == "trace":
+            trace = _trace(doc.get("trace"))
+    return Report(kind, step, rss, allocated, reserved, active, allocations, buffers, discovered,
+                  exit_report, trace)
+
+
+def _optional_int(value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise Rejected("bad_type")
+    if value < 0 or value >= _INT_LIMIT:
+        raise Rejected("bad_value")
+    return value
+
+
+
+
+def _sizes(value: Any, limit: int, known: Mapping[str, str], pattern: re.Pattern[str]
+           ) -> dict[str, BufferSize]:
+    """At most `limit` name -> {"items", "bytes"}, each name either `known` (accepted before)
+    or matching `pattern`."""
+    if type(value) is not dict:
+        raise Rejected("bad_type")
+    if len(value) > limit:
+        raise Rejected("too_many_buffers")
+    sizes = {}
+    for name, size in value.items():
+        if name not in known and pattern.fullmatch(name) is None:
+            raise Rejected("bad_name")
+        if type(size) is not dict:
+            raise Rejected("bad_type")
+        sizes[name] = BufferSize(_optional_int(size.get("items")),
+                                 _optional_int(size.get("bytes")))
+    return sizes
+
+
+def _required_int(value: Any) -> int:
+    if value is None:
+        raise Rejected("bad_type")
+    return _optional_int(value)  # type: ignore[return-value]
+
+
+def _text(value: Any, limit: int) -> str:
+    if type(value) is not str:
+        raise Rejected("bad_type")
+    if len(value) > limit or _CONTROL.search(value) is not None:
+        raise Rejected("bad_value")
+    return value
+
+
+def _choice(value: Any, choices: tuple[str, ...]) -> str:
+    """One of `choices`: missing is malformed, another type bad_type, another string bad_value."""
+    if value is None:
+        raise Rejected("malformed")
+    if type(value) is not str:
+        raise Rejected("bad_type")
+    if value not in choices:
+        raise Rejected("bad_value")
+    return value
+
+
+def _trace(value: Any) -> TraceFields:
+    if value is None:
+        raise Rejected("malformed")
+    if type(value) is not dict:
+        raise Rejected("bad_type")
+    status = _choice(value.get("status"), TRACE_STATUSES)
+    why = value.get("why")
+    why = "" if why is None else _text(why, MAX_TRACE_WHY)
+    steps = _optional_int(value.get("steps"))
+    sites = tuple(TraceSite(_file(site.get("file")), _required_int(site.get("line")),
+                            _required_int(site.get("bytes")), _required_int(site.get("count")))
+                  for site in _items(value.get("sites"), MAX_TRACE_SITES, dict))
+    frames = tuple((_file(frame.get("file")), _required_int(frame.get("line")))
+                   for frame in _items(value.get("traceback"), MAX_TRACEBACK, dict))
+    return status, why, steps, sites, frames
+
+
+def _items(value: Any, limit: int, item_type: type) -> list[Any]:
+    """A list of at most `limit` items of `item_type` (absent: none)."""
+    if value is None:
+        return []
+    if type(value) is not list:
+        raise Rejected("bad_type")
+    if len(value) > limit:
+        raise Rejected("bad_value")
+    for item in value:
+        if type(item) is not item_type:
+            raise Rejected("bad_type")
+    return value
+
+
+def _file(value: Any) -> str:
+    name = _text(value, MAX_TRACE_FILE)
+    if not name:
+        raise Rejected("bad_value")
+    return name
+
+
+def _exit_report(value: Any) -> Mapping[str, Any]:
+    if value is None:
+        return _EMPTY_EXIT
+    if type(value) is not dict:
+        raise Rejected("bad_type")
+    report: dict[str, Any] = {}
+    threads = value.get("threads")
+    if threads is not None:
+        for name in _items(threads, MAX_EXIT_THREADS, str):
+            if len(name) > MAX_THREAD_NAME:
+                raise Rejected("bad_value")
+        report["threads"] = tuple(threads)
+    executors = _optional_int(value.get("executors"))
+    if executors is not None:
+        report["executors"] = executors
+    process_group = value.get("process_group")
+    if process_group is not None:
+        if type(process_group) is not bool:
+            raise Rejected("bad_type")
+        report["process_group"] = process_group
+    return MappingProxyType(report)

@@ -245,7 +245,7 @@ def _watch_status(cfg: Any, as_json: bool, verbose: bool, poll: bool, interval: 
     import signal
     import time
 
-    from gpuwatch.sinks.status_source import StatusSource
+    from gpuwatch.app.status import StatusSource
 
     # Ctrl+C ends it even where the shell started it with SIGINT ignored (`cmd &` in a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -260,7 +260,7 @@ def _watch_status(cfg: Any, as_json: bool, verbose: bool, poll: bool, interval: 
 
 
 def _status_document(cfg: Any, ask_daemon: bool) -> dict[str, Any]:
-    from gpuwatch.sinks.status_source import StatusSource
+    from gpuwatch.app.status import StatusSource
 
     with StatusSource(cfg, force_poll=not ask_daemon, one_shot=True) as source:
         return source()
@@ -539,8 +539,8 @@ def top(interval: float, poll: bool, runtime_dir: Optional[Path],
     / filters by job or user, enter shows a process's details, r reaps an orphan, leftover or
     zombie after showing the plan, q quits. docs/top.md has the rest.
     """
+    from gpuwatch.app.top import NO_TERMINAL, run_top
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
-    from gpuwatch.sinks.top import NO_TERMINAL, run_top
 
     if interval < 0.1:
         raise click.BadParameter("at least 100ms", param_hint="'--interval'")

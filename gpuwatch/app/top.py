@@ -1,9 +1,10 @@
 """`gpuwatch top` on the terminal: curses draws the view's lines, reads the keys, runs the dialogs.
 
-Everything that decides what is on screen is in view.py; this module maps its style names to
-curses attributes, keeps the mode (the list, a process's details, a reap's confirmation, the
-filter prompt) and turns keys into changes of the view's state. The terminal is restored however
-top ends: `q`, Ctrl+C, SIGTERM, SIGHUP, or an error of its own.
+Everything that decides what is on screen is in gpuwatch/sinks/top/view.py, a pure renderer;
+this module maps its style names to curses attributes, keeps the mode (the list, a process's
+details, a reap's confirmation, the filter prompt), turns keys into changes of the view's state
+and carries out the reaps they ask for. The terminal is restored however top ends: `q`, Ctrl+C,
+SIGTERM, SIGHUP, or an error of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from gpuwatch.sinks.status_source import StatusSource
+from gpuwatch.app.status import StatusSource
 from gpuwatch.sinks.top.feed import Feed, Samples
 from gpuwatch.sinks.top.view import (
     ASCII,

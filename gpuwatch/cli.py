@@ -350,8 +350,8 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     kernel threads, protected names or users, and checks each process's identity right before
     every signal. Every action goes to the audit log (reap.jsonl in the state directory).
     """
-    from gpuwatch.actions.reaper import AUDIT_NAME, REAPABLE_KINDS, Filters, Reaper
-    from gpuwatch.actions.release import holders, nvml_after, still_held
+    from gpuwatch.actions.reaper import REAPABLE_KINDS, Filters
+    from gpuwatch.app.reaping import Reap
     from gpuwatch.detectors import KINDS
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
     from gpuwatch.sinks.reap_view import render_reap
@@ -365,7 +365,7 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
     doc = _status_document(cfg, ask_daemon=not poll)
     daemon_pid = _daemon_pid(cfg.daemon.runtime_dir / DAEMON_INFO_NAME)
-    reaper = Reaper(cfg, cfg.daemon.state_dir / AUDIT_NAME, daemon_pid=daemon_pid)
+    reaper = Reap(cfg, daemon_pid=daemon_pid)
     filters = Filters(kinds=frozenset(kinds) if kinds else REAPABLE_KINDS, job=job,
                       pids=frozenset(pids or ()), user=user, older_than=older_than)
     actions = reaper.plan(doc, filters, dry_run=dry_run, grace=grace)
@@ -384,12 +384,9 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
                                      **_fitted()))
         if not click.confirm(f"Reap {len(actions)} process(es)?"):
             sys.exit(EXIT_NOTHING_TO_DO)
-    results = reaper.execute(actions, grace=grace)
-    reading = nvml_after({r.action.pid for r in results if r.freed and r.action.pid})
-    listed = holders(reading) if reading.status.available else None
-    held = still_held(results, reading)
-    rows = [(r.action, r.result, r.detail + _released(r, listed)) for r in results]
-    _print_reap(as_json, doc, rows, False, render_reap, held)
+    done = reaper.carry_out(actions, grace=grace)
+    held = done.held
+    _print_reap(as_json, doc, done.rows, False, render_reap, held)
     # What an epilog decides on: whether the next job would find GPU memory taken, not whether
     # every line of the plan was carried out (a PID reused before the signal freed nothing, but
     # what it was planned for holds nothing either).
@@ -419,14 +416,6 @@ def _fitted() -> dict[str, Any]:
     tty = sys.stdout.isatty()
     return {"width": shutil.get_terminal_size().columns if tty else 0,
             "glyphs": glyphs_for(sys.stdout.encoding)}
-
-
-def _released(r: Any, still_held: Optional[set[int]]) -> str:
-    if not r.freed or r.action.gpu_memory_bytes is None or still_held is None:
-        return ""
-    if r.action.pid in still_held:
-        return "; the driver still lists its GPU memory"
-    return "; GPU memory released"
 
 
 def _daemon_pid(info: Path) -> Optional[int]:

@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,21 +28,11 @@ from prometheus_client import (
 )
 
 from gpuwatch import __version__, systemd_notify
-from gpuwatch.actions.reaper import (
-    AUDIT_NAME,
-    OUTCOMES,
-    REAPABLE_KINDS,
-    TERMINATE,
-    VIA_PARENT,
-    AuditFollower,
-    AuditWriter,
-    Filters,
-    Reaper,
-    Result,
-)
+from gpuwatch.actions.reaper import OUTCOMES, REAPABLE_KINDS
 from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
 from gpuwatch.actions.trace_requests import SEARCH_RESULTS, TraceRequests
 from gpuwatch.agent_budget import AgentBudget
+from gpuwatch.app.reaping import DaemonReaping
 from gpuwatch.config import EXIT_CONFIG, Config, ConfigError, load_config, split_listen
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
@@ -145,9 +134,8 @@ class Daemon:
             "by status (done, refused, failed).", ["status"], registry=self.registry)
         # What the two counters above have been given so far of the running totals they mirror.
         self._trace_counted: dict[tuple[str, str], int] = {}
-        self._audit: Optional[AuditFollower] = None
-        self._auto_reaps: deque[float] = deque()
-        self._reaping: Optional[threading.Thread] = None
+        self.reaping = DaemonReaping(
+            config, lambda kind, result, n: self.reaped.labels(kind, result).inc(n))
         for source in ("nvml", "procfs", "poll"):
             self.poll_errors.labels(source)
         for result in ("applied", "refused"):
@@ -346,9 +334,7 @@ class Daemon:
             log.exception("trace requests failed; the next poll tries again")
             self.poll_errors.labels("poll").inc()
         self._count_traces()
-        self._count_reaps()
-        if self.config.reaper.auto:
-            self._auto_reap(report)
+        self.reaping.after_poll(report)
 
     def _count_traces(self) -> None:
         for counter, key, counts in (
@@ -360,80 +346,6 @@ class Daemon:
                 if total > before:
                     counter.labels(label).inc(total - before)
                     self._trace_counted[(key, label)] = total
-
-    def _count_reaps(self) -> None:
-        """Reaps in the audit log since the daemon started, whoever carried them out; and what
-        became of actions a reaper left without a result (a reaper killed in its grace period,
-        this daemon's own before a restart), recorded as "recovered" lines."""
-        if self._audit is None:  # counts from now: earlier lines belong to earlier runs
-            path = self.config.daemon.state_dir / AUDIT_NAME
-            self._audit = AuditFollower(path, AuditWriter(path, "daemon", os.geteuid()))
-        news = self._audit.poll()
-        if news.ended_torn:
-            log.warning("%s ended in a torn line (a reaper stopped in the middle of writing it): "
-                        "the next entry starts on a new line", self._audit.path)
-        if news.torn:
-            log.warning("%s: %d torn line(s) skipped", self._audit.path, news.torn)
-        for entry in news.recovered:
-            log.warning("reap audit: %s %s (%s) was left without a result: %s: %s",
-                        entry["kind"], entry["pid"], entry["name"], entry["result"],
-                        entry["detail"])
-        if news.error is not None:
-            log.warning("reap audit: %s", news.error)
-        for (kind, result), n in news.counts.items():
-            self.reaped.labels(kind, result).inc(n)
-
-    def _auto_reap(self, report: NodeReport) -> None:
-        """The daemon's own reaping: only the configured kinds, only findings open long enough,
-        at a bounded rate, one batch at a time, with every check the CLI makes. A plan it
-        refuses is recorded once per process and reason, not at every poll."""
-        if self._reaping is not None:
-            if self._reaping.is_alive():
-                return
-            # Its last results may have been written since the log was read this poll.
-            self._reaping = None
-            self._count_reaps()
-        policy = self.config.reaper
-        now = time.monotonic()
-        while self._auto_reaps and now - self._auto_reaps[0] > 60:
-            self._auto_reaps.popleft()
-        budget = policy.auto_max_per_minute - len(self._auto_reaps)
-        if budget <= 0:
-            return
-        reaper = Reaper(self.config, self.config.daemon.state_dir / AUDIT_NAME,
-                        daemon_pid=os.getpid(), actor="daemon")
-        filters = Filters(kinds=frozenset(policy.auto_kinds), older_than=policy.auto_after)
-        doc = status_document(report, source=SOURCE_DAEMON)
-        planned = reaper.plan(doc, filters)
-        actions = [a for a in planned if a.action in (TERMINATE, VIA_PARENT)]
-        if self._audit is not None:
-            actions = self._audit.not_ended_yet(actions)
-            refused = self._audit.refusals_to_audit(
-                [a for a in planned if a.action not in (TERMINATE, VIA_PARENT)])
-            try:
-                reaper.audit_planned(refused)
-            except OSError as exc:
-                log.warning("auto-reap: cannot write the audit log: %s", exc)
-            for a in refused:
-                log.warning("auto-reap: %s %s (%s) refused: %s", a.kind, a.pid, a.name,
-                            a.refused)
-        if not actions:
-            return
-        actions = actions[:budget]
-        self._auto_reaps.extend([now] * len(actions))
-
-        def logged(r: Result) -> None:
-            log.warning("auto-reap: %s %s (%s): %s %s", r.action.kind, r.action.pid,
-                        r.action.name, r.result, r.detail)
-
-        def run() -> None:
-            try:
-                reaper.execute(actions, on_result=logged)
-            except OSError as exc:
-                log.error("auto-reap: cannot write the audit log: %s", exc)
-
-        self._reaping = threading.Thread(target=run, name="auto-reap", daemon=True)
-        self._reaping.start()
 
     def _log_exit_reports(self, snapshot: NodeSnapshot) -> None:
         """What an instrumented process left alive at exit, once per process."""
@@ -486,6 +398,7 @@ class Daemon:
             if getattr(new.daemon, key) != getattr(old.daemon, key):
                 log.warning("daemon.%s changed; it takes effect at the next restart", key)
         self.config = new
+        self.reaping.config = new
         self.collector.max_process_series = new.exporter.max_process_series
         self.trace_requests.config = new.agent
         self.collector.max_agent_series = new.agent.max_series_per_user

@@ -150,8 +150,9 @@ class Plan:
 
 class Reaping:
     """Plans and carries out a reap of one process exactly as `gpuwatch reap --pid PID --kind
-    KIND` does: the same Reaper, filters, audit log and signalling path. Carrying it out takes
-    the grace period, so it runs in a thread; the screen asks for the result."""
+    KIND` does: the same orchestration (gpuwatch.app.reaping), filters, audit log and signalling
+    path. Carrying it out takes the grace period, so it runs in a thread; the screen asks for the
+    result."""
 
     def __init__(self, cfg: Any, daemon_pid: Callable[[], Optional[int]], force_poll: bool,
                  done: Callable[[], None]) -> None:
@@ -170,10 +171,9 @@ class Reaping:
         return next((f["kind"] for f in findings if f["kind"] in REAPABLE_KINDS), None)
 
     def _reaper(self) -> Any:
-        from gpuwatch.actions.reaper import AUDIT_NAME, Reaper
+        from gpuwatch.app.reaping import Reap
 
-        return Reaper(self.cfg, self.cfg.daemon.state_dir / AUDIT_NAME,
-                      daemon_pid=self._daemon_pid())
+        return Reap(self.cfg, daemon_pid=self._daemon_pid())
 
     def plan(self, doc: dict[str, Any], pid: int, kind: str) -> Plan:
         """The dry run's plan (audited as `reap --dry-run` audits it). Raises OSError when
@@ -211,7 +211,7 @@ class Reaping:
             # Planned again, not a dry run this time, from the document the user confirmed:
             # the audit log then reads as it does for `gpuwatch reap --pid PID --kind KIND`.
             actions = reaper.plan(plan.doc, plan.filters, dry_run=False)
-            results = reaper.execute(actions)
+            results = reaper.carry_out(actions, check_release=False).results
             if not results:
                 result = (f"PID {plan.pid}: nothing to reap any more", WARNING)
             else:

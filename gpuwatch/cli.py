@@ -16,6 +16,11 @@ from typing import Any, Optional, TypeVar
 import click
 
 from gpuwatch import __version__
+from gpuwatch.app.run import (
+    RUN_OPTIONS,
+    RunArgs,
+    job_name_problem,
+)
 from gpuwatch.config import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_PORT,
@@ -24,11 +29,6 @@ from gpuwatch.config import (
     setting_env,
 )
 from gpuwatch.launch_env import EXIT_GPU_HELD, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND
-from gpuwatch.run_command import (
-    RUN_OPTIONS,
-    RunArgs,
-    job_name_problem,
-)
 from gpuwatch.runtime_dir import EXIT_ALREADY_RUNNING
 
 # Exit codes of `gpuwatch status`; --help lists them, docs/cli.md explains them.
@@ -596,7 +596,7 @@ def _job_name(ctx: click.Context, param: click.Parameter, value: Optional[str]
 
 
 def _run_options(f: F) -> F:
-    """gpuwatch.run_command's options, which its fast path reads too."""
+    """gpuwatch.app.run's options, which its fast path reads too."""
     for o in reversed(RUN_OPTIONS):
         if o.metavar is None:
             f = click.option(o.flag, o.dest, cls=Option, is_flag=True, help=o.help)(f)
@@ -624,7 +624,7 @@ def run(command: tuple[str, ...], grace: float, job_name: Optional[str], keep_he
     \b
     gpuwatch run [OPTIONS] -- COMMAND [ARG...]
     """
-    from gpuwatch.run_command import run as run_job
+    from gpuwatch.app.run import run as run_job
 
     sys.exit(run_job(RunArgs(command=command, grace=grace, job_name=job_name,
                              keep_helpers=keep_helpers, json=json, no_cgroup=no_cgroup)))

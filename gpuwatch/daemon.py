@@ -19,13 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    ProcessCollector,
-    disable_created_metrics,
-)
+from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics
 
 from gpuwatch import __version__, systemd_notify
 from gpuwatch.actions.reaper import OUTCOMES, REAPABLE_KINDS
@@ -46,7 +40,9 @@ from gpuwatch.runtime_dir import (
     lock_runtime_dir,
     remove_own_daemon_info,
 )
+from gpuwatch.sinks.daemon_metrics import DaemonMetrics
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
+from gpuwatch.sinks.exit_reports import ExitReportLog
 from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
 from gpuwatch.sinks.exposition import RenderedMetrics
 from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
@@ -56,9 +52,6 @@ from gpuwatch.sources.agent_socket import AGENT_SOCKET_NAME, TRACE_STATUSES, Age
 from gpuwatch.sources.nvml import NvmlSource
 
 log = logging.getLogger("gpuwatch.daemon")
-
-_POLL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-
 
 class Daemon:
     def __init__(self, config: Config, config_path: Optional[Path] = None,
@@ -82,7 +75,6 @@ class Daemon:
         if self.poller.agents is None:
             self.poller.agents = self.agents
         self.trace_requests = TraceRequests(self.agents, config.agent)
-        self._exit_reported: set[int] = set()
         self.history = History(config.history.samples, config.history.max_processes,
                                budget=self.agents.budget)
         self._latest: Optional[NodeReport] = None
@@ -104,52 +96,13 @@ class Daemon:
         self.registry.register(self.collector)
         # The daemon's own CPU, memory and file descriptors: a node agent is watched too.
         ProcessCollector(registry=self.registry)
-        self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=self.registry)
-        self.poll_errors = Counter(
-            "gpuwatch_poll_errors", "Problems met while polling, by source (nvml, procfs, poll: "
-            "a poll that raised).", ["source"], registry=self.registry)
-        self.poll_duration = Histogram(
-            "gpuwatch_poll_duration_seconds", "Wall time of each poll.", buckets=_POLL_BUCKETS,
-            registry=self.registry)
-        self.series_dropped = Counter(
-            "gpuwatch_process_series_dropped",
-            "Processes that mattered but got no per-process series because of "
-            "exporter.max_process_series, summed over polls.", registry=self.registry)
-        self.reloads = Counter("gpuwatch_config_reloads", "Configuration reloads by result.",
-                               ["result"], registry=self.registry)
-        self.reaped = Counter(
-            "gpuwatch_reaped", "Reap actions carried out, by finding kind and result (from the "
-            "audit log: `gpuwatch reap` and the daemon's own).", ["kind", "result"],
-            registry=self.registry)
-        self.agent_trace_requests = Counter(
-            "gpuwatch_agent_trace_requests", "Requests to instrumented processes to trace their "
-            "allocations, by result (sent, failed, rate_limited, disabled).", ["result"],
-            registry=self.registry)
-        self.agent_search_requests = Counter(
-            "gpuwatch_agent_search_requests", "Requests to instrumented processes whose leak has "
-            "no culprit to search for growing containers faster, by result (sent, failed).",
-            ["result"], registry=self.registry)
-        self.agent_trace_reports = Counter(
-            "gpuwatch_agent_trace_reports", "Trace reports received from instrumented processes, "
-            "by status (done, refused, failed).", ["status"], registry=self.registry)
-        # What the two counters above have been given so far of the running totals they mirror.
-        self._trace_counted: dict[tuple[str, str], int] = {}
-        self.reaping = DaemonReaping(
-            config, lambda kind, result, n: self.reaped.labels(kind, result).inc(n))
-        for source in ("nvml", "procfs", "poll"):
-            self.poll_errors.labels(source)
-        for result in ("applied", "refused"):
-            self.reloads.labels(result)
-        for result in TRACE_REQUEST_RESULTS:
-            self.agent_trace_requests.labels(result)
-        for status in TRACE_STATUSES:
-            self.agent_trace_reports.labels(status)
-        for result in SEARCH_RESULTS:
-            self.agent_search_requests.labels(result)
-        # Present from the start at 0, so that `increase()` sees the first reap of each outcome.
-        for kind in sorted(REAPABLE_KINDS):
-            for outcome in OUTCOMES:
-                self.reaped.labels(kind, outcome)
+        # Its own counters (polls, reloads, reaps, trace requests), listed after the above.
+        self.metrics = DaemonMetrics(
+            self.registry, reap_kinds=REAPABLE_KINDS, reap_outcomes=OUTCOMES,
+            trace_request_results=TRACE_REQUEST_RESULTS, trace_statuses=TRACE_STATUSES,
+            search_results=SEARCH_RESULTS)
+        self.reaping = DaemonReaping(config, self.metrics.count_reaps)
+        self.exit_reports = ExitReportLog()
 
         self._http: Optional[MetricsServer] = None
         self._state_server: Optional[StateServer] = None
@@ -307,7 +260,7 @@ class Daemon:
         except Exception:
             # A scrape renders what failed here again, and answers 500 if it fails again.
             log.exception("rendering /metrics failed")
-            self.poll_errors.labels("poll").inc()
+            self.metrics.poll_raised()
 
     def _poll(self) -> None:
         try:
@@ -317,53 +270,22 @@ class Daemon:
         except Exception:
             # A bug or an unexpected state must not end monitoring: log, count, poll again.
             log.exception("poll failed; the next poll follows as scheduled")
-            self.poll_errors.labels("poll").inc()
+            self.metrics.poll_raised()
             return
         self._latest = report
-        self.polls.inc()
-        self.poll_duration.observe(snapshot.poll_duration_seconds)
-        for error in snapshot.errors:
-            self.poll_errors.labels(error.source).inc()
-        self.series_dropped.inc(dropped_by_cap(report, self.collector.max_process_series))
+        self.metrics.count_poll(snapshot,
+                                dropped_by_cap(report, self.collector.max_process_series))
         self.collector.count_poll(report)
         self._log_nvml_transition(snapshot)
-        self._log_exit_reports(snapshot)
+        self.exit_reports.log(snapshot)
         try:
             self.trace_requests.after_assess(report)
         except Exception:
             log.exception("trace requests failed; the next poll tries again")
-            self.poll_errors.labels("poll").inc()
-        self._count_traces()
+            self.metrics.poll_raised()
+        self.metrics.count_traces(self.trace_requests.counts, self.trace_requests.search_counts,
+                                  self.agents.trace_reports)
         self.reaping.after_poll(report)
-
-    def _count_traces(self) -> None:
-        for counter, key, counts in (
-                (self.agent_trace_requests, "result", self.trace_requests.counts),
-                (self.agent_search_requests, "search", self.trace_requests.search_counts),
-                (self.agent_trace_reports, "status", self.agents.trace_reports)):
-            for label, total in counts.items():
-                before = self._trace_counted.get((key, label), 0)
-                if total > before:
-                    counter.labels(label).inc(total - before)
-                    self._trace_counted[(key, label)] = total
-
-    def _log_exit_reports(self, snapshot: NodeSnapshot) -> None:
-        """What an instrumented process left alive at exit, once per process."""
-        for pid, agent in snapshot.agents.items():
-            if agent.exit_report is None or pid in self._exit_reported:
-                continue
-            self._exit_reported.add(pid)
-            exit_report = agent.exit_report
-            left = [f"non-daemon thread {name!r}" for name in exit_report.get("threads", ())]
-            if exit_report.get("executors"):
-                left.append(f"{exit_report['executors']} live executor(s)")
-            if exit_report.get("process_group"):
-                left.append("a torch.distributed process group never destroyed")
-            if left:
-                name = snapshot.processes[pid].name if pid in snapshot.processes else "?"
-                log.warning("PID %d (%s) reached interpreter exit with %s still alive", pid,
-                            name, ", ".join(left))
-        self._exit_reported &= set(snapshot.agents)
 
     def _log_nvml_transition(self, snapshot: NodeSnapshot) -> None:
         up = snapshot.nvml.available
@@ -390,7 +312,7 @@ class Daemon:
             new = load_config(self._config_path, overrides=self._overrides)
         except ConfigError as exc:
             log.error("configuration reload refused, keeping the running one: %s", exc)
-            self.reloads.labels("refused").inc()
+            self.metrics.count_reload(applied=False)
             systemd_notify.ready(status=self._status_line())
             return False
         old = self.config
@@ -408,7 +330,7 @@ class Daemon:
         nvml = self.poller.nvml
         nvml.retry_max = new.daemon.nvml_retry_max
         setup_logging(new.daemon.log_format, new.daemon.log_level)
-        self.reloads.labels("applied").inc()
+        self.metrics.count_reload(applied=True)
         log.info("configuration reloaded")
         systemd_notify.ready(status=self._status_line())
         return True

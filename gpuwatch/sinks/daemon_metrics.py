@@ -11,49 +11,52 @@ a sink imports none of them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from gpuwatch.model import NodeSnapshot
 
 _POLL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
-class DaemonMetrics:
-    """The daemon's own counters, registered in `registry` in the order /metrics lists them."""
+class DaemonMetrics(Collector):
+    """The daemon's own counters, one collector registered in `registry`: /metrics lists them in
+    the order they are defined here."""
 
     def __init__(self, registry: CollectorRegistry, reap_kinds: Iterable[str],
                  reap_outcomes: Iterable[str], trace_request_results: Iterable[str],
                  trace_statuses: Iterable[str], search_results: Iterable[str]) -> None:
-        self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=registry)
+        self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=None)
         self.poll_errors = Counter(
             "gpuwatch_poll_errors", "Problems met while polling, by source (nvml, procfs, poll: "
-            "a poll that raised).", ["source"], registry=registry)
+            "a poll that raised).", ["source"], registry=None)
         self.poll_duration = Histogram(
             "gpuwatch_poll_duration_seconds", "Wall time of each poll.", buckets=_POLL_BUCKETS,
-            registry=registry)
+            registry=None)
         self.series_dropped = Counter(
             "gpuwatch_process_series_dropped",
             "Processes that mattered but got no per-process series because of "
-            "exporter.max_process_series, summed over polls.", registry=registry)
+            "exporter.max_process_series, summed over polls.", registry=None)
         self.reloads = Counter("gpuwatch_config_reloads", "Configuration reloads by result.",
-                               ["result"], registry=registry)
+                               ["result"], registry=None)
         self.reaped = Counter(
             "gpuwatch_reaped", "Reap actions carried out, by finding kind and result (from the "
             "audit log: `gpuwatch reap` and the daemon's own).", ["kind", "result"],
-            registry=registry)
+            registry=None)
         self.agent_trace_requests = Counter(
             "gpuwatch_agent_trace_requests", "Requests to instrumented processes to trace their "
             "allocations, by result (sent, failed, rate_limited, disabled).", ["result"],
-            registry=registry)
+            registry=None)
         self.agent_search_requests = Counter(
             "gpuwatch_agent_search_requests", "Requests to instrumented processes whose leak has "
             "no culprit to search for growing containers faster, by result (sent, failed).",
-            ["result"], registry=registry)
+            ["result"], registry=None)
         self.agent_trace_reports = Counter(
             "gpuwatch_agent_trace_reports", "Trace reports received from instrumented processes, "
-            "by status (done, refused, failed).", ["status"], registry=registry)
+            "by status (done, refused, failed).", ["status"], registry=None)
         # What the three counters above have been given so far of the running totals they mirror.
         self._trace_counted: dict[tuple[str, str], int] = {}
         for source in ("nvml", "procfs", "poll"):
@@ -71,6 +74,18 @@ class DaemonMetrics:
         for kind in sorted(reap_kinds):
             for outcome in outcomes:
                 self.reaped.labels(kind, outcome)
+        self._metrics = (self.polls, self.poll_errors, self.poll_duration, self.series_dropped,
+                         self.reloads, self.reaped, self.agent_trace_requests,
+                         self.agent_search_requests, self.agent_trace_reports)
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        for metric in self._metrics:
+            yield from metric.describe()
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._metrics:
+            yield from metric.collect()
 
     def poll_raised(self) -> None:
         """A poll (or what follows it: rendering, trace requests) raised."""

@@ -380,8 +380,8 @@ def test_the_feed_hands_each_document_once_and_says_why_a_refresh_failed() -> No
 
 def test_the_confirmation_shows_what_reap_dry_run_prints(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuwatch.app.top import Reaping
     from gpuwatch.config import load_config
-    from gpuwatch.sinks.top.screen import Reaping
     from gpuwatch.sinks.top.view import confirm_lines
 
     run = tmp_path / "run"

@@ -1,6 +1,6 @@
 """Where `gpuwatch top` gets its status documents, and the samples it keeps of each process.
 
-Documents come from gpuwatch.sinks.status_source: the running daemon's, or, when none answers
+Documents come from gpuwatch.app.status: the running daemon's, or, when none answers
 (or `--poll`), top's own polls with one History kept across them. The daemon is asked again on
 every refresh, so top switches to it as soon as one starts.
 

@@ -2,8 +2,8 @@
 
 Pure: a status document, the samples top has kept and the state of the interface (sort, filter,
 selection, scroll) in; lines out, each a list of (text, style) segments no wider than the
-terminal. No curses here, so every layout can be tested without a terminal; gpuwatch/sinks/top/
-screen.py only maps the style names to attributes and draws.
+terminal. No curses here, so every layout can be tested without a terminal; gpuwatch/app/top.py
+only maps the style names to attributes and draws.
 
 The process trees are status_view's: the same processes shown (each GPU holder, each process with
 a finding, with its chain up to its job root), the same cells and markers, the same leak figures.

@@ -1,9 +1,10 @@
 """`gpuwatch top` on the terminal: curses draws the view's lines, reads the keys, runs the dialogs.
 
-Everything that decides what is on screen is in view.py; this module maps its style names to
-curses attributes, keeps the mode (the list, a process's details, a reap's confirmation, the
-filter prompt) and turns keys into changes of the view's state. The terminal is restored however
-top ends: `q`, Ctrl+C, SIGTERM, SIGHUP, or an error of its own.
+Everything that decides what is on screen is in gpuwatch/sinks/top/view.py, a pure renderer;
+this module maps its style names to curses attributes, keeps the mode (the list, a process's
+details, a reap's confirmation, the filter prompt), turns keys into changes of the view's state
+and carries out the reaps they ask for. The terminal is restored however top ends: `q`, Ctrl+C,
+SIGTERM, SIGHUP, or an error of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from gpuwatch.sinks.status_source import StatusSource
+from gpuwatch.app.status import StatusSource
 from gpuwatch.sinks.top.feed import Feed, Samples
 from gpuwatch.sinks.top.view import (
     ASCII,
@@ -149,8 +150,9 @@ class Plan:
 
 class Reaping:
     """Plans and carries out a reap of one process exactly as `gpuwatch reap --pid PID --kind
-    KIND` does: the same Reaper, filters, audit log and signalling path. Carrying it out takes
-    the grace period, so it runs in a thread; the screen asks for the result."""
+    KIND` does: the same orchestration (gpuwatch.app.reaping), filters, audit log and signalling
+    path. Carrying it out takes the grace period, so it runs in a thread; the screen asks for the
+    result."""
 
     def __init__(self, cfg: Any, daemon_pid: Callable[[], Optional[int]], force_poll: bool,
                  done: Callable[[], None]) -> None:
@@ -169,10 +171,9 @@ class Reaping:
         return next((f["kind"] for f in findings if f["kind"] in REAPABLE_KINDS), None)
 
     def _reaper(self) -> Any:
-        from gpuwatch.actions.reaper import AUDIT_NAME, Reaper
+        from gpuwatch.app.reaping import Reap
 
-        return Reaper(self.cfg, self.cfg.daemon.state_dir / AUDIT_NAME,
-                      daemon_pid=self._daemon_pid())
+        return Reap(self.cfg, daemon_pid=self._daemon_pid())
 
     def plan(self, doc: dict[str, Any], pid: int, kind: str) -> Plan:
         """The dry run's plan (audited as `reap --dry-run` audits it). Raises OSError when
@@ -214,7 +215,7 @@ class Reaping:
             # Planned again, not a dry run this time, from the document the user confirmed:
             # the audit log then reads as it does for `gpuwatch reap --pid PID --kind KIND`.
             actions = reaper.plan(from_json(plan.doc), plan.filters, dry_run=False)
-            results = reaper.execute(actions)
+            results = reaper.carry_out(actions, check_release=False).results
             if not results:
                 result = (f"PID {plan.pid}: nothing to reap any more", WARNING)
             else:

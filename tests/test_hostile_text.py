@@ -56,13 +56,17 @@ def _hostile_document() -> dict[str, Any]:
     p = doc["processes"][1]
     p.update(cmdline=["python", HOSTILE], name=HOSTILE_NAME, user=HOSTILE,
              cgroup=f"/{HOSTILE}", job={"source": "slurm", "id": HOSTILE})
-    p["agent"] = {"step": 3, "step_changed_at": doc["taken_at"], "rss_bytes": 1,
-                  "cuda_allocated_bytes": None, "cuda_reserved_bytes": None,
-                  "finished_at": None, "buffers": {HOSTILE: {"items": 1, "bytes": 2}}}
+    p["agent"] = {"step": 3, "step_changed_at": doc["taken_at"],
+                  "first_seen": doc["taken_at"] - 60, "last_seen": doc["taken_at"],
+                  "finished_at": None, "rss_bytes": 1, "cuda_allocated_bytes": None,
+                  "cuda_reserved_bytes": None, "cuda_active_bytes": None,
+                  "cuda_allocations": None, "buffers": {HOSTILE: {"items": 1, "bytes": 2}},
+                  "exit": None}
     doc["findings"].append({
         "kind": "leak", "severity": "warning", "pid": p["pid"], "start_time": 0.0,
-        "name": HOSTILE_NAME, "gpus": [0], "gpu_memory_bytes": 1 << 30,
-        "since": doc["taken_at"] - 60, "reason": f"buffer `{HOSTILE}` grows",
+        "name": HOSTILE_NAME, "user": HOSTILE, "job": p["job"], "gpus": [0],
+        "gpu_memory_bytes": 1 << 30, "since": doc["taken_at"] - 60,
+        "reason": f"buffer `{HOSTILE}` grows",
         "details": {"culprit": HOSTILE, "found_by": "watched", "limit_bytes": None}})
     return doc
 

@@ -23,7 +23,10 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from gpuwatch import __version__
+from gpuwatch.model import NodeReport
 from gpuwatch.simulate.demo import SimulatedNode, simulated_node, wait_for
+from gpuwatch.sinks.document import from_json, status_document
 from gpuwatch.sinks.state_socket import StateServer
 from gpuwatch.sinks.top.feed import Feed, Samples
 from gpuwatch.sinks.top.view import (
@@ -53,7 +56,7 @@ def proc(pid: int, ppid: int, *, job: Optional[str] = None, user: str = "alice",
     return {"pid": pid, "ppid": ppid, "pgid": root or pid, "sid": root or pid,
             "job_root": root, "start_time": NOW - 3600, "name": "python", "user": user,
             "uid": 1000, "state": "sleeping", "rss_bytes": rss, "num_threads": 4,
-            "gpu_memory_bytes": used if gpu is not None else None,
+            "gpu_memory_bytes": used if gpu is not None else 0,
             "gpus": [] if gpu is None else [{"index": gpu, "uuid": f"GPU-{gpu}",
                                              "memory_bytes": used, "type": "compute",
                                              "gpu_instance_id": None,
@@ -76,7 +79,9 @@ def finding(kind: str, p: dict[str, Any], severity: str = "critical", reason: st
 
 def document(processes: list[dict[str, Any]], findings: Optional[list[dict[str, Any]]] = None,
              gpus: int = 2) -> dict[str, Any]:
-    return {"schema": 1, "gpuwatch_version": "0", "source": "daemon", "source_detail": None,
+    """A whole status document, as the daemon writes it (test_documents_are_the_writers
+    checks)."""
+    return {"schema": 1, "gpuwatch_version": __version__, "source": "daemon", "source_detail": None,
             "node": "gpu-node-07", "taken_at": NOW, "poll_duration_seconds": 0.01,
             "nvml": {"available": True, "error": None, "error_code": None,
                      "driver_version": "550.54.15", "nvml_version": "12.550.54.15",
@@ -88,7 +93,10 @@ def document(processes: list[dict[str, Any]], findings: Optional[list[dict[str, 
                       "memory_free_bytes": None, "memory_reserved_bytes": 0,
                       "unattributed_memory_bytes": 0, "utilization_gpu_percent": 97,
                       "utilization_memory_percent": 40, "mig_enabled": False,
-                      "process_count": 1, "lost": False, "errors": []} for i in range(gpus)],
+                      "process_count": sum(1 for p in processes
+                                           if p["gpus"] and p["gpus"][0]["index"] == i),
+                      "holders_unknown": False, "lost": False, "errors": []}
+                     for i in range(gpus)],
             "processes": sorted([proc(1, 0, user="root", cmd=["/sbin/init"]), *processes],
                                 key=lambda p: p["pid"]),
             "findings": findings or [], "errors": []}
@@ -122,6 +130,18 @@ def two_jobs() -> dict[str, Any]:
                                             "explains it (watched)", details=LEAK),
         finding("orphan", by_pid[300], reason="parent 299 (torchrun) exited; now under 1"),
     ])
+
+
+def report(doc: dict[str, Any]) -> NodeReport:
+    """The report top reads from `doc` (its feed's producer does the same)."""
+    return from_json(doc)  # type: ignore[arg-type]
+
+
+def test_documents_are_the_writers() -> None:
+    """What these tests render is what a daemon could serve: the writer renders each document
+    read back to the same JSON, so no view is tested on a field the daemon never writes."""
+    for doc in (two_jobs(), big_node(64, 4)):
+        assert json.loads(json.dumps(status_document(report(doc)))) == doc
 
 
 def roots(rows: list[Any]) -> list[int]:

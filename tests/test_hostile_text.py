@@ -30,7 +30,7 @@ from gpuwatch.sinks.reap_view import render_reap
 from gpuwatch.sinks.status_view import render_status
 from gpuwatch.sinks.text import clean, evidence, plural
 from tests.scenarios import _orphan, clean_env, cmdline
-from tests.test_top import GPUWATCH, terminal, top_env, two_jobs
+from tests.test_top import GPUWATCH, report, terminal, top_env, two_jobs
 
 HOSTILE = "\x1b]0;PWNED\x07\x1b[2J\x1b[31mFAKE-OK\x1b[0m\r\nline2"
 #: A process name of the kernel's 15 bytes at most: retitles the window, clears the screen.
@@ -51,7 +51,9 @@ def test_clean_shows_every_control_character_as_a_question_mark() -> None:
     assert clean("train.py --lr 3e-4") == "train.py --lr 3e-4"
 
 
-def _hostile_document() -> dict[str, Any]:
+def _hostile_report() -> NodeReport:
+    """Two jobs (tests/test_top.py) where one worker's every text is hostile, read as top and
+    status read a document."""
     doc = two_jobs()
     p = doc["processes"][1]
     p.update(cmdline=["python", HOSTILE], name=HOSTILE_NAME, user=HOSTILE,
@@ -68,13 +70,13 @@ def _hostile_document() -> dict[str, Any]:
         "gpu_memory_bytes": 1 << 30, "since": doc["taken_at"] - 60,
         "reason": f"buffer `{HOSTILE}` grows",
         "details": {"culprit": HOSTILE, "found_by": "watched", "limit_bytes": None}})
-    return doc
+    return report(doc)
 
 
 @pytest.mark.parametrize("width", [0, 80])
 def test_status_cleans_every_text_a_process_chose(width: int) -> None:
-    text = render_status(_hostile_document(), width=width, colour=True)
-    plain = render_status(_hostile_document(), width=width)
+    text = render_status(_hostile_report(), width=width, colour=True)
+    plain = render_status(_hostile_report(), width=width)
     assert _no_control(plain), plain
     # Colour adds its own SGR sequences and nothing else.
     assert "\x1b[2J" not in text and "\x1b]" not in text and "\r" not in text
@@ -95,8 +97,9 @@ def test_reap_doctor_run_and_top_details_clean_it_too() -> None:
                           "fix": HOSTILE}]}
     assert _no_control(render_doctor(checks))
     from gpuwatch.sinks.top.view import details_lines
-    doc = _hostile_document()
-    lines = [line.text for line in details_lines(doc, doc["processes"][1]["pid"], None, 100)]
+    hostile = _hostile_report()
+    pid = next(p.pid for p in hostile.snapshot.processes.values() if p.user == HOSTILE)
+    lines = [line.text for line in details_lines(hostile, pid, None, 100)]
     assert _no_control("\n".join(lines))
     assert "limit_bytes: none" in "\n".join(lines)  # not Python's `None`
 

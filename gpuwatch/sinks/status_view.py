@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
+from gpuwatch.launch_env import WORKER_MARKER_KEYS
 from gpuwatch.model import (
     AgentReading,
     BufferSize,
@@ -405,16 +406,11 @@ def shown_pids(report: NodeReport, flagged: set[int]) -> set[int]:
     procs = snapshot.processes
     nvml_available = snapshot.nvml.available
     blind = snapshot.blind_gpus
-    markers: frozenset[str] = frozenset()
-    if not nvml_available:
-        # Here only: the job module brings the snapshot model, which a render of a document
-        # (`gpuwatch status` asking the daemon) otherwise never needs.
-        from gpuwatch.sources.jobs import WORKER_MARKER_KEYS as markers
     shown: set[int] = set()
     for p in procs.values():
         # holds_gpu None: a holder of its GPU's last good read, unknown now; shown, with "?".
         seed = (holds_gpu(p, blind) is not False or not p.in_procfs) if nvml_available else (
-            not markers.isdisjoint(p.launch_env))
+            not WORKER_MARKER_KEYS.isdisjoint(p.launch_env))
         if not (seed or p.pid in flagged):
             continue
         shown.add(p.pid)

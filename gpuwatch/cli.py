@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 import click
 
@@ -30,6 +30,9 @@ from gpuwatch.config import (
 )
 from gpuwatch.launch_env import EXIT_GPU_HELD, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND
 from gpuwatch.runtime_dir import EXIT_ALREADY_RUNNING
+
+if TYPE_CHECKING:
+    from gpuwatch.model import NodeReport
 
 # Exit codes of `gpuwatch status`; --help lists them, docs/cli.md explains them.
 EXIT_OK = 0
@@ -209,14 +212,19 @@ def status(as_json: bool, poll: bool, verbose: bool, watch: bool, interval: floa
     if interval < 0.1:
         raise click.BadParameter("at least 100ms", param_hint="'--interval'")
     if not watch:
+        from gpuwatch.sinks.document import from_json
+
         doc = _status_document(cfg, ask_daemon=not poll)
-        _print_status(doc, as_json, verbose)
-        sys.exit(status_exit_code(doc))
+        report = from_json(doc)
+        _print_status(doc, report, as_json, verbose)
+        sys.exit(status_exit_code(report))
     sys.exit(_watch_status(cfg, as_json, verbose, poll, interval))
 
 
-def _print_status(doc: dict[str, Any], as_json: bool, verbose: bool, *,
+def _print_status(doc: dict[str, Any], report: NodeReport, as_json: bool, verbose: bool, *,
                   watching: bool = False) -> None:
+    """`doc` as JSON, as the daemon (or the command's own poll) wrote it, or the text view of
+    `report`, the same document read once (gpuwatch.sinks.document.from_json)."""
     tty = sys.stdout.isatty()
     if as_json:
         # Indented for one document; when watching, one per line, for line-reading consumers.
@@ -228,7 +236,7 @@ def _print_status(doc: dict[str, Any], as_json: bool, verbose: bool, *,
         from gpuwatch.sinks.status_view import render_status
         from gpuwatch.sinks.text import glyphs_for
 
-        text = render_status(doc, width=shutil.get_terminal_size().columns if tty else 0,
+        text = render_status(report, width=shutil.get_terminal_size().columns if tty else 0,
                              verbose=verbose, colour=wants_colour(sys.stdout),
                              glyphs=glyphs_for(sys.stdout.encoding))
         if watching:
@@ -247,6 +255,7 @@ def _watch_status(cfg: Any, as_json: bool, verbose: bool, poll: bool, interval: 
     import time
 
     from gpuwatch.app.status import StatusSource
+    from gpuwatch.sinks.document import from_json
 
     # Ctrl+C ends it even where the shell started it with SIGINT ignored (`cmd &` in a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -254,7 +263,8 @@ def _watch_status(cfg: Any, as_json: bool, verbose: bool, poll: bool, interval: 
         with StatusSource(cfg, force_poll=poll) as source:
             while True:
                 started = time.monotonic()
-                _print_status(source(), as_json, verbose, watching=True)
+                doc = source()
+                _print_status(doc, from_json(doc), as_json, verbose, watching=True)
                 time.sleep(max(0.0, interval - (time.monotonic() - started)))
     except KeyboardInterrupt:
         return EXIT_OK
@@ -645,10 +655,10 @@ def run(command: tuple[str, ...], grace: float, job_name: Optional[str], keep_he
                              keep_helpers=keep_helpers, json=json, no_cgroup=no_cgroup)))
 
 
-def status_exit_code(doc: dict[str, Any]) -> int:
-    if not doc["nvml"]["available"]:
+def status_exit_code(report: NodeReport) -> int:
+    if not report.snapshot.nvml.available:
         return EXIT_NVML_UNAVAILABLE
-    if any(g["errors"] for g in doc["gpus"]):
+    if any(g.errors for g in report.snapshot.gpus):
         return EXIT_PARTIAL
     return EXIT_OK
 

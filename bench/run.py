@@ -35,7 +35,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "equal_work", "oneshot", "daemon_rss",
            "agent_step", "culprit_torch", "agent_ingest", "run_overhead", "top_cpu", "daemon_poll",
-           "agent_flood", "chaos"]
+           "agent_flood", "agent_junk_flood", "web_auth_flood", "chaos"]
+#: Benches that run a script under another name, with arguments of their own (a --quick run
+#: still gives way to the script's quick sizes where these name none).
+SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
+    # name: (script, arguments of a full run, arguments of a quick run)
+    "agent_junk_flood": ("agent_flood", ["--junk", "--processes", "2000"], ["--junk"]),
+}
 PACKAGES = ["gpuwatch", "nvidia-ml-py", "psutil", "prometheus-client", "nvitop",
             "nvitop-exporter", "gpustat"]
 
@@ -56,7 +62,9 @@ class Row:
 
 def run_bench(name: str, quick: bool, figures_path: Path) -> tuple[int, str]:
     """Run one bench, its output shown as it comes and kept for BENCHMARKS.md."""
-    argv = [sys.executable, str(HERE / f"{name}.py"), "--figures", str(figures_path)]
+    script, full, small = SCRIPTS.get(name, (name, [], []))
+    argv = [sys.executable, str(HERE / f"{script}.py"), "--figures", str(figures_path),
+            *(small if quick else full)]
     if quick:
         argv.append("--quick")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -381,6 +389,37 @@ def agent_flood_rows(f: Figures) -> list[Row]:
     ]
 
 
+def agent_junk_rows(f: Figures) -> list[Row]:
+    """docs/agent-protocol.md: one user's junk flood delays another user's leak by at most 2x."""
+    unloaded, flooded = f["unloaded_found_s"], f["flooded_found_s"]
+    who = f"{f['processes']:,} processes of one user flooding agent.sock with junk"
+    if unloaded is None or flooded is None:
+        return [Row(f"{who}: a second user's leak found flooded / unloaded", "not found",
+                    "<= 2x", False)]
+    return [
+        Row(f"{who}: a second user's leak found flooded / unloaded",
+            f"{flooded:.1f} / {unloaded:.1f} s = {flooded / unloaded:.2f}x", "<= 2x",
+            flooded <= 2 * unloaded),
+        Row(f"{who}: the second user's reports dropped, flooded",
+            f"{f['flooded_dropped']} (unloaded {f['unloaded_dropped']})"),
+    ]
+
+
+def web_auth_rows(f: Figures) -> list[Row]:
+    """docs/web.md: good scrapes answered, all in under 1 s, under a wrong-password flood."""
+    flood = f"{f['connections']} wrong-password connections"
+    labels = {"unloaded": "unloaded", "flood": f"under {flood}",
+              "reload": f"right after a reload, under {flood}"}
+    rows = []
+    for key, label in labels.items():
+        r = f["rows"][key]
+        worst = f"{r['max_ms']:.0f} ms" if r["max_ms"] is not None else "-"
+        rows.append(Row(f"/metrics over HTTPS + basic auth, good scrapes {label}",
+                        f"{r['answered']}/{r['of']} answered, {r['under_1s']} in < 1 s, "
+                        f"worst {worst}", "all in < 1 s", r["under_1s"] == r["of"]))
+    return rows
+
+
 def daemon_poll_rows(f: Figures) -> list[Row]:
     at = f"{f['gpus']} GPUs x {f['gpu_procs']} GPU processes"
     idle, process = f["poll_once_idle_ms"], f["process_ms"]
@@ -404,6 +443,7 @@ ROWS: dict[str, Callable[[Figures], list[Row]]] = {
     "culprit_torch": culprit_rows,
     "agent_ingest": ingest_rows,
     "run_overhead": run_overhead_rows, "top_cpu": top_rows, "agent_flood": agent_flood_rows,
+    "agent_junk_flood": agent_junk_rows, "web_auth_flood": web_auth_rows,
     "chaos": chaos_rows, "daemon_poll": daemon_poll_rows,
 }
 

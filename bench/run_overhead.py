@@ -64,7 +64,7 @@ def base_env(tmp: Path) -> dict[str, str]:
 def commands(plain: dict[str, str], fake: dict[str, str]) -> dict[str, tuple[list[str],
                                                                               dict[str, str]]]:
     gpuwatch = console_script("gpuwatch")
-    direct = ("import sys; from gpuwatch.run_command import main; "
+    direct = ("import sys; from gpuwatch.app.run import main; "
               "sys.exit(main(['--', 'true']))")
     return {
         "true": (["true"], plain),

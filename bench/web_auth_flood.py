@@ -227,7 +227,8 @@ def main() -> None:
               f"{median:>9} {worst:>9}")
     print(f"the attackers' answers over {flood_seconds:.0f} s: {refused_401} x 401, "
           f"{refused_429} x 429 (checks refused), {other} other (closed, timed out)")
-    write_figures(args.figures, {"rows": rows, "attack_401": refused_401,
+    write_figures(args.figures, {"rows": rows, "connections": args.connections,
+                                 "attack_401": refused_401,
                                  "attack_429": refused_429, "attack_other": other})
     if any(r["under_1s"] < r["of"] for r in rows.values()):
         sys.exit(1)

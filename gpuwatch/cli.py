@@ -11,11 +11,16 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 import click
 
 from gpuwatch import __version__
+from gpuwatch.app.run import (
+    RUN_OPTIONS,
+    RunArgs,
+    job_name_problem,
+)
 from gpuwatch.config import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_PORT,
@@ -24,12 +29,10 @@ from gpuwatch.config import (
     setting_env,
 )
 from gpuwatch.launch_env import EXIT_GPU_HELD, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND
-from gpuwatch.run_command import (
-    RUN_OPTIONS,
-    RunArgs,
-    job_name_problem,
-)
 from gpuwatch.runtime_dir import EXIT_ALREADY_RUNNING
+
+if TYPE_CHECKING:
+    from gpuwatch.model import NodeReport
 
 # Exit codes of `gpuwatch status`; --help lists them, docs/cli.md explains them.
 EXIT_OK = 0
@@ -209,14 +212,19 @@ def status(as_json: bool, poll: bool, verbose: bool, watch: bool, interval: floa
     if interval < 0.1:
         raise click.BadParameter("at least 100ms", param_hint="'--interval'")
     if not watch:
+        from gpuwatch.sinks.document import from_json
+
         doc = _status_document(cfg, ask_daemon=not poll)
-        _print_status(doc, as_json, verbose)
-        sys.exit(status_exit_code(doc))
+        report = from_json(doc)
+        _print_status(doc, report, as_json, verbose)
+        sys.exit(status_exit_code(report))
     sys.exit(_watch_status(cfg, as_json, verbose, poll, interval))
 
 
-def _print_status(doc: dict[str, Any], as_json: bool, verbose: bool, *,
+def _print_status(doc: dict[str, Any], report: NodeReport, as_json: bool, verbose: bool, *,
                   watching: bool = False) -> None:
+    """`doc` as JSON, as the daemon (or the command's own poll) wrote it, or the text view of
+    `report`, the same document read once (gpuwatch.sinks.document.from_json)."""
     tty = sys.stdout.isatty()
     if as_json:
         # Indented for one document; when watching, one per line, for line-reading consumers.
@@ -228,7 +236,7 @@ def _print_status(doc: dict[str, Any], as_json: bool, verbose: bool, *,
         from gpuwatch.sinks.status_view import render_status
         from gpuwatch.sinks.text import glyphs_for
 
-        text = render_status(doc, width=shutil.get_terminal_size().columns if tty else 0,
+        text = render_status(report, width=shutil.get_terminal_size().columns if tty else 0,
                              verbose=verbose, colour=wants_colour(sys.stdout),
                              glyphs=glyphs_for(sys.stdout.encoding))
         if watching:
@@ -246,7 +254,8 @@ def _watch_status(cfg: Any, as_json: bool, verbose: bool, poll: bool, interval: 
     import signal
     import time
 
-    from gpuwatch.sinks.status_source import StatusSource
+    from gpuwatch.app.status import StatusSource
+    from gpuwatch.sinks.document import from_json
 
     # Ctrl+C ends it even where the shell started it with SIGINT ignored (`cmd &` in a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -254,14 +263,15 @@ def _watch_status(cfg: Any, as_json: bool, verbose: bool, poll: bool, interval: 
         with StatusSource(cfg, force_poll=poll) as source:
             while True:
                 started = time.monotonic()
-                _print_status(source(), as_json, verbose, watching=True)
+                doc = source()
+                _print_status(doc, from_json(doc), as_json, verbose, watching=True)
                 time.sleep(max(0.0, interval - (time.monotonic() - started)))
     except KeyboardInterrupt:
         return EXIT_OK
 
 
 def _status_document(cfg: Any, ask_daemon: bool) -> dict[str, Any]:
-    from gpuwatch.sinks.status_source import StatusSource
+    from gpuwatch.app.status import StatusSource
 
     with StatusSource(cfg, force_poll=not ask_daemon, one_shot=True) as source:
         return source()
@@ -353,14 +363,8 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     kernel threads, protected names or users, and checks each process's identity right before
     every signal. Every action goes to the audit log (reap.jsonl in the state directory).
     """
-    from gpuwatch.actions.reaper import (
-        AUDIT_NAME,
-        AuditRefused,
-        Filters,
-        Reaper,
-        audit_refusal,
-    )
-    from gpuwatch.actions.release import holders, nvml_after, still_held
+    from gpuwatch.actions.reaper import AuditRefused, Filters, audit_refusal
+    from gpuwatch.app.reaping import Reap
     from gpuwatch.model import KINDS, REAPABLE_KINDS
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
     from gpuwatch.sinks.document import from_json
@@ -375,7 +379,7 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
     report = from_json(_status_document(cfg, ask_daemon=not poll))
     daemon_pid = _daemon_pid(cfg.daemon.runtime_dir / DAEMON_INFO_NAME)
-    reaper = Reaper(cfg, cfg.daemon.state_dir / AUDIT_NAME, daemon_pid=daemon_pid)
+    reaper = Reap(cfg, daemon_pid=daemon_pid)
     filters = Filters(kinds=frozenset(kinds) if kinds else REAPABLE_KINDS, job=job,
                       pids=frozenset(pids or ()), user=user, older_than=older_than)
     actions = reaper.plan(report, filters, dry_run=dry_run, grace=grace)
@@ -402,15 +406,12 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
         if not click.confirm(f"Reap {len(actions)} process(es)?"):
             sys.exit(EXIT_NOTHING_TO_DO)
     try:
-        results = reaper.execute(actions, grace=grace)
+        done = reaper.carry_out(actions, grace=grace)
     except PermissionError as exc:  # taken away between the check and the plans' write
         click.echo(f"gpuwatch reap: {audit_refusal(reaper.audit_path, exc)}", err=True)
         sys.exit(EXIT_NO_PERMISSION)
-    reading = nvml_after({r.action.pid for r in results if r.freed and r.action.pid})
-    listed = holders(reading) if reading.status.available else None
-    held = still_held(results, reading)
-    rows = [(r.action, r.result, r.detail + _released(r, listed)) for r in results]
-    _print_reap(as_json, report, rows, False, render_reap, held)
+    held = done.held
+    _print_reap(as_json, report, done.rows, False, render_reap, held)
     # What an epilog decides on: whether the next job would find GPU memory taken, not whether
     # every line of the plan was carried out (a PID reused before the signal freed nothing, but
     # what it was planned for holds nothing either).
@@ -440,14 +441,6 @@ def _fitted() -> dict[str, Any]:
     tty = sys.stdout.isatty()
     return {"width": shutil.get_terminal_size().columns if tty else 0,
             "glyphs": glyphs_for(sys.stdout.encoding)}
-
-
-def _released(r: Any, still_held: Optional[set[int]]) -> str:
-    if not r.freed or r.action.gpu_memory_bytes is None or still_held is None:
-        return ""
-    if r.action.pid in still_held:
-        return "; the driver still lists its GPU memory"
-    return "; GPU memory released"
 
 
 def _daemon_pid(info: Path) -> Optional[int]:
@@ -560,8 +553,8 @@ def top(interval: float, poll: bool, runtime_dir: Optional[Path],
     / filters by job or user, enter shows a process's details, r reaps an orphan, leftover or
     zombie after showing the plan, q quits. docs/top.md has the rest.
     """
+    from gpuwatch.app.top import NO_TERMINAL, run_top
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
-    from gpuwatch.sinks.top import NO_TERMINAL, run_top
 
     if interval < 0.1:
         raise click.BadParameter("at least 100ms", param_hint="'--interval'")
@@ -628,7 +621,7 @@ def _job_name(ctx: click.Context, param: click.Parameter, value: Optional[str]
 
 
 def _run_options(f: F) -> F:
-    """gpuwatch.run_command's options, which its fast path reads too."""
+    """gpuwatch.app.run's options, which its fast path reads too."""
     for o in reversed(RUN_OPTIONS):
         if o.metavar is None:
             f = click.option(o.flag, o.dest, cls=Option, is_flag=True, help=o.help)(f)
@@ -656,16 +649,16 @@ def run(command: tuple[str, ...], grace: float, job_name: Optional[str], keep_he
     \b
     gpuwatch run [OPTIONS] -- COMMAND [ARG...]
     """
-    from gpuwatch.run_command import run as run_job
+    from gpuwatch.app.run import run as run_job
 
     sys.exit(run_job(RunArgs(command=command, grace=grace, job_name=job_name,
                              keep_helpers=keep_helpers, json=json, no_cgroup=no_cgroup)))
 
 
-def status_exit_code(doc: dict[str, Any]) -> int:
-    if not doc["nvml"]["available"]:
+def status_exit_code(report: NodeReport) -> int:
+    if not report.snapshot.nvml.available:
         return EXIT_NVML_UNAVAILABLE
-    if any(g["errors"] for g in doc["gpus"]):
+    if any(g.errors for g in report.snapshot.gpus):
         return EXIT_PARTIAL
     return EXIT_OK
 

@@ -16,34 +16,17 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    ProcessCollector,
-    disable_created_metrics,
-)
+from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics
 
 from gpuwatch import __version__, systemd_notify
-from gpuwatch.actions.reaper import (
-    AUDIT_NAME,
-    OUTCOMES,
-    REAPABLE_KINDS,
-    TERMINATE,
-    VIA_PARENT,
-    AuditFollower,
-    AuditWriter,
-    Filters,
-    Reaper,
-    Result,
-)
+from gpuwatch.actions.reaper import OUTCOMES, REAPABLE_KINDS
 from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
 from gpuwatch.actions.trace_requests import SEARCH_RESULTS, TraceRequests
 from gpuwatch.agent_budget import AgentBudget
+from gpuwatch.app.reaping import DaemonReaping
 from gpuwatch.config import EXIT_CONFIG, Config, ConfigError, load_config, split_listen
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
@@ -59,7 +42,9 @@ from gpuwatch.runtime_dir import (
     lock_runtime_dir,
     remove_own_daemon_info,
 )
+from gpuwatch.sinks.daemon_metrics import DaemonMetrics
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
+from gpuwatch.sinks.exit_reports import ExitReportLog
 from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
 from gpuwatch.sinks.exposition import RenderedMetrics
 from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
@@ -69,9 +54,6 @@ from gpuwatch.sources.agent_socket import AgentReceiver
 from gpuwatch.sources.nvml import NvmlSource
 
 log = logging.getLogger("gpuwatch.daemon")
-
-_POLL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-
 
 class Daemon:
     def __init__(self, config: Config, config_path: Optional[Path] = None,
@@ -95,7 +77,6 @@ class Daemon:
         if self.poller.agents is None:
             self.poller.agents = self.agents
         self.trace_requests = TraceRequests(self.agents, config.agent)
-        self._exit_reported: set[int] = set()
         self.history = History(config.history.samples, config.history.max_processes,
                                budget=self.agents.budget)
         self._latest: Optional[NodeReport] = None
@@ -120,53 +101,13 @@ class Daemon:
         self.registry.register(self.collector)
         # The daemon's own CPU, memory and file descriptors: a node agent is watched too.
         ProcessCollector(registry=self.registry)
-        self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=self.registry)
-        self.poll_errors = Counter(
-            "gpuwatch_poll_errors", "Problems met while polling, by source (nvml, procfs, poll: "
-            "a poll that raised).", ["source"], registry=self.registry)
-        self.poll_duration = Histogram(
-            "gpuwatch_poll_duration_seconds", "Wall time of each poll.", buckets=_POLL_BUCKETS,
-            registry=self.registry)
-        self.series_dropped = Counter(
-            "gpuwatch_process_series_dropped",
-            "Processes that mattered but got no per-process series because of "
-            "exporter.max_process_series, summed over polls.", registry=self.registry)
-        self.reloads = Counter("gpuwatch_config_reloads", "Configuration reloads by result.",
-                               ["result"], registry=self.registry)
-        self.reaped = Counter(
-            "gpuwatch_reaped", "Reap actions carried out, by finding kind and result (from the "
-            "audit log: `gpuwatch reap` and the daemon's own).", ["kind", "result"],
-            registry=self.registry)
-        self.agent_trace_requests = Counter(
-            "gpuwatch_agent_trace_requests", "Requests to instrumented processes to trace their "
-            "allocations, by result (sent, failed, rate_limited, disabled).", ["result"],
-            registry=self.registry)
-        self.agent_search_requests = Counter(
-            "gpuwatch_agent_search_requests", "Requests to instrumented processes whose leak has "
-            "no culprit to search for growing containers faster, by result (sent, failed).",
-            ["result"], registry=self.registry)
-        self.agent_trace_reports = Counter(
-            "gpuwatch_agent_trace_reports", "Trace reports received from instrumented processes, "
-            "by status (done, refused, failed).", ["status"], registry=self.registry)
-        # What the two counters above have been given so far of the running totals they mirror.
-        self._trace_counted: dict[tuple[str, str], int] = {}
-        self._audit: Optional[AuditFollower] = None
-        self._auto_reaps: deque[float] = deque()
-        self._reaping: Optional[threading.Thread] = None
-        for source in ("nvml", "procfs", "poll"):
-            self.poll_errors.labels(source)
-        for result in ("applied", "refused"):
-            self.reloads.labels(result)
-        for result in TRACE_REQUEST_RESULTS:
-            self.agent_trace_requests.labels(result)
-        for status in TRACE_STATUSES:
-            self.agent_trace_reports.labels(status)
-        for result in SEARCH_RESULTS:
-            self.agent_search_requests.labels(result)
-        # Present from the start at 0, so that `increase()` sees the first reap of each outcome.
-        for kind in sorted(REAPABLE_KINDS):
-            for outcome in OUTCOMES:
-                self.reaped.labels(kind, outcome)
+        # Its own counters (polls, reloads, reaps, trace requests), listed after the above.
+        self.metrics = DaemonMetrics(
+            self.registry, reap_kinds=REAPABLE_KINDS, reap_outcomes=OUTCOMES,
+            trace_request_results=TRACE_REQUEST_RESULTS, trace_statuses=TRACE_STATUSES,
+            search_results=SEARCH_RESULTS)
+        self.reaping = DaemonReaping(config, self.metrics.count_reaps)
+        self.exit_reports = ExitReportLog()
 
         self._http: Optional[MetricsServer] = None
         self._state_server: Optional[StateServer] = None
@@ -328,7 +269,7 @@ class Daemon:
         except Exception:
             # A scrape renders what failed here again, and answers 500 if it fails again.
             log.exception("rendering /metrics failed")
-            self.poll_errors.labels("poll").inc()
+            self.metrics.poll_raised()
 
     def _poll(self) -> None:
         try:
@@ -338,128 +279,22 @@ class Daemon:
         except Exception:
             # A bug or an unexpected state must not end monitoring: log, count, poll again.
             log.exception("poll failed; the next poll follows as scheduled")
-            self.poll_errors.labels("poll").inc()
+            self.metrics.poll_raised()
             return
         self._latest = report
-        self.polls.inc()
-        self.poll_duration.observe(snapshot.poll_duration_seconds)
-        for error in snapshot.errors:
-            self.poll_errors.labels(error.source).inc()
-        self.series_dropped.inc(dropped_by_cap(report, self.collector.max_process_series))
+        self.metrics.count_poll(snapshot,
+                                dropped_by_cap(report, self.collector.max_process_series))
         self.collector.count_poll(report)
         self._log_nvml_transition(snapshot)
-        self._log_exit_reports(snapshot)
+        self.exit_reports.log(snapshot)
         try:
             self.trace_requests.after_assess(report)
         except Exception:
             log.exception("trace requests failed; the next poll tries again")
-            self.poll_errors.labels("poll").inc()
-        self._count_traces()
-        self._count_reaps()
-        if self.config.reaper.auto:
-            self._auto_reap(report)
-
-    def _count_traces(self) -> None:
-        for counter, key, counts in (
-                (self.agent_trace_requests, "result", self.trace_requests.counts),
-                (self.agent_search_requests, "search", self.trace_requests.search_counts),
-                (self.agent_trace_reports, "status", self.agents.trace_reports)):
-            for label, total in counts.items():
-                before = self._trace_counted.get((key, label), 0)
-                if total > before:
-                    counter.labels(label).inc(total - before)
-                    self._trace_counted[(key, label)] = total
-
-    def _count_reaps(self) -> None:
-        """Reaps in the audit log since the daemon started, whoever carried them out; and what
-        became of actions a reaper left without a result (a reaper killed in its grace period,
-        this daemon's own before a restart), recorded as "recovered" lines."""
-        if self._audit is None:  # counts from now: earlier lines belong to earlier runs
-            path = self.config.daemon.state_dir / AUDIT_NAME
-            self._audit = AuditFollower(path, AuditWriter(path, "daemon", os.geteuid()))
-        news = self._audit.poll()
-        if news.ended_torn:
-            log.warning("%s ended in a torn line (a reaper stopped in the middle of writing it): "
-                        "the next entry starts on a new line", self._audit.path)
-        if news.torn:
-            log.warning("%s: %d torn line(s) skipped", self._audit.path, news.torn)
-        for entry in news.recovered:
-            log.warning("reap audit: %s %s (%s) was left without a result: %s: %s",
-                        entry["kind"], entry["pid"], entry["name"], entry["result"],
-                        entry["detail"])
-        if news.error is not None:
-            log.warning("reap audit: %s", news.error)
-        for (kind, result), n in news.counts.items():
-            self.reaped.labels(kind, result).inc(n)
-
-    def _auto_reap(self, report: NodeReport) -> None:
-        """The daemon's own reaping: only the configured kinds, only findings open long enough,
-        at a bounded rate, one batch at a time, with every check the CLI makes. A plan it
-        refuses is recorded once per process and reason, not at every poll."""
-        if self._reaping is not None:
-            if self._reaping.is_alive():
-                return
-            # Its last results may have been written since the log was read this poll.
-            self._reaping = None
-            self._count_reaps()
-        policy = self.config.reaper
-        now = time.monotonic()
-        while self._auto_reaps and now - self._auto_reaps[0] > 60:
-            self._auto_reaps.popleft()
-        budget = policy.auto_max_per_minute - len(self._auto_reaps)
-        if budget <= 0:
-            return
-        reaper = Reaper(self.config, self.config.daemon.state_dir / AUDIT_NAME,
-                        daemon_pid=os.getpid(), actor="daemon")
-        filters = Filters(kinds=frozenset(policy.auto_kinds), older_than=policy.auto_after)
-        planned = reaper.plan(report, filters)
-        actions = [a for a in planned if a.action in (TERMINATE, VIA_PARENT)]
-        if self._audit is not None:
-            actions = self._audit.not_ended_yet(actions)
-            refused = self._audit.refusals_to_audit(
-                [a for a in planned if a.action not in (TERMINATE, VIA_PARENT)])
-            try:
-                reaper.audit_planned(refused)
-            except OSError as exc:
-                log.warning("auto-reap: cannot write the audit log: %s", exc)
-            for a in refused:
-                log.warning("auto-reap: %s %s (%s) refused: %s", a.kind, a.pid, a.name,
-                            a.refused)
-        if not actions:
-            return
-        actions = actions[:budget]
-        self._auto_reaps.extend([now] * len(actions))
-
-        def logged(r: Result) -> None:
-            log.warning("auto-reap: %s %s (%s): %s %s", r.action.kind, r.action.pid,
-                        r.action.name, r.result, r.detail)
-
-        def run() -> None:
-            try:
-                reaper.execute(actions, on_result=logged)
-            except OSError as exc:
-                log.error("auto-reap: cannot write the audit log: %s", exc)
-
-        self._reaping = threading.Thread(target=run, name="auto-reap", daemon=True)
-        self._reaping.start()
-
-    def _log_exit_reports(self, snapshot: NodeSnapshot) -> None:
-        """What an instrumented process left alive at exit, once per process."""
-        for pid, agent in snapshot.agents.items():
-            if agent.exit_report is None or pid in self._exit_reported:
-                continue
-            self._exit_reported.add(pid)
-            exit_report = agent.exit_report
-            left = [f"non-daemon thread {name!r}" for name in exit_report.get("threads", ())]
-            if exit_report.get("executors"):
-                left.append(f"{exit_report['executors']} live executor(s)")
-            if exit_report.get("process_group"):
-                left.append("a torch.distributed process group never destroyed")
-            if left:
-                name = snapshot.processes[pid].name if pid in snapshot.processes else "?"
-                log.warning("PID %d (%s) reached interpreter exit with %s still alive", pid,
-                            name, ", ".join(left))
-        self._exit_reported &= set(snapshot.agents)
+            self.metrics.poll_raised()
+        self.metrics.count_traces(self.trace_requests.counts, self.trace_requests.search_counts,
+                                  self.agents.trace_reports)
+        self.reaping.after_poll(report)
 
     def _log_nvml_transition(self, snapshot: NodeSnapshot) -> None:
         up = snapshot.nvml.available
@@ -507,7 +342,7 @@ class Daemon:
         if new is None:
             exc = error
             log.error("configuration reload refused, keeping the running one: %s", exc)
-            self.reloads.labels("refused").inc()
+            self.metrics.count_reload(applied=False)
             systemd_notify.ready(status=self._status_line())
             return False
         old = self.config
@@ -515,6 +350,7 @@ class Daemon:
             if getattr(new.daemon, key) != getattr(old.daemon, key):
                 log.warning("daemon.%s changed; it takes effect at the next restart", key)
         self.config = new
+        self.reaping.config = new
         self.collector.max_process_series = new.exporter.max_process_series
         self.trace_requests.config = new.agent
         self.collector.max_agent_series = new.agent.max_series_per_user
@@ -524,7 +360,7 @@ class Daemon:
         nvml = self.poller.nvml
         nvml.retry_max = new.daemon.nvml_retry_max
         setup_logging(new.daemon.log_format, new.daemon.log_level)
-        self.reloads.labels("applied").inc()
+        self.metrics.count_reload(applied=True)
         log.info("configuration reloaded")
         systemd_notify.ready(status=self._status_line())
         return True

@@ -1,7 +1,7 @@
 """The `gpuwatch` command's entry point.
 
 `gpuwatch run` goes in front of every training command, so it starts without the CLI framework
-where it can (gpuwatch.run_command): click and the command definitions would add about 15 ms to
+where it can (gpuwatch.app.run): click and the command definitions would add about 15 ms to
 every job. Every other command goes through gpuwatch.cli.
 """
 
@@ -12,7 +12,7 @@ import sys
 
 def main() -> None:
     if sys.argv[1:2] == ["run"]:
-        from gpuwatch.run_command import main as run
+        from gpuwatch.app.run import main as run
 
         status = run(sys.argv[2:])
         if status is not None:

@@ -6,7 +6,7 @@ detectors, the exporter and the CLI only ever read snapshots.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import field
 from enum import Enum
 from types import MappingProxyType
@@ -236,6 +236,25 @@ class HostProcess:
 _GPU_DRIVER_MARKS = ("nvidia", "uvm_")
 
 
+def holds_gpu(p: HostProcess, blind: Collection[int]) -> Optional[bool]:
+    """Whether NVML lists `p`, `blind` being the GPUs whose holders are unknown in this poll
+    (`NodeSnapshot.blind_gpus`): None (unknown) when every GPU it was seen on is blind and it
+    is there only as a holder of the last good read, with an unknown figure."""
+    if not p.gpu_usage:
+        return False
+    if all(u.gpu_index in blind and u.memory_bytes is None for u in p.gpu_usage):
+        return None
+    return True
+
+
+def gpu_memory(p: HostProcess, blind: Collection[int]) -> Optional[int]:
+    """`p`'s GPU memory in all; None when part of it is unknown, or on a GPU of `blind` (whose
+    holders are unknown): a sum of the rest would read as the whole."""
+    if any(u.gpu_index in blind and u.memory_bytes is None for u in p.gpu_usage):
+        return None
+    return p.gpu_memory_bytes
+
+
 @_frozen
 class BufferSize:
     # Slotted: the agent receiver stores one per buffer per report.
@@ -451,6 +470,14 @@ class NodeSnapshot:
         """A time of this snapshot's (`taken_at`, a start time, a `since`) on the wall clock:
         what sinks show. Detectors compare times as they are."""
         return t + self.clock_step
+
+    def wall_or_none(self, t: Optional[float]) -> Optional[float]:
+        return self.wall(t) if t is not None else None
+
+    @property
+    def blind_gpus(self) -> frozenset[int]:
+        """The GPUs whose holders are unknown in this poll (`holders_unknown`)."""
+        return frozenset(g.index for g in self.gpus if holders_unknown(g))
 
     @property
     def gpu_holders(self) -> list[HostProcess]:

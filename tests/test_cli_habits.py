@@ -350,8 +350,8 @@ def test_an_address_in_use_is_named_with_what_to_do(cli_env: dict[str, str],
 def test_run_reads_its_command_line_as_click_does_without_click(argv: list[str]) -> None:
     """`gpuwatch run` reads its options without click for speed: what it reads is what the
     click command (which -h and errors go to) would read."""
+    from gpuwatch.app.run import RunArgs, parse_fast
     from gpuwatch.cli import app
-    from gpuwatch.run_command import RunArgs, parse_fast
 
     ctx = app.commands["run"].make_context("run", list(argv))
     assert parse_fast(argv) == RunArgs(**ctx.params)
@@ -361,7 +361,7 @@ def test_run_reads_its_command_line_as_click_does_without_click(argv: list[str])
                                   ["--job-name", "a b", "true"], ["--gracee", "1", "true"],
                                   ["--keep-helpers=yes", "true"]])
 def test_run_hands_help_and_bad_command_lines_to_click(argv: list[str]) -> None:
-    from gpuwatch.run_command import parse_fast
+    from gpuwatch.app.run import parse_fast
 
     assert parse_fast(argv) is None
     result = gpuwatch(["run", *argv], os.environ)

@@ -30,7 +30,7 @@ from gpuwatch.sinks.reap_view import render_reap
 from gpuwatch.sinks.status_view import render_status
 from gpuwatch.sinks.text import clean, evidence, plural
 from tests.scenarios import _orphan, clean_env, cmdline
-from tests.test_top import GPUWATCH, terminal, top_env, two_jobs
+from tests.test_top import GPUWATCH, report, terminal, top_env, two_jobs
 
 HOSTILE = "\x1b]0;PWNED\x07\x1b[2J\x1b[31mFAKE-OK\x1b[0m\r\nline2"
 #: A process name of the kernel's 15 bytes at most: retitles the window, clears the screen.
@@ -51,26 +51,32 @@ def test_clean_shows_every_control_character_as_a_question_mark() -> None:
     assert clean("train.py --lr 3e-4") == "train.py --lr 3e-4"
 
 
-def _hostile_document() -> dict[str, Any]:
+def _hostile_report() -> NodeReport:
+    """Two jobs (tests/test_top.py) where one worker's every text is hostile, read as top and
+    status read a document."""
     doc = two_jobs()
     p = doc["processes"][1]
     p.update(cmdline=["python", HOSTILE], name=HOSTILE_NAME, user=HOSTILE,
              cgroup=f"/{HOSTILE}", job={"source": "slurm", "id": HOSTILE})
-    p["agent"] = {"step": 3, "step_changed_at": doc["taken_at"], "rss_bytes": 1,
-                  "cuda_allocated_bytes": None, "cuda_reserved_bytes": None,
-                  "finished_at": None, "buffers": {HOSTILE: {"items": 1, "bytes": 2}}}
+    p["agent"] = {"step": 3, "step_changed_at": doc["taken_at"],
+                  "first_seen": doc["taken_at"] - 60, "last_seen": doc["taken_at"],
+                  "finished_at": None, "rss_bytes": 1, "cuda_allocated_bytes": None,
+                  "cuda_reserved_bytes": None, "cuda_active_bytes": None,
+                  "cuda_allocations": None, "buffers": {HOSTILE: {"items": 1, "bytes": 2}},
+                  "exit": None}
     doc["findings"].append({
         "kind": "leak", "severity": "warning", "pid": p["pid"], "start_time": 0.0,
-        "name": HOSTILE_NAME, "gpus": [0], "gpu_memory_bytes": 1 << 30,
-        "since": doc["taken_at"] - 60, "reason": f"buffer `{HOSTILE}` grows",
+        "name": HOSTILE_NAME, "user": HOSTILE, "job": p["job"], "gpus": [0],
+        "gpu_memory_bytes": 1 << 30, "since": doc["taken_at"] - 60,
+        "reason": f"buffer `{HOSTILE}` grows",
         "details": {"culprit": HOSTILE, "found_by": "watched", "limit_bytes": None}})
-    return doc
+    return report(doc)
 
 
 @pytest.mark.parametrize("width", [0, 80])
 def test_status_cleans_every_text_a_process_chose(width: int) -> None:
-    text = render_status(_hostile_document(), width=width, colour=True)
-    plain = render_status(_hostile_document(), width=width)
+    text = render_status(_hostile_report(), width=width, colour=True)
+    plain = render_status(_hostile_report(), width=width)
     assert _no_control(plain), plain
     # Colour adds its own SGR sequences and nothing else.
     assert "\x1b[2J" not in text and "\x1b]" not in text and "\r" not in text
@@ -91,8 +97,9 @@ def test_reap_doctor_run_and_top_details_clean_it_too() -> None:
                           "fix": HOSTILE}]}
     assert _no_control(render_doctor(checks))
     from gpuwatch.sinks.top.view import details_lines
-    doc = _hostile_document()
-    lines = [line.text for line in details_lines(doc, doc["processes"][1]["pid"], None, 100)]
+    hostile = _hostile_report()
+    pid = next(p.pid for p in hostile.snapshot.processes.values() if p.user == HOSTILE)
+    lines = [line.text for line in details_lines(hostile, pid, None, 100)]
     assert _no_control("\n".join(lines))
     assert "limit_bytes: none" in "\n".join(lines)  # not Python's `None`
 

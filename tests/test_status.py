@@ -228,18 +228,21 @@ def _leak_lines(text: str, pid: int) -> list[str]:
 
 def test_a_leak_shows_its_culprit_how_it_was_found_and_the_culprits_own_growth() -> None:
     doc = status_document(leakreports.leak_report())
-    text = render_status(doc, width=0)
+    text = render_status(from_json(doc), width=0)
     row, note = _leak_lines(text, 701)
     assert "(discovered)" in row and row.endswith("[+2.0 GiB/step]")
     # The note sits under the reason.
     assert note.index("culprit") == row.index("RSS grows")
     assert note.strip() == ("culprit `areal.infra.rpc.rtensor._fetch_buffer` (discovered): "
                             "+16 items/step, ~2.0 GiB/step")
-    # A narrow terminal wraps the reason under itself and never cuts the culprit.
-    narrow = _leak_lines(render_status(doc, width=80), 701)
-    assert all(len(line) <= 80 for line in narrow[:-1])
-    assert narrow[-1].strip() == note.strip()
-    assert "".join(line.strip() for line in narrow[:-1]).endswith(
+    # A narrow terminal wraps the reason under itself, and the culprit's line too: no line
+    # is wider than the terminal (which would break it at column 0), no character is cut.
+    narrow = _leak_lines(render_status(from_json(doc), width=80), 701)
+    assert all(len(line) <= 80 for line in narrow)
+    culprit = next(i for i, line in enumerate(narrow) if line.strip().startswith("culprit"))
+    assert {line.index(line.strip()) for line in narrow[1:]} == {narrow[0].index("RSS grows")}
+    assert "".join("".join(line.split()) for line in narrow[culprit:]) == "".join(note.split())
+    assert " ".join(line.strip() for line in narrow[:culprit]).endswith(
         "it (discovered) [+2.0 GiB/step]")
     row, note = _leak_lines(text, 700)
     assert note.strip() == "culprit `fetch_buffer` (watched): +1 items/step, ~2.0 MiB/step"
@@ -259,7 +262,7 @@ def test_a_trace_asked_for_refused_or_failed_is_said_in_a_few_words() -> None:
     def notes(trace: dict[str, object]) -> list[str]:
         finding = leakreports.leak(800, "RSS grows every step", growth_bytes_per_step=MIB,
                                    culprit=None, found_by=None, trace=trace)
-        text = render_status(status_document(leakreports.leak_report((finding,))))
+        text = render_status(from_json(status_document(leakreports.leak_report((finding,)))))
         return [line.strip() for line in _leak_lines(text, 800)[1:]]
 
     assert notes({"status": "requested", "why": "", "steps": 20}) == ["tracing requested"]
@@ -277,7 +280,7 @@ def test_a_trace_asked_for_refused_or_failed_is_said_in_a_few_words() -> None:
 
 def test_the_verbose_view_lists_the_traced_sites_and_the_largest_ones_traceback() -> None:
     doc = status_document(leakreports.leak_report())
-    lines = [line.strip() for line in _leak_lines(render_status(doc, verbose=True), 702)]
+    lines = [line.strip() for line in _leak_lines(render_status(from_json(doc), verbose=True), 702)]
     assert lines[1:] == [
         "culprit `leaky.py:42` (traced): ~3.0 MiB/step",
         "traced 20 steps",
@@ -299,7 +302,8 @@ def test_a_leak_from_before_culprits_were_found_other_ways_reads_as_it_did() -> 
                              culprit_bytes_per_step=MIB)
     alone = leakreports.leak(901, "buffer `queue` grows every step", series="buffer `queue`",
                              culprit="queue", culprit_items_per_step=4.0)
-    text = render_status(status_document(leakreports.leak_report((older, alone))))
+    text = render_status(from_json(status_document(
+        leakreports.leak_report((older, alone)))))
     assert [line.strip() for line in _leak_lines(text, 900)[1:]] == [
         "culprit `replay`: ~1.0 MiB/step"]
     (row,) = _leak_lines(text, 901)
@@ -335,7 +339,7 @@ def test_status_takes_verbose(fake_node: FakeNode, cli_env: dict[str, str]) -> N
 
 def test_an_instrumented_process_shows_its_agents_step_and_buffers_under_its_row() -> None:
     doc = status_document(leakreports.leak_report())
-    lines = render_status(doc, width=0).splitlines()
+    lines = render_status(from_json(doc), width=0).splitlines()
     at = next(i for i, line in enumerate(lines) if re.match(r"^700\s", line))
     assert lines[at + 1].strip() == (
         "agent: step 74 (advanced 1 s ago); CUDA allocated 3.0 GiB, reserved 5.0 GiB; "
@@ -343,10 +347,10 @@ def test_an_instrumented_process_shows_its_agents_step_and_buffers_under_its_row
     # The command's column, where top's notes go too; the same phrases as top's details.
     assert lines[at + 1].index("agent") == 16
     from gpuwatch.sinks.top.view import details_lines
-    details = " ".join(line.text for line in details_lines(doc, 700, None, 200))
+    details = " ".join(line.text for line in details_lines(from_json(doc), 700, None, 200))
     assert "step 74 (advanced 1 s ago)" in details and "`fetch_buffer`: 74 items" in details
     # On an 80-column terminal the line breaks between its parts, never inside a figure.
-    narrow = render_status(doc, width=80).splitlines()
+    narrow = render_status(from_json(doc), width=80).splitlines()
     at = next(i for i, line in enumerate(narrow) if re.match(r"^700\s", line))
     under = []
     for line in narrow[at + 1:]:

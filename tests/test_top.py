@@ -23,7 +23,10 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from gpuwatch import __version__
+from gpuwatch.model import NodeReport
 from gpuwatch.simulate.demo import SimulatedNode, simulated_node, wait_for
+from gpuwatch.sinks.document import from_json, status_document
 from gpuwatch.sinks.state_socket import StateServer
 from gpuwatch.sinks.top.feed import Feed, Samples
 from gpuwatch.sinks.top.view import (
@@ -53,7 +56,7 @@ def proc(pid: int, ppid: int, *, job: Optional[str] = None, user: str = "alice",
     return {"pid": pid, "ppid": ppid, "pgid": root or pid, "sid": root or pid,
             "job_root": root, "start_time": NOW - 3600, "name": "python", "user": user,
             "uid": 1000, "state": "sleeping", "rss_bytes": rss, "num_threads": 4,
-            "gpu_memory_bytes": used if gpu is not None else None,
+            "gpu_memory_bytes": used if gpu is not None else 0,
             "gpus": [] if gpu is None else [{"index": gpu, "uuid": f"GPU-{gpu}",
                                              "memory_bytes": used, "type": "compute",
                                              "gpu_instance_id": None,
@@ -76,7 +79,9 @@ def finding(kind: str, p: dict[str, Any], severity: str = "critical", reason: st
 
 def document(processes: list[dict[str, Any]], findings: Optional[list[dict[str, Any]]] = None,
              gpus: int = 2) -> dict[str, Any]:
-    return {"schema": 1, "gpuwatch_version": "0", "source": "daemon", "source_detail": None,
+    """A whole status document, as the daemon writes it (test_documents_are_the_writers
+    checks)."""
+    return {"schema": 1, "gpuwatch_version": __version__, "source": "daemon", "source_detail": None,
             "node": "gpu-node-07", "taken_at": NOW, "poll_duration_seconds": 0.01,
             "nvml": {"available": True, "error": None, "error_code": None,
                      "driver_version": "550.54.15", "nvml_version": "12.550.54.15",
@@ -88,7 +93,10 @@ def document(processes: list[dict[str, Any]], findings: Optional[list[dict[str, 
                       "memory_free_bytes": None, "memory_reserved_bytes": 0,
                       "unattributed_memory_bytes": 0, "utilization_gpu_percent": 97,
                       "utilization_memory_percent": 40, "mig_enabled": False,
-                      "process_count": 1, "lost": False, "errors": []} for i in range(gpus)],
+                      "process_count": sum(1 for p in processes
+                                           if p["gpus"] and p["gpus"][0]["index"] == i),
+                      "holders_unknown": False, "lost": False, "errors": []}
+                     for i in range(gpus)],
             "processes": sorted([proc(1, 0, user="root", cmd=["/sbin/init"]), *processes],
                                 key=lambda p: p["pid"]),
             "findings": findings or [], "errors": []}
@@ -124,6 +132,18 @@ def two_jobs() -> dict[str, Any]:
     ])
 
 
+def report(doc: dict[str, Any]) -> NodeReport:
+    """The report top reads from `doc` (its feed's producer does the same)."""
+    return from_json(doc)  # type: ignore[arg-type]
+
+
+def test_documents_are_the_writers() -> None:
+    """What these tests render is what a daemon could serve: the writer renders each document
+    read back to the same JSON, so no view is tested on a field the daemon never writes."""
+    for doc in (two_jobs(), big_node(64, 4)):
+        assert json.loads(json.dumps(status_document(report(doc)))) == doc
+
+
 def roots(rows: list[Any]) -> list[int]:
     return [r.pid for r in rows if not r.prefix]
 
@@ -131,21 +151,21 @@ def roots(rows: list[Any]) -> list[int]:
 # ---- the view, without a terminal ----------------------------------------------------------------
 
 def test_sorting_orders_whole_trees_and_the_siblings_in_each() -> None:
-    doc = two_jobs()
-    by_gpu = build_rows(doc, "gpu")
+    node = report(two_jobs())
+    by_gpu = build_rows(node, "gpu")
     # Trees by their total GPU memory (6, 4 and 2 GiB), siblings by theirs.
     assert [r.pid for r in by_gpu] == [100, 102, 101, 200, 201, 300]
     assert [r.prefix for r in by_gpu] == ["", "├─ ", "└─ ", "", "└─ ", ""]
-    assert roots(build_rows(doc, "rss")) == [200, 100, 300]  # job 52's 30 GiB RSS first
-    assert [r.pid for r in build_rows(doc, "pid")] == [100, 101, 102, 200, 201, 300]
-    assert roots(build_rows(doc, "job")) == [100, 200, 300]
+    assert roots(build_rows(node, "rss")) == [200, 100, 300]  # job 52's 30 GiB RSS first
+    assert [r.pid for r in build_rows(node, "pid")] == [100, 101, 102, 200, 201, 300]
+    assert roots(build_rows(node, "job")) == [100, 200, 300]
     for sort in ("gpu", "rss", "pid", "job"):
-        rows = build_rows(doc, sort)
+        rows = build_rows(node, sort)
         # Every tree stays whole: each worker right under its launcher or a sibling.
         for i, row in enumerate(rows):
             if row.prefix:
-                assert rows[i - 1].pid in (row.proc["ppid"], *(
-                    r.pid for r in rows if r.proc["ppid"] == row.proc["ppid"]))
+                assert rows[i - 1].pid in (row.proc.ppid, *(
+                    r.pid for r in rows if r.proc.ppid == row.proc.ppid))
     state = ViewState()
     seen = []
     for _ in range(4):
@@ -155,13 +175,13 @@ def test_sorting_orders_whole_trees_and_the_siblings_in_each() -> None:
 
 
 def test_filter_keeps_the_trees_of_the_matching_job_or_user() -> None:
-    doc = two_jobs()
-    assert [r.pid for r in build_rows(doc, "pid", "slurm:41")] == [100, 101, 102]
-    assert [r.pid for r in build_rows(doc, "pid", "52")] == [200, 201]
-    assert [r.pid for r in build_rows(doc, "pid", "CAROL")] == [300]
-    assert build_rows(doc, "pid", "nobody") == []
+    node = report(two_jobs())
+    assert [r.pid for r in build_rows(node, "pid", "slurm:41")] == [100, 101, 102]
+    assert [r.pid for r in build_rows(node, "pid", "52")] == [200, 201]
+    assert [r.pid for r in build_rows(node, "pid", "CAROL")] == [300]
+    assert build_rows(node, "pid", "nobody") == []
     view = TopView()
-    view.set_document(doc)
+    view.set_report(node)
     text = [line.text for line in view.render(ViewState(filter="nobody"), 80, 24, None,
                                                Chrome())]
     assert any("no process matches the filter" in line for line in text)
@@ -172,7 +192,7 @@ def test_filter_keeps_the_trees_of_the_matching_job_or_user() -> None:
 def test_every_layout_fits_its_terminal_with_header_bars_selection_and_keys(
         width: int, height: int) -> None:
     view = TopView()
-    view.set_document(two_jobs())
+    view.set_report(report(two_jobs()))
     state = ViewState()
     lines = view.render(state, width, height, Samples(), Chrome())
     text = [line.text for line in lines]
@@ -205,7 +225,7 @@ def test_every_layout_fits_its_terminal_with_header_bars_selection_and_keys(
 
 def test_columns_give_way_in_order_once_command_is_cut_to_its_minimum() -> None:
     view = TopView()
-    view.set_document(two_jobs())
+    view.set_report(report(two_jobs()))
     shown = {}
     for width in (80, 70, 60, 50, 40):
         lines = view.render(ViewState(), width, 24, None, Chrome())
@@ -223,7 +243,7 @@ def test_columns_give_way_in_order_once_command_is_cut_to_its_minimum() -> None:
 
 def test_a_terminal_too_small_says_so() -> None:
     view = TopView()
-    view.set_document(two_jobs())
+    view.set_report(report(two_jobs()))
     lines = view.render(ViewState(), 39, 9, None, Chrome())
     assert len(lines) == 9 and lines[0].text.startswith("terminal too small (39x9)")
     assert all(len(line.text) <= 39 for line in lines)
@@ -246,7 +266,7 @@ def big_node(processes: int = 512, gpus: int = 8) -> dict[str, Any]:
 def test_a_512_process_node_renders_in_80x24_and_scrolls_to_every_row() -> None:
     doc = big_node()
     view = TopView()
-    view.set_document(doc)
+    view.set_report(report(doc))
     state = ViewState()
     started = time.perf_counter()
     lines = view.render(state, 80, 24, Samples(), Chrome())
@@ -282,27 +302,28 @@ def test_sparkline_and_the_samples_it_draws() -> None:
     assert sparkline([0, 7], 2, ASCII) == "_#"
     # A terminal whose encoding is not UTF-8 (LC_ALL=C) gets ASCII bars, trees and sparks.
     assert glyphs_for("UTF-8") is UNICODE and glyphs_for("ANSI_X3.4-1968") is ASCII
-    assert [r.prefix for r in build_rows(two_jobs(), "pid", glyphs=ASCII)][:3] == ["", "|- ",
-                                                                                  "`- "]
+    prefixes = [r.prefix for r in build_rows(report(two_jobs()), "pid", glyphs=ASCII)]
+    assert prefixes[:3] == ["", "|- ", "`- "]
     samples = Samples(capacity=5)
     doc = two_jobs()
     for i in range(8):
         doc = {**doc, "taken_at": NOW + i,
                "processes": [{**p, "rss_bytes": p["rss_bytes"] + i * MIB}
                              for p in doc["processes"]]}
-        samples.record(doc)
-        samples.record(doc)  # the same snapshot again (a daemon slower than top): not counted
+        samples.record(report(doc))
+        # The same snapshot again (a daemon slower than top): not counted.
+        samples.record(report(doc))
     assert len(samples.of(201)) == 5  # bounded
     assert [s.at for s in samples.of(201)] == [NOW + i for i in range(3, 8)]
     # A process that leaves is forgotten; a PID taken by a new process starts afresh.
     doc = {**doc, "taken_at": NOW + 10,
            "processes": [{**p, "start_time": NOW} if p["pid"] == 201 else p
                          for p in doc["processes"] if p["pid"] != 300]}
-    samples.record(doc)
+    samples.record(report(doc))
     assert samples.of(300) == [] and 300 not in samples.pids()
     assert len(samples.of(201)) == 1
     view = TopView()
-    view.set_document(doc)
+    view.set_report(report(doc))
     state = ViewState(sort="pid")
     view.move_to(state, 4)
     assert state.selected == 201
@@ -322,10 +343,12 @@ def test_details_of_a_leak_name_its_culprit_and_its_out_of_memory_step() -> None
                         "exit": None}
     samples = Samples()
     for i, rss in enumerate((20, 25, 30)):
-        samples.record({**doc, "taken_at": NOW + i, "processes": [
-            {**p, "rss_bytes": rss * GIB} if p["pid"] == 201 else p for p in doc["processes"]]})
+        samples.record(report({**doc, "taken_at": NOW + i, "processes": [
+            {**p, "rss_bytes": rss * GIB} if p["pid"] == 201 else p
+            for p in doc["processes"]]}))
     # Wrapped at the width: read as one text.
-    text = " ".join(" ".join(line.text for line in details_lines(doc, 201, samples, 100)).split())
+    lines = details_lines(report(doc), 201, samples, 100)
+    text = " ".join(" ".join(line.text for line in lines).split())
     for wanted in ("PID 201", "python -u train.py",
                    "slurm:52", "GPU 0: 4.0 GiB (compute)", "leak (critical)",
                    "out of memory at step ~20520 (in ~68 min)",
@@ -335,8 +358,8 @@ def test_details_of_a_leak_name_its_culprit_and_its_out_of_memory_step() -> None
                    "step 40", "CUDA allocated 3.0 GiB, reserved 4.0 GiB",
                    "`fetch_buffer`: 40 items, 80.0 MiB"):
         assert wanted in text, wanted
-    assert all(len(line.text) <= 100 for line in details_lines(doc, 201, samples, 100))
-    gone = details_lines(doc, 999, samples, 80)
+    assert all(len(line.text) <= 100 for line in details_lines(report(doc), 201, samples, 100))
+    gone = details_lines(report(doc), 999, samples, 80)
     assert "no longer in the document" in gone[0].text
 
 
@@ -345,7 +368,7 @@ def test_control_characters_in_a_command_line_never_reach_the_terminal() -> None
     assert clean("train.py ✓") == "train.py ✓" and clean("数据.py") == "??.py"
     doc = two_jobs()
     doc["processes"][1]["cmdline"] = ["python", "\x1b[2J\x1b[31mred"]
-    rows = build_rows(doc, "pid")
+    rows = build_rows(report(doc), "pid")
     assert "\x1b" not in rows[0].command
 
 
@@ -370,9 +393,9 @@ def test_the_feed_hands_each_document_once_and_says_why_a_refresh_failed() -> No
 
     try:
         wait_for("three updates", three, 10)
-        assert got[0].doc == {"n": 1} and got[0].error is None
-        assert got[1].doc is None and got[1].error == "RuntimeError: socket closed"
-        assert got[2].doc == {"n": 2}
+        assert got[0].report == {"n": 1} and got[0].error is None
+        assert got[1].report is None and got[1].error == "RuntimeError: socket closed"
+        assert got[2].report == {"n": 2}
         assert len({u.generation for u in got}) == 3
     finally:
         feed.stop()
@@ -380,8 +403,8 @@ def test_the_feed_hands_each_document_once_and_says_why_a_refresh_failed() -> No
 
 def test_the_confirmation_shows_what_reap_dry_run_prints(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuwatch.app.top import Reaping
     from gpuwatch.config import load_config
-    from gpuwatch.sinks.top.screen import Reaping
     from gpuwatch.sinks.top.view import confirm_lines
 
     run = tmp_path / "run"
@@ -400,7 +423,8 @@ def test_the_confirmation_shows_what_reap_dry_run_prints(
     finally:
         server.stop()
     assert printed.returncode == 0, printed.stderr
-    plan = Reaping(load_config(None), lambda: None, False, lambda: None).plan(doc, 300, "orphan")
+    plan = Reaping(load_config(None), lambda: None, False, lambda: None).plan(report(doc), 300,
+                                                                              "orphan")
     assert plan.text == printed.stdout
     assert plan.command == "gpuwatch reap --dry-run --pid 300 --kind orphan"
     shown = [line.text for line in confirm_lines(plan.text, plan.command, 300, plan.in_full)]

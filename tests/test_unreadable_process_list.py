@@ -28,7 +28,7 @@ from gpuwatch.model import (
 )
 from gpuwatch.simulate import fakenvml
 from gpuwatch.simulate.fakenvml import FakeNode
-from gpuwatch.sinks.document import status_document
+from gpuwatch.sinks.document import from_json, status_document
 from gpuwatch.sinks.status_view import render_status
 from tests.daemonproc import pids_with_series, running_daemon, value
 from tests.emitted_kinds import detectors_report_only_declared_kinds  # noqa: F401 (autouse)
@@ -232,5 +232,5 @@ def test_the_document_marks_carried_holders_unknown_and_listed_ones_known() -> N
     assert [(by_pid[pid]["holds_gpu"], by_pid[pid]["gpu_memory_bytes"])
             for pid in (10, 11, 12, 13)] == [(None, None), (True, None), (True, None), (False, 0)]
     assert [g["holders_unknown"] for g in doc["gpus"]] == [True, False]
-    table = render_status(doc, width=0)
+    table = render_status(from_json(doc), width=0)
     assert "0:?" in table and "1:1.0 GiB 0:?" in table

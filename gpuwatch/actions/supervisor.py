@@ -1,5 +1,5 @@
 """`gpuwatch run`: launch a job so that its end (Ctrl+C, a crash, a finished trainer) leaves
-nothing behind. Its command line is gpuwatch.run_command's.
+nothing behind. Its command line is gpuwatch.app.run's.
 
 The supervisor owns the job's whole process tree:
 - it is a child subreaper, so every process of the job, one that double-forks or calls setsid()

@@ -36,7 +36,9 @@ from gpuwatch.model import (
     NvmlStatus,
     SourceError,
     StepPoint,
+    gpu_memory,
     holders_unknown,
+    holds_gpu,
 )
 
 SCHEMA_VERSION = 1
@@ -53,7 +55,7 @@ def status_document(report: NodeReport, source: Optional[str] = None,
         source, source_detail = report.source, report.source_detail
     snapshot = report.snapshot
     nvml = snapshot.nvml
-    blind = {g.index for g in snapshot.gpus if holders_unknown(g)}
+    blind = snapshot.blind_gpus
     # Every time on the wall clock (NodeSnapshot.wall), as a process reading /proc now sees it.
     wall = snapshot.wall
     return {
@@ -173,25 +175,6 @@ def _job(job: Optional[Job]) -> Optional[JobDoc]:
     return {"id": job.id, "source": job.source} if job is not None else None
 
 
-def _holds_gpu(p: HostProcess, blind: Collection[int]) -> Optional[bool]:
-    """Whether NVML lists the process: None (unknown) when every GPU it was seen on has process
-    lists that could not be read in this poll, and it is there only as a holder of the last good
-    read, with an unknown figure."""
-    if not p.gpu_usage:
-        return False
-    if all(u.gpu_index in blind and u.memory_bytes is None for u in p.gpu_usage):
-        return None
-    return True
-
-
-def _gpu_memory(p: HostProcess, blind: Collection[int]) -> Optional[int]:
-    """Its GPU memory in all; None when part of it is on a GPU whose holders are unknown (a sum
-    of the rest would read as the whole)."""
-    if any(u.gpu_index in blind and u.memory_bytes is None for u in p.gpu_usage):
-        return None
-    return p.gpu_memory_bytes
-
-
 def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
              agent: Optional[AgentReading], blind: Collection[int],
              wall: Callable[[float], float]) -> ProcessDoc:
@@ -209,9 +192,9 @@ def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
         "state": p.state,
         "rss_bytes": p.rss_bytes,
         "num_threads": p.num_threads,
-        "gpu_memory_bytes": _gpu_memory(p, blind),
+        "gpu_memory_bytes": gpu_memory(p, blind),
         "gpus": [_usage(u) for u in p.gpu_usage],
-        "holds_gpu": _holds_gpu(p, blind),
+        "holds_gpu": holds_gpu(p, blind),
         "job": _job(job),
         "cgroup": p.cgroup,
         "launch_env": dict(p.launch_env),

@@ -1,4 +1,4 @@
-"""The human view of a status document: GPUs, GPU holders as process trees, then findings.
+"""The human view of a node report: GPUs, GPU holders as process trees, then findings.
 
 A tree is rooted at the holder's job root (gpuwatch.jobtree): its launcher, climbed further while
 the ancestors belong to the same job, never PID 1. Processes with findings are marked in the tree
@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import datetime as _dt
 import textwrap
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
-from gpuwatch.model import Kind
+from gpuwatch.launch_env import WORKER_MARKER_KEYS
+from gpuwatch.model import (
+    AgentReading,
+    BufferSize,
+    HostProcess,
+    Job,
+    Kind,
+    NodeReport,
+    holders_unknown,
+    holds_gpu,
+)
 from gpuwatch.sinks.colour import paint
 from gpuwatch.sinks.text import (
     UNICODE,
@@ -29,20 +39,21 @@ from gpuwatch.sinks.text import (
 from gpuwatch.units import human_bytes, human_duration, short_command
 
 
-def render_status(doc: dict[str, Any], width: int = 0, verbose: bool = False,
+def render_status(report: NodeReport, width: int = 0, verbose: bool = False,
                   colour: bool = False, glyphs: Glyphs = UNICODE) -> str:
-    """The table view fitted to `width` (0: never cut, for a pipe or a file): on a narrow
-    terminal the less telling columns give way first, as in ps, top and nvitop, and a row
-    always keeps its command's name; sentences and reasons are wrapped. `verbose` adds what a
-    leak's allocation trace found: its sites and the traceback of the largest; `colour` paints
-    severities and finding markers with ANSI colours. Every text a process chose is cleaned
+    """The table view of `report` (`gpuwatch status` reads it from a status document with
+    gpuwatch.sinks.document.from_json) fitted to `width` (0: never cut, for a pipe or a file):
+    on a narrow terminal the less telling columns give way first, as in ps, top and nvitop, and
+    a row always keeps its command's name; sentences and reasons are wrapped. `verbose` adds
+    what a leak's allocation trace found: its sites and the traceback of the largest; `colour`
+    paints severities and finding markers with ANSI colours. Every text a process chose is cleaned
     (gpuwatch.sinks.text.clean)."""
-    lines = [*_wrap(_header(doc), width), ""]
-    lines += _gpu_table(doc, width, glyphs)
+    lines = [*_wrap(_header(report), width), ""]
+    lines += _gpu_table(report, width, glyphs)
     lines.append("")
-    lines += _process_table(doc, width, colour, glyphs)
-    if doc["findings"]:
-        lines += ["", *_findings_table(doc, width, verbose, colour, glyphs)]
+    lines += _process_table(report, width, colour, glyphs)
+    if report.findings:
+        lines += ["", *_findings_table(report, width, verbose, colour, glyphs)]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -64,24 +75,26 @@ _FINDING_NARROWING: tuple[Narrowing, ...] = (
 _MIN_REASON = 30
 
 
-def _findings_table(doc: dict[str, Any], width: int, verbose: bool = False,
+def _findings_table(report: NodeReport, width: int, verbose: bool = False,
                     colour: bool = False, glyphs: Glyphs = UNICODE) -> list[str]:
     rows: list[Sequence[str]] = [("FINDING", "SEVERITY", "PID", "NAME", "GPU MEMORY", "FOR",
                                   "REASON")]
     notes: dict[int, list[str]] = {}
-    for f in doc["findings"]:
-        gpus = ",".join(map(str, f["gpus"]))
-        memory = human_bytes(f["gpu_memory_bytes"]) if f["gpu_memory_bytes"] is not None else "-"
-        details = f.get("details") or {}
+    wall = report.snapshot.wall
+    taken_at = wall(report.snapshot.taken_at)
+    for f in report.findings:
+        gpus = ",".join(map(str, f.gpus))
+        memory = human_bytes(f.gpu_memory_bytes) if f.gpu_memory_bytes is not None else "-"
+        details = f.details
         rows.append((
-            clean(f["kind"]), clean(f["severity"]),
-            str(f["pid"]) if f["pid"] is not None else f"GPU {gpus}",
-            clean(f["name"] or "-"),
-            f"{gpus}:{memory}" if f["gpu_memory_bytes"] is not None and f["pid"] else memory,
-            human_duration(doc["taken_at"] - f["since"]),
-            clean(f["reason"] + finding_figures(details)),
+            clean(f.kind), clean(f.severity),
+            str(f.pid) if f.pid is not None else f"GPU {gpus}",
+            clean(f.name or "-"),
+            f"{gpus}:{memory}" if f.gpu_memory_bytes is not None and f.pid else memory,
+            human_duration(taken_at - wall(f.since)),
+            clean(f.reason + finding_figures(details)),
         ))
-        if f["kind"] == Kind.LEAK:
+        if f.kind == Kind.LEAK:
             notes[len(rows) - 1] = [clean(note) for note in leak_notes(details, verbose)]
     widths = fit_widths(natural_widths(rows), width, _FINDING_NARROWING, _MIN_REASON)
 
@@ -92,7 +105,7 @@ def _findings_table(doc: dict[str, Any], width: int, verbose: bool = False,
     return wrapped_table(rows, widths, width, notes=notes, paint=painted, glyphs=glyphs)
 
 
-def leak_notes(d: dict[str, Any], verbose: bool = False) -> list[str]:
+def leak_notes(d: Mapping[str, Any], verbose: bool = False) -> list[str]:
     """Lines under a leak's reason: its culprit and how it was found, with the culprit's own
     growth (the reason is frozen as first given, these figures are not); what became of an
     allocation trace; with `verbose`, the traced sites and the largest one's traceback."""
@@ -107,21 +120,21 @@ def leak_notes(d: dict[str, Any], verbose: bool = False) -> list[str]:
         notes.append(f"culprit `{d['culprit']}`{found_by}"
                      + (f": {', '.join(figures)}" if figures else ""))
     trace = d.get("trace")
-    if isinstance(trace, dict):
+    if isinstance(trace, Mapping):
         notes.append(_trace_phrase(trace, d.get("found_by"), verbose))
         if verbose:
             notes += _trace_detail(trace)
     return notes
 
 
-def _culprit_shown(d: dict[str, Any]) -> bool:
+def _culprit_shown(d: Mapping[str, Any]) -> bool:
     """A culprit gets a line of its own, except when the leak is that buffer growing alone:
     the reason names it already and its figures are the leak's."""
     culprit = d.get("culprit")
     return bool(culprit) and d.get("series") != f"buffer `{culprit}`"
 
 
-def _trace_phrase(trace: dict[str, Any], found_by: Optional[str], verbose: bool) -> str:
+def _trace_phrase(trace: Mapping[str, Any], found_by: Optional[str], verbose: bool) -> str:
     status, why = trace.get("status"), trace.get("why") or ""
     if status == "requested":
         return "tracing requested"
@@ -144,7 +157,7 @@ def _trace_phrase(trace: dict[str, Any], found_by: Optional[str], verbose: bool)
     return phrase
 
 
-def _trace_detail(trace: dict[str, Any]) -> list[str]:
+def _trace_detail(trace: Mapping[str, Any]) -> list[str]:
     sites = trace.get("sites") or []
     lines = []
     if sites:
@@ -161,44 +174,46 @@ def _trace_detail(trace: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _header(doc: dict[str, Any]) -> str:
-    when = _dt.datetime.fromtimestamp(doc["taken_at"], tz=_dt.timezone.utc)
-    via = "from the running daemon" if doc["source"] == "daemon" else "one poll"
-    if doc.get("source_detail"):
-        via += f" ({doc['source_detail']})"
-    nvml = doc["nvml"]
-    if nvml["available"]:
-        driver = f"NVML {nvml['nvml_version'] or '?'} · driver {nvml['driver_version'] or '?'}"
-        if nvml.get("cuda_driver_version"):
-            driver += f" · CUDA {nvml['cuda_driver_version']}"
+def _header(report: NodeReport) -> str:
+    snapshot = report.snapshot
+    when = _dt.datetime.fromtimestamp(snapshot.wall(snapshot.taken_at), tz=_dt.timezone.utc)
+    via = "from the running daemon" if report.source == "daemon" else "one poll"
+    if report.source_detail:
+        via += f" ({report.source_detail})"
+    nvml = snapshot.nvml
+    if nvml.available:
+        driver = f"NVML {nvml.nvml_version or '?'} · driver {nvml.driver_version or '?'}"
+        if nvml.cuda_driver_version:
+            driver += f" · CUDA {nvml.cuda_driver_version}"
     else:
-        driver = (f"NVML unavailable: {nvml['error']} - showing host processes that look like "
+        driver = (f"NVML unavailable: {nvml.error} - showing host processes that look like "
                   "GPU work")
-    return clean(f"node {doc['node']} · {when:%Y-%m-%d %H:%M:%S}Z · {via}") + "\n" + clean(driver)
+    return (clean(f"node {snapshot.hostname} · {when:%Y-%m-%d %H:%M:%S}Z · {via}") + "\n"
+            + clean(driver))
 
 
 _GPU_NARROWING: tuple[Narrowing, ...] = (("shrink", 1, 12), ("hide", 3, 0), ("hide", 1, 0))
 
 
-def _gpu_table(doc: dict[str, Any], width: int = 0, glyphs: Glyphs = UNICODE) -> list[str]:
-    gpus = doc["gpus"]
+def _gpu_table(report: NodeReport, width: int = 0, glyphs: Glyphs = UNICODE) -> list[str]:
+    gpus = report.snapshot.gpus
     if not gpus:
-        return ["no GPUs" if doc["nvml"]["available"] else "no GPU information"]
+        return ["no GPUs" if report.snapshot.nvml.available else "no GPU information"]
     rows: list[Sequence[str]] = [("GPU", "NAME", "MEMORY USED / TOTAL", "UNATTRIBUTED", "UTIL",
                                   "PROCS", "")]
     for g in gpus:
         note = ""
-        if g["lost"]:
+        if g.lost:
             note = "LOST (needs a reset): "
-        if g["errors"]:
-            note += "; ".join(f"{e['call']}: {e['message']}" for e in g["errors"])
+        if g.errors:
+            note += "; ".join(f"{e.call}: {e.message}" for e in g.errors)
         rows.append((
-            str(g["index"]),
-            clean(g["name"] or "?"),
-            _memory_cell(g["memory_used_bytes"], g["memory_total_bytes"]),
-            human_bytes(g["unattributed_memory_bytes"]),
-            f"{g['utilization_gpu_percent']}%" if g["utilization_gpu_percent"] is not None else "?",
-            "?" if g.get("holders_unknown") else str(g["process_count"]),
+            str(g.index),
+            clean(g.name or "?"),
+            _memory_cell(g.memory_used_bytes, g.memory_total_bytes),
+            human_bytes(g.unattributed_memory_bytes),
+            f"{g.utilization_gpu_percent}%" if g.utilization_gpu_percent is not None else "?",
+            "?" if holders_unknown(g) else str(len(g.processes)),
             clean(note),
         ))
     widths = fit_widths(natural_widths(rows), width, _GPU_NARROWING, 20)
@@ -206,7 +221,7 @@ def _gpu_table(doc: dict[str, Any], width: int = 0, glyphs: Glyphs = UNICODE) ->
             for line in table_lines(rows, widths, right={0, 3, 4, 5}, glyphs=glyphs)]
 
 
-def finding_figures(d: dict[str, Any]) -> str:
+def finding_figures(d: Mapping[str, Any]) -> str:
     """A leak's figures, appended to its reason: growth and projected OOM (the culprit's share is
     on a line of its own, see leak_notes)."""
     parts = []
@@ -244,40 +259,43 @@ PROCESS_NARROWING: tuple[Narrowing, ...] = (
 MIN_COMMAND = 30
 
 
-def _process_table(doc: dict[str, Any], width: int, colour: bool = False,
+def _process_table(report: NodeReport, width: int, colour: bool = False,
                    glyphs: Glyphs = UNICODE) -> list[str]:
-    procs = {p["pid"]: p for p in doc["processes"]}
+    snapshot = report.snapshot
+    procs = snapshot.processes
+    taken_at = snapshot.wall(snapshot.taken_at)
     kinds: dict[int, list[str]] = {}
     severities: dict[int, list[str]] = {}
-    for f in doc["findings"]:
-        if f["pid"] is not None:
-            kinds.setdefault(f["pid"], []).append(clean(f["kind"]))
-            severities.setdefault(f["pid"], []).append(f["severity"])
-    shown = shown_pids(procs, doc["nvml"]["available"], set(kinds))
+    for f in report.findings:
+        if f.pid is not None:
+            kinds.setdefault(f.pid, []).append(clean(f.kind))
+            severities.setdefault(f.pid, []).append(f.severity)
+    shown = shown_pids(report, set(kinds))
     if not shown:
-        return [no_holders_sentence(doc)]
+        return [no_holders_sentence(report)]
     rows: list[Sequence[str]] = [("PID", "USER", "JOB", "STATE", "RSS", "GPU MEMORY", "COMMAND")]
     pids: list[int] = []
     under: dict[int, list[str]] = {}  # row -> parts of the agent's line
     needed = MIN_COMMAND
     for depth_prefix, p in walk_trees(procs, shown):
-        pids.append(p["pid"])
+        pids.append(p.pid)
         if glyphs.tree is not None:
             depth_prefix = depth_prefix.translate(glyphs.tree)
-        markers = "".join(f"[{k}] " for k in kinds.get(p["pid"], ()))
+        markers = "".join(f"[{k}] " for k in kinds.get(p.pid, ()))
         command = clean(command_cell(p, procs, shown))
         needed = max(needed, len(markers) + len(command.split(" ", 1)[0]))
         rows.append((
-            depth_prefix + str(p["pid"]),
-            clean(p["user"] or "?"),
-            clean(job_cell(p["job"])),
-            p["state"] or "-",
-            human_bytes(p["rss_bytes"]) if p["rss_bytes"] is not None else "-",
+            depth_prefix + str(p.pid),
+            clean(p.user or "?"),
+            clean(job_cell(report.job_of(p))),
+            p.state or "-",
+            human_bytes(p.rss_bytes) if p.rss_bytes is not None else "-",
             gpu_cell(p),
             markers + command,
         ))
-        if p.get("agent"):
-            under[len(rows) - 1] = agent_parts(p["agent"], doc["taken_at"])
+        agent = snapshot.agents.get(p.pid)
+        if agent is not None:
+            under[len(rows) - 1] = agent_parts(report, agent, taken_at)
     widths = fit_widths(natural_widths(rows), width, PROCESS_NARROWING, needed)
 
     def painted(r: int, column: int, text: str) -> str:
@@ -306,46 +324,55 @@ def _process_table(doc: dict[str, Any], width: int, colour: bool = False,
     return out
 
 
-def agent_step_phrase(agent: dict[str, Any], taken_at: float) -> str:
+def agent_step_phrase(report: NodeReport, agent: AgentReading, taken_at: float) -> str:
     """'step 74 (advanced 1 s ago)': where an instrumented process's training loop is."""
-    changed = agent.get("step_changed_at")
+    changed = report.snapshot.wall_or_none(agent.step_changed_at)
     ago = "?" if changed is None else f"{human_duration(taken_at - changed)} ago"
-    return f"step {agent['step']} (advanced {ago})"
+    return f"step {agent.step} (advanced {ago})"
 
 
-def agent_cuda_phrase(agent: dict[str, Any]) -> str:
-    return (f"CUDA allocated {human_bytes(agent['cuda_allocated_bytes'])}, reserved "
-            f"{human_bytes(agent['cuda_reserved_bytes'])}")
+def agent_cuda_phrase(agent: AgentReading) -> str:
+    latest = agent.latest
+    return (f"CUDA allocated {human_bytes(latest.cuda_allocated_bytes if latest else None)}, "
+            f"reserved {human_bytes(latest.cuda_reserved_bytes if latest else None)}")
 
 
-def agent_phrase(agent: dict[str, Any], taken_at: float) -> str:
+def agent_phrase(report: NodeReport, agent: AgentReading, taken_at: float) -> str:
     """What an instrumented process's agent reports, in one sentence: its step and when it
     last advanced, its memory as it measures it (top's details)."""
-    return (f"{agent_step_phrase(agent, taken_at)}; RSS {human_bytes(agent['rss_bytes'])}; "
+    finished = report.snapshot.wall_or_none(agent.finished_at)
+    rss = agent.latest.rss_bytes if agent.latest else None
+    return (f"{agent_step_phrase(report, agent, taken_at)}; RSS {human_bytes(rss)}; "
             f"{agent_cuda_phrase(agent)}"
-            + ("; finished " + clock(agent["finished_at"]) if agent.get("finished_at") else ""))
+            + ("; finished " + clock(finished) if finished else ""))
 
 
-def buffer_phrases(agent: dict[str, Any]) -> list[str]:
+def _buffers(agent: AgentReading) -> Mapping[str, BufferSize]:
+    return agent.latest.buffers if agent.latest else {}
+
+
+def buffer_phrases(agent: AgentReading) -> list[str]:
     """Each buffer the agent watches: '`fetch_buffer`: 74 items, 148.0 MiB'."""
     out = []
-    for name, b in sorted((agent.get("buffers") or {}).items()):
-        size = f", {human_bytes(b['bytes'])}" if b.get("bytes") is not None else ""
-        items = plural(b["items"], "item") if isinstance(b.get("items"), int) else "? items"
+    for name, b in sorted(_buffers(agent).items()):
+        size = f", {human_bytes(b.bytes)}" if b.bytes is not None else ""
+        items = plural(b.items, "item") if isinstance(b.items, int) else "? items"
         out.append(clean(f"`{name}`: {items}{size}"))
     return out
 
 
-def agent_parts(agent: dict[str, Any], taken_at: float) -> list[str]:
+def agent_parts(report: NodeReport, agent: AgentReading, taken_at: float) -> list[str]:
     """The line `status` draws under an instrumented process, in parts a narrow terminal may
     wrap between: its step, its CUDA memory (the row has its RSS), each buffer it watches."""
     buffers = buffer_phrases(agent)
-    parts = [f"agent: {agent_step_phrase(agent, taken_at)}"]
-    if agent.get("cuda_allocated_bytes") is not None or agent.get("cuda_reserved_bytes") \
-            is not None:
+    parts = [f"agent: {agent_step_phrase(report, agent, taken_at)}"]
+    latest = agent.latest
+    if latest is not None and (latest.cuda_allocated_bytes is not None
+                               or latest.cuda_reserved_bytes is not None):
         parts.append(agent_cuda_phrase(agent))
-    if agent.get("finished_at"):
-        parts.append(f"finished {clock(agent['finished_at'])}")
+    finished = report.snapshot.wall_or_none(agent.finished_at)
+    if finished:
+        parts.append(f"finished {clock(finished)}")
     if buffers:
         parts += [f"buffer {buffers[0]}", *buffers[1:]]
     return [clean(part) for part in parts]
@@ -357,56 +384,57 @@ def clock(epoch: Optional[float]) -> str:
     return _dt.datetime.fromtimestamp(epoch, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
-def no_holders_sentence(doc: dict[str, Any]) -> str:
+def no_holders_sentence(report: NodeReport) -> str:
     """What to say when no process is shown: nothing holds GPU memory, or who does is unknown
     (a GPU's process list could not be read), or, without NVML, nothing looks like GPU work."""
-    unread = [str(g["index"]) for g in doc["gpus"] if g.get("holders_unknown")]
-    if doc["nvml"]["available"] and unread:
+    snapshot = report.snapshot
+    unread = [str(g.index) for g in snapshot.gpus if holders_unknown(g)]
+    if snapshot.nvml.available and unread:
         return (f"process list unreadable on GPU {', '.join(unread)}: who holds its memory is "
                 "unknown")
-    return ("no process holds GPU memory" if doc["nvml"]["available"]
+    return ("no process holds GPU memory" if snapshot.nvml.available
             else "no process looks like GPU work (no /dev/nvidia* holder, no rank variables)")
 
 
-def shown_pids(procs: dict[int, dict[str, Any]], nvml_available: bool,
-                flagged: set[int]) -> set[int]:
+def shown_pids(report: NodeReport, flagged: set[int]) -> set[int]:
     """Each GPU holder (and each process with a finding) with its chain up to its job root.
 
-    Without NVML the document holds look-alike GPU workers instead of holders: processes whose
+    Without NVML the report holds look-alike GPU workers instead of holders: processes whose
     environment carries distributed-worker variables.
     """
-    markers: frozenset[str] = frozenset()
-    if not nvml_available:
-        from gpuwatch.launch_env import WORKER_MARKER_KEYS as markers
+    snapshot = report.snapshot
+    procs = snapshot.processes
+    nvml_available = snapshot.nvml.available
+    blind = snapshot.blind_gpus
     shown: set[int] = set()
     for p in procs.values():
         # holds_gpu None: a holder of its GPU's last good read, unknown now; shown, with "?".
-        seed = (p["holds_gpu"] is not False or not p["in_procfs"]) if nvml_available else (
-            not markers.isdisjoint(p["launch_env"]))
-        if not (seed or p["pid"] in flagged):
+        seed = (holds_gpu(p, blind) is not False or not p.in_procfs) if nvml_available else (
+            not WORKER_MARKER_KEYS.isdisjoint(p.launch_env))
+        if not (seed or p.pid in flagged):
             continue
-        shown.add(p["pid"])
-        root, current = p.get("job_root"), p
-        while current is not None and current["pid"] != root and current["ppid"] in procs:
-            current = procs[current["ppid"]]
-            if current["pid"] == 1:
+        shown.add(p.pid)
+        root, current = snapshot.job_roots.get(p.pid), p
+        while current is not None and current.pid != root and current.ppid in procs:
+            current = procs[current.ppid]
+            if current.pid == 1:
                 break
-            shown.add(current["pid"])
+            shown.add(current.pid)
     return shown
 
 
-def walk_trees(procs: dict[int, dict[str, Any]], shown: set[int],
-                key: Optional[Callable[[int], Any]] = None
-                ) -> Iterable[tuple[str, dict[str, Any]]]:
+def walk_trees(procs: Mapping[int, HostProcess], shown: set[int],
+               key: Optional[Callable[[int], Any]] = None
+               ) -> Iterable[tuple[str, HostProcess]]:
     """Each tree depth first, as (prefix drawing its branch, process); roots and siblings in
     PID order, or by `key` (`gpuwatch top` sorts by a figure, keeping the trees whole)."""
     children: dict[int, list[int]] = {}
     for pid in shown:
-        children.setdefault(procs[pid]["ppid"] or 0, []).append(pid)
-    roots = sorted((pid for pid in shown if procs[pid]["ppid"] not in shown), key=key)
+        children.setdefault(procs[pid].ppid or 0, []).append(pid)
+    roots = sorted((pid for pid in shown if procs[pid].ppid not in shown), key=key)
 
     def walk(pid: int, prefix: str, is_last: bool, is_root: bool
-             ) -> Iterable[tuple[str, dict[str, Any]]]:
+             ) -> Iterable[tuple[str, HostProcess]]:
         branch = "" if is_root else ("└─ " if is_last else "├─ ")
         yield prefix + branch, procs[pid]
         kids = sorted(children.get(pid, ()), key=key)
@@ -418,24 +446,24 @@ def walk_trees(procs: dict[int, dict[str, Any]], shown: set[int],
         yield from walk(root, "", True, True)
 
 
-def job_cell(job: Optional[dict[str, Any]]) -> str:
-    return f"{job['source']}:{job['id']}" if job else "-"
+def job_cell(job: Optional[Job]) -> str:
+    return f"{job.source}:{job.id}" if job else "-"
 
 
-def gpu_cell(p: dict[str, Any]) -> str:
-    if not p["gpus"]:
+def gpu_cell(p: HostProcess) -> str:
+    if not p.gpu_usage:
         return "-"
-    return " ".join(f"{u['index']}:{human_bytes(u['memory_bytes'])}" for u in p["gpus"])
+    return " ".join(f"{u.gpu_index}:{human_bytes(u.memory_bytes)}" for u in p.gpu_usage)
 
 
-def command_cell(p: dict[str, Any], procs: dict[int, dict[str, Any]], shown: set[int]) -> str:
-    if not p["in_procfs"]:
+def command_cell(p: HostProcess, procs: Mapping[int, HostProcess], shown: set[int]) -> str:
+    if not p.in_procfs:
         return "(not in /proc: exited, or another PID namespace)"
-    command = short_command(p["name"], p["cmdline"])
-    ppid = p["ppid"]
+    command = short_command(p.name, p.cmdline)
+    ppid = p.ppid
     if ppid and ppid not in shown:
         parent = procs.get(ppid)
-        command += f"  (parent {ppid} {parent['name'] if parent else '?'})"
+        command += f"  (parent {ppid} {parent.name if parent else '?'})"
     return command
 
 

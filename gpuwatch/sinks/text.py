@@ -197,7 +197,8 @@ def wrapped_table(rows: Sequence[Sequence[str]], widths: Sequence[int], width: i
     """table_lines, with the last column (a reason: its end says what to do) wrapped under
     itself instead of cut when `width` is set and leaves it room enough, and `notes` (row ->
     lines) under the last column of their row, never cut (a culprit's file path cut short is of
-    no use)."""
+    no use): wrapped there too, a word longer than the column broken across lines, so that no
+    line is wider than the terminal, which would break it at column 0."""
     rows = [list(row) for row in rows]
     room = widths[-1]
     wrapped: dict[int, list[str]] = {}
@@ -211,5 +212,13 @@ def wrapped_table(rows: Sequence[Sequence[str]], widths: Sequence[int], width: i
     for i, line in enumerate(table_lines(rows, widths, **how)):
         out.append(line)
         out += [indent + more for more in wrapped.get(i, [])[1:]]
-        out += [indent + note for note in (notes or {}).get(i, ())]
+        for note in (notes or {}).get(i, ()):
+            out += [indent + part for part in _wrap_whole(note, room if width > 0 else 0)]
     return out
+
+
+def _wrap_whole(text: str, room: int) -> list[str]:
+    """`text` in lines of at most `room` characters, every character kept (0: one line)."""
+    if room < _MIN_WRAP or len(text) <= room:
+        return [text]
+    return textwrap.wrap(text, room, break_on_hyphens=False, break_long_words=True) or [""]

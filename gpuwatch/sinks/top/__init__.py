@@ -1,13 +1,7 @@
-"""`gpuwatch top`: a live, full-screen view of the node, for people who live in htop and nvitop.
+"""What `gpuwatch top` renders: the lines of its view, and the documents and samples it shows.
 
-feed.py refreshes the documents in a thread of its own (from gpuwatch.sinks.status_source: the
-running daemon's, or polls of top's own) and keeps the samples of each process; view.py turns a
-document and the interface's state into lines for a terminal of a given size, without curses;
-screen.py draws them with curses and reads the keys.
+feed.py refreshes the documents in a thread of its own (from gpuwatch.app.status: the running
+daemon's, or polls of top's own) and keeps the samples of each process; view.py turns a document
+and the interface's state into lines for a terminal of a given size, without curses. The screen
+that draws them, reads the keys and reaps is gpuwatch.app.top.
 """
-
-from __future__ import annotations
-
-from gpuwatch.sinks.top.screen import NO_TERMINAL, run_top
-
-__all__ = ["NO_TERMINAL", "run_top"]

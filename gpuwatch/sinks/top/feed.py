@@ -1,11 +1,12 @@
-"""Where `gpuwatch top` gets its status documents, and the samples it keeps of each process.
+"""Where `gpuwatch top` gets its reports, and the samples it keeps of each process.
 
-Documents come from gpuwatch.sinks.status_source: the running daemon's, or, when none answers
-(or `--poll`), top's own polls with one History kept across them. The daemon is asked again on
+Reports are read (gpuwatch.sinks.document.from_json, by the screen's producer) from the status
+documents of gpuwatch.app.status: the running daemon's, or, when none answers (or `--poll`),
+top's own polls with one History kept across them. The daemon is asked again on
 every refresh, so top switches to it as soon as one starts.
 
-A thread produces the documents: a poll or a slow daemon never holds up the keys. The screen takes
-the newest document when it is ready (`Feed.take`); nothing else is shared between the two.
+A thread produces the reports: a poll or a slow daemon never holds up the keys. The screen takes
+the newest report when it is ready (`Feed.take`); nothing else is shared between the two.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
+
+from gpuwatch.model import NodeReport, gpu_memory
 
 #: How many refreshes of each process the sparklines and the details' figures go back.
 SAMPLES_PER_PROCESS = 120
@@ -23,14 +26,14 @@ SAMPLES_PER_PROCESS = 120
 
 @dataclass(frozen=True)
 class Update:
-    """What the feed produced last: a document, or why the last refresh failed (the screen keeps
-    showing the previous document then)."""
+    """What the feed produced last: a report, or why the last refresh failed (the screen keeps
+    showing the previous report then)."""
     generation: int
-    doc: Optional[dict[str, Any]]
+    report: Optional[NodeReport]
     error: Optional[str] = None
 
 
-Producer = Callable[[], dict[str, Any]]
+Producer = Callable[[], NodeReport]
 
 
 class Feed:
@@ -73,10 +76,10 @@ class Feed:
             self._taken = update.generation
             return update
 
-    def _publish(self, doc: Optional[dict[str, Any]], error: Optional[str]) -> None:
+    def _publish(self, report: Optional[NodeReport], error: Optional[str]) -> None:
         with self._lock:
             self._generation += 1
-            self._update = Update(self._generation, doc, error)
+            self._update = Update(self._generation, report, error)
 
     def _run(self) -> None:
         try:
@@ -103,7 +106,7 @@ class Sample(NamedTuple):
 
 class Samples:
     """RSS and GPU memory of each process at each refresh since top started: a bounded ring per
-    process, forgotten when the process leaves the document. A PID reused by a new process
+    process, forgotten when the process leaves the report. A PID reused by a new process
     starts a new ring (the start time tells them apart)."""
 
     def __init__(self, capacity: int = SAMPLES_PER_PROCESS) -> None:
@@ -111,8 +114,10 @@ class Samples:
         self._rings: dict[int, tuple[Optional[float], deque[Sample]]] = {}
         self._last_taken_at: Optional[float] = None
 
-    def record(self, doc: dict[str, Any]) -> None:
-        taken_at = doc["taken_at"]
+    def record(self, report: NodeReport) -> None:
+        snapshot = report.snapshot
+        taken_at = snapshot.wall(snapshot.taken_at)
+        blind = snapshot.blind_gpus
         # A daemon polling slower than top refreshes answers the same snapshot twice: one
         # sample per snapshot, or a flat line would stand for time that was never measured.
         # (An earlier time is a new snapshot too: the wall clock was set back.)
@@ -120,12 +125,12 @@ class Samples:
             return
         self._last_taken_at = taken_at
         rings: dict[int, tuple[Optional[float], deque[Sample]]] = {}
-        for p in doc["processes"]:
-            pid, start = p["pid"], p["start_time"]
+        for p in snapshot.processes.values():
+            pid, start = p.pid, snapshot.wall_or_none(p.start_time)
             kept = self._rings.get(pid)
             ring = kept[1] if kept is not None and kept[0] == start else deque(
                 maxlen=self.capacity)
-            ring.append(Sample(taken_at, p["rss_bytes"], p["gpu_memory_bytes"]))
+            ring.append(Sample(taken_at, p.rss_bytes, gpu_memory(p, blind)))
             rings[pid] = (start, ring)
         self._rings = rings
 

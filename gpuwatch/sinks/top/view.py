@@ -1,9 +1,9 @@
 """What `gpuwatch top` shows, as lines of styled text for a terminal of a given size.
 
-Pure: a status document, the samples top has kept and the state of the interface (sort, filter,
-selection, scroll) in; lines out, each a list of (text, style) segments no wider than the
-terminal. No curses here, so every layout can be tested without a terminal; gpuwatch/sinks/top/
-screen.py only maps the style names to attributes and draws.
+Pure: a node report (read from a status document once, at the edge), the samples top has kept
+and the state of the interface (sort, filter, selection, scroll) in; lines out, each a list of
+(text, style) segments no wider than the terminal. No curses here, so every layout can be tested
+without a terminal; gpuwatch/app/top.py only maps the style names to attributes and draws.
 
 The process trees are status_view's: the same processes shown (each GPU holder, each process with
 a finding, with its chain up to its job root), the same cells and markers, the same leak figures.
@@ -15,11 +15,20 @@ from __future__ import annotations
 
 import datetime as _dt
 import shlex
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from gpuwatch.model import Kind
+from gpuwatch.model import (
+    Finding,
+    GpuDevice,
+    HostProcess,
+    Job,
+    Kind,
+    NodeReport,
+    gpu_memory,
+    holders_unknown,
+)
 from gpuwatch.sinks.status_view import (
     agent_phrase,
     buffer_phrases,
@@ -171,8 +180,11 @@ class Row:
     pid: int
     #: status_view's branch drawing before the PID (`├─ `), in this terminal's glyphs.
     prefix: str
-    proc: dict[str, Any]
-    findings: tuple[dict[str, Any], ...]
+    proc: HostProcess
+    #: Its job (NodeReport.job_of) and its GPU memory in all (model.gpu_memory).
+    job: Optional[Job]
+    gpu_memory_bytes: Optional[int]
+    findings: tuple[Finding, ...]
     #: PID (with prefix), USER, JOB, STATE, RSS, GPU MEM; COMMAND is `markers` + `command`.
     cells: tuple[str, ...]
     command: str
@@ -181,56 +193,59 @@ class Row:
 
     @property
     def severity(self) -> Optional[str]:
-        ranked = sorted((f["severity"] for f in self.findings),
+        ranked = sorted((f.severity for f in self.findings),
                         key=lambda s: SEVERITY_RANK.get(s, 3))
         return ranked[0] if ranked else None
 
     @property
     def markers(self) -> list[tuple[str, str]]:
-        return [(f"[{f['kind']}] ", f["severity"]) for f in self.findings]
+        return [(f"[{f.kind}] ", f.severity) for f in self.findings]
 
 
-def findings_by_pid(doc: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = {}
-    for f in doc["findings"]:
-        if f["pid"] is not None:
-            out.setdefault(f["pid"], []).append(f)
+def findings_by_pid(report: NodeReport) -> dict[int, list[Finding]]:
+    out: dict[int, list[Finding]] = {}
+    for f in report.findings:
+        if f.pid is not None:
+            out.setdefault(f.pid, []).append(f)
     return out
 
 
-def matches(p: dict[str, Any], text: str) -> bool:
+def matches(report: NodeReport, p: HostProcess, text: str) -> bool:
     wanted = text.strip().lower()
     if not wanted:
         return True
-    return wanted in job_cell(p["job"]).lower() or wanted in (p["user"] or "").lower()
+    return wanted in job_cell(report.job_of(p)).lower() or wanted in (p.user or "").lower()
 
 
-def build_rows(doc: dict[str, Any], sort: str = "gpu", filter_text: str = "",
+def build_rows(report: NodeReport, sort: str = "gpu", filter_text: str = "",
                glyphs: Glyphs = UNICODE) -> list[Row]:
-    procs = {p["pid"]: p for p in doc["processes"]}
-    found = findings_by_pid(doc)
-    shown = shown_pids(procs, doc["nvml"]["available"], set(found))
+    procs = report.snapshot.processes
+    blind = report.snapshot.blind_gpus
+    found = findings_by_pid(report)
+    shown = shown_pids(report, set(found))
     if filter_text.strip():
         # A match keeps its chain up to its root, so it is still drawn in its tree.
         kept: set[int] = set()
         for pid in shown:
-            if matches(procs[pid], filter_text):
+            if matches(report, procs[pid], filter_text):
                 current: Optional[int] = pid
                 while current in shown and current not in kept:
                     kept.add(current)
-                    current = procs[current]["ppid"]
+                    current = procs[current].ppid
         shown = kept
     rows = []
-    for prefix, p in walk_trees(procs, shown, key=_sort_key(sort, procs, shown)):
-        pid = p["pid"]
+    for prefix, p in walk_trees(procs, shown, key=_sort_key(sort, report, shown)):
+        pid = p.pid
         if glyphs.tree is not None:
             prefix = prefix.translate(glyphs.tree)
         its = tuple(found.get(pid, ()))
+        job = report.job_of(p)
         rows.append(Row(
-            pid=pid, prefix=prefix, proc=p, findings=its,
-            cells=(prefix + str(pid), clean(p["user"] or "?"), clean(job_cell(p["job"])),
-                   p["state"] or "-",
-                   human_bytes(p["rss_bytes"]) if p["rss_bytes"] is not None else "-",
+            pid=pid, prefix=prefix, proc=p, job=job, gpu_memory_bytes=gpu_memory(p, blind),
+            findings=its,
+            cells=(prefix + str(pid), clean(p.user or "?"), clean(job_cell(job)),
+                   p.state or "-",
+                   human_bytes(p.rss_bytes) if p.rss_bytes is not None else "-",
                    gpu_cell(p)),
             command=clean(command_cell(p, procs, shown)),
             notes=tuple(note for f in its for note in _row_notes(f)),
@@ -238,43 +253,47 @@ def build_rows(doc: dict[str, Any], sort: str = "gpu", filter_text: str = "",
     return rows
 
 
-def _sort_key(sort: str, procs: dict[int, dict[str, Any]], shown: set[int]
-              ) -> Callable[[int], Any]:
+def _sort_key(sort: str, report: NodeReport, shown: set[int]) -> Callable[[int], Any]:
+    procs = report.snapshot.processes
     if sort == "pid":
         return lambda pid: pid
     if sort == "job":
-        return lambda pid: (job_cell(procs[pid]["job"]), pid)
-    figure = "gpu_memory_bytes" if sort == "gpu" else "rss_bytes"
+        return lambda pid: (job_cell(report.job_of(procs[pid])), pid)
+    blind = report.snapshot.blind_gpus
+
+    def figure(p: HostProcess) -> Optional[int]:
+        return gpu_memory(p, blind) if sort == "gpu" else p.rss_bytes
+
     totals = _subtree_totals(procs, shown, figure)
     return lambda pid: (-totals[pid], pid)
 
 
-def _subtree_totals(procs: dict[int, dict[str, Any]], shown: set[int], figure: str
-                    ) -> dict[int, int]:
+def _subtree_totals(procs: Mapping[int, HostProcess], shown: set[int],
+                    figure: Callable[[HostProcess], Optional[int]]) -> dict[int, int]:
     """Each shown process's figure plus its shown descendants': a tree sorts by its total."""
-    totals = {pid: procs[pid][figure] or 0 for pid in shown}
+    totals = {pid: figure(procs[pid]) or 0 for pid in shown}
     depth: dict[int, int] = {}
     for pid in shown:
         chain: list[int] = []
         current = pid
         while current in shown and current not in depth and current not in chain:
             chain.append(current)
-            current = procs[current]["ppid"]
+            current = procs[current].ppid
         base = depth.get(current, -1)
         for i, member in enumerate(reversed(chain)):
             depth[member] = base + 1 + i
     for pid in sorted(shown, key=lambda p: -depth[p]):  # leaves first
-        parent = procs[pid]["ppid"]
+        parent = procs[pid].ppid
         if parent in totals and parent != pid:
             totals[parent] += totals[pid]
     return totals
 
 
-def _row_notes(f: dict[str, Any]) -> list[str]:
+def _row_notes(f: Finding) -> list[str]:
     """Under a leak's row: its figures (growth, projected out-of-memory step) and its culprit."""
-    if f["kind"] != Kind.LEAK:
+    if f.kind != Kind.LEAK:
         return []
-    details = f.get("details") or {}
+    details = f.details
     notes = []
     figures = finding_figures(details).strip()
     if figures:
@@ -292,10 +311,10 @@ def _row_notes(f: dict[str, Any]) -> list[str]:
 
 @dataclass
 class Chrome:
-    """What the screen adds to the document: how often, what failed, what to say, what is being
+    """What the screen adds to the report: how often, what failed, what to say, what is being
     typed."""
     interval: float = 2.0
-    #: The last refresh failed: why (the document shown is the previous one).
+    #: The last refresh failed: why (the report shown is the previous one).
     error: Optional[str] = None
     message: str = ""
     message_style: str = PLAIN
@@ -321,26 +340,26 @@ class Layout:
 
 
 class TopView:
-    """The rows of one document for one sort and filter, computed once and reused by every key
+    """The rows of one report for one sort and filter, computed once and reused by every key
     that only moves the selection (a 512-process node is rebuilt on a refresh, not on a key)."""
 
     def __init__(self, glyphs: Glyphs = UNICODE) -> None:
         self.glyphs = glyphs
-        self.doc: Optional[dict[str, Any]] = None
+        self.report: Optional[NodeReport] = None
         self._rows_key: Optional[tuple[int, str, str]] = None
         self._rows: list[Row] = []
         self._widths: Optional[list[int]] = None
 
-    def set_document(self, doc: dict[str, Any]) -> None:
-        self.doc = doc
+    def set_report(self, report: NodeReport) -> None:
+        self.report = report
         self._rows_key = None
 
     def rows(self, state: ViewState) -> list[Row]:
-        if self.doc is None:
+        if self.report is None:
             return []
-        key = (id(self.doc), state.sort, state.filter)
+        key = (id(self.report), state.sort, state.filter)
         if key != self._rows_key:
-            self._rows = build_rows(self.doc, state.sort, state.filter, self.glyphs)
+            self._rows = build_rows(self.report, state.sort, state.filter, self.glyphs)
             self._rows_key = key
             self._widths = None
             self._follow(state)
@@ -380,7 +399,7 @@ class TopView:
         taller terminal can spare."""
         panel = 3 if height >= 18 else (1 if height >= 13 else 0)
         room = height - (2 + 1 + panel + 2)
-        gpus = len(self.doc["gpus"]) if self.doc else 0
+        gpus = len(self.report.snapshot.gpus) if self.report else 0
         gpu_lines = min(max(gpus, 1), max(1, room - 4))
         return Layout(gpu_lines, max(1, room - gpu_lines), panel)
 
@@ -398,7 +417,7 @@ class TopView:
                                     WARNING)], height)
         lay = self.layout(width, height)
         lines = self.header(width, chrome)
-        if self.doc is None:
+        if self.report is None:
             lines.append(Line().add("waiting for the first refresh...", DIM))
             lines = _pad(lines, height - 2)
         else:
@@ -409,18 +428,20 @@ class TopView:
         return [fit(line, width) for line in _pad(lines, height)]
 
     def header(self, width: int, chrome: Chrome) -> list[Line]:
-        doc = self.doc
+        report = self.report
         right = f"gpuwatch top · every {chrome.interval:g} s"
         first = Line()
-        if doc is None:
+        if report is None:
             first.add("gpuwatch top", TITLE)
             second = Line()
         else:
-            when = _dt.datetime.fromtimestamp(doc["taken_at"], tz=_dt.timezone.utc)
-            first.add(f"node {clean(doc['node'])}", TITLE).add(f" · {when:%H:%M:%S}Z · ")
-            first.add(source_phrase(doc), DIM if doc["source"] == "daemon" else WARNING)
-            second = Line().add(nvml_phrase(doc))
-            counts = finding_counts(doc)
+            snapshot = report.snapshot
+            when = _dt.datetime.fromtimestamp(snapshot.wall(snapshot.taken_at),
+                                              tz=_dt.timezone.utc)
+            first.add(f"node {clean(snapshot.hostname)}", TITLE).add(f" · {when:%H:%M:%S}Z · ")
+            first.add(source_phrase(report), DIM if report.source == "daemon" else WARNING)
+            second = Line().add(nvml_phrase(report))
+            counts = finding_counts(report)
             if counts:
                 second.add(" · ")
                 for i, (severity, n) in enumerate(counts):
@@ -434,19 +455,19 @@ class TopView:
         return [first, fit(second, width, self.glyphs.ellipsis)]
 
     def gpu_lines(self, width: int, room: int) -> list[Line]:
-        assert self.doc is not None
-        gpus = self.doc["gpus"]
+        assert self.report is not None
+        gpus = self.report.snapshot.gpus
         if not gpus:
-            return [Line().add("no GPUs" if self.doc["nvml"]["available"]
+            return [Line().add("no GPUs" if self.report.snapshot.nvml.available
                                else "no GPU information", DIM)]
         shown = gpus if len(gpus) <= room else gpus[:max(0, room - 1)]
-        names = max(len(clean(g["name"] or "?")) for g in gpus)
+        names = max(len(clean(g.name or "?")) for g in gpus)
         name_width = min(names, 24) if width >= 70 else 0
         lines = [self._gpu_line(g, width, name_width) for g in shown]
         if len(shown) < len(gpus):
             rest = gpus[len(shown):]
-            used = sum(g["memory_used_bytes"] or 0 for g in rest)
-            total = sum(g["memory_total_bytes"] or 0 for g in rest)
+            used = sum(g.memory_used_bytes or 0 for g in rest)
+            total = sum(g.memory_total_bytes or 0 for g in rest)
             share = f" ({100 * used / total:.0f}%)" if total else ""
             what = f"   +{len(rest)} more GPUs" if shown else f"{len(rest)} GPUs"
             lines.append(fit(Line().add(f"{what}: {human_bytes(used)}/{human_bytes(total)} "
@@ -454,20 +475,20 @@ class TopView:
                              width, self.glyphs.ellipsis))
         return lines
 
-    def _gpu_line(self, g: dict[str, Any], width: int, name_width: int) -> Line:
-        used, total = g["memory_used_bytes"], g["memory_total_bytes"]
+    def _gpu_line(self, g: GpuDevice, width: int, name_width: int) -> Line:
+        used, total = g.memory_used_bytes, g.memory_total_bytes
         share = used / total if used is not None and total else None
-        util = g["utilization_gpu_percent"]
+        util = g.utilization_gpu_percent
         # Padded to the widest figures a GPU can have, so that every GPU's bar has one length.
         figures = (f" {f'{human_bytes(used)}/{human_bytes(total)}':>19}"
                    f" {f'{share * 100:3.0f}%' if share is not None else '  ?'}"
                    f"  util {f'{util:3d}%' if util is not None else '   ?'}")
-        count = g["process_count"]
-        extra = ("  ? processes" if g.get("holders_unknown")
+        count = len(g.processes)
+        extra = ("  ? processes" if holders_unknown(g)
                  else f"  {count} process{'es' if count != 1 else ''}").ljust(15)
-        line = Line().add(f"GPU{g['index']:>2} ", TITLE)
+        line = Line().add(f"GPU{g.index:>2} ", TITLE)
         if name_width:
-            line.add(cut(clean(g["name"] or "?"), name_width, self.glyphs).ljust(name_width)
+            line.add(cut(clean(g.name or "?"), name_width, self.glyphs).ljust(name_width)
                      + " ")
         bar_width = min(60, width - len(line.text) - len(figures) - len(extra) - 2)
         if bar_width < 10:
@@ -480,12 +501,13 @@ class TopView:
             line.add("[").add(self.glyphs.bar_used * filled, style)
             line.add(self.glyphs.bar_free * (bar_width - filled), DIM).add("]")
         line.add(figures).add(extra, DIM)
-        if g["unattributed_memory_bytes"]:
-            line.add(f"  unattributed {human_bytes(g['unattributed_memory_bytes'])}", WARNING)
-        if g["lost"] or g["errors"]:
-            note = "LOST (needs a reset)" if g["lost"] else ""
-            note += ("; " if note and g["errors"] else "") + "; ".join(
-                f"{e['call']}: {e['message']}" for e in g["errors"])
+        unattributed = g.unattributed_memory_bytes
+        if unattributed:
+            line.add(f"  unattributed {human_bytes(unattributed)}", WARNING)
+        if g.lost or g.errors:
+            note = "LOST (needs a reset)" if g.lost else ""
+            note += ("; " if note and g.errors else "") + "; ".join(
+                f"{e.call}: {e.message}" for e in g.errors)
             line.add(f"  {clean(note)}", CRITICAL)
         return fit(line, width, self.glyphs.ellipsis)
 
@@ -520,8 +542,8 @@ class TopView:
             head.add((name.ljust(widths[i]) + "  ") if i < _COMMAND else name, HEAD)
         lines = [fit(head, width)]
         if not rows:
-            empty = ("no process matches the filter" if state.filter.strip() or not self.doc
-                     else no_holders_sentence(self.doc))
+            empty = ("no process matches the filter" if state.filter.strip() or not self.report
+                     else no_holders_sentence(self.report))
             return lines + _pad([Line().add(empty, DIM)], height)
         body = self.body(rows)
         selected = state.index
@@ -558,8 +580,8 @@ class TopView:
             if not w:
                 continue
             if i == _JOB and len(cell) > w:
-                job = row.proc["job"]
-                cell = cut_left(clean(job["id"]) if job else cell, w, self.glyphs)
+                job = row.job
+                cell = cut_left(clean(job.id) if job else cell, w, self.glyphs)
             elif i == _PID and len(cell) > w:
                 cell = cut_left(cell, w, self.glyphs)
             else:
@@ -580,20 +602,21 @@ class TopView:
         row = self.selected_row(state)
         if row is None:
             return _pad([Line().add("no process selected", DIM)], height)
-        title = Line().add(f"PID {row.pid} {clean(row.proc['name'] or '?')}", TITLE)
+        title = Line().add(f"PID {row.pid} {clean(row.proc.name or '?')}", TITLE)
         if row.findings:
             f = row.findings[0]
-            title.add(" · ").add(f"{f['kind']} ({f['severity']})", f["severity"])
-            title.add(f": {clean(f['reason'])}")
+            title.add(" · ").add(f"{f.kind} ({f.severity})", f.severity)
+            title.add(f": {clean(f.reason)}")
             if len(row.findings) > 1:
                 title.add(f" (+{len(row.findings) - 1} more: enter)", DIM)
         else:
             title.add(" · no findings", DIM)
         lines = [fit(title, width, self.glyphs.ellipsis)]
         history = samples.of(row.pid) if samples is not None else []
-        for label, attr in (("RSS", "rss_bytes"), ("GPU", "gpu_memory_bytes"))[:height - 1]:
+        for label, attr, now in (("RSS", "rss_bytes", row.proc.rss_bytes),
+                                 ("GPU", "gpu_memory_bytes", row.gpu_memory_bytes))[:height - 1]:
             values = [getattr(s, attr) for s in history]
-            last = values[-1] if values else row.proc[attr]
+            last = values[-1] if values else now
             known = [v for v in values if v is not None]
             figures = f" {human_bytes(last)}"
             if known:
@@ -617,7 +640,7 @@ class TopView:
                        self.glyphs.ellipsis)
         line = Line()
         rows = self.rows(state)
-        if self.doc is not None:
+        if self.report is not None:
             if rows:
                 line.add(f"{state.index + 1}/{len(rows)} processes", DIM)
             line.add(f" · sort: {SORT_NAMES[state.sort]}", DIM)
@@ -638,27 +661,27 @@ def _pad(lines: list[Line], height: int) -> list[Line]:
 
 # ---- phrases -------------------------------------------------------------------------------------
 
-def source_phrase(doc: dict[str, Any]) -> str:
-    if doc["source"] == "daemon":
+def source_phrase(report: NodeReport) -> str:
+    if report.source == "daemon":
         return "from the running daemon"
-    return f"own polls: {clean(doc.get('source_detail') or 'no daemon')}"
+    return f"own polls: {clean(report.source_detail or 'no daemon')}"
 
 
-def nvml_phrase(doc: dict[str, Any]) -> str:
-    nvml = doc["nvml"]
-    if not nvml["available"]:
-        return f"NVML unavailable: {clean(nvml['error'] or '?')} - host processes that look " \
+def nvml_phrase(report: NodeReport) -> str:
+    nvml = report.snapshot.nvml
+    if not nvml.available:
+        return f"NVML unavailable: {clean(nvml.error or '?')} - host processes that look " \
                "like GPU work"
-    out = f"NVML {nvml['nvml_version'] or '?'} · driver {nvml['driver_version'] or '?'}"
-    if nvml.get("cuda_driver_version"):
-        out += f" · CUDA {nvml['cuda_driver_version']}"
+    out = f"NVML {nvml.nvml_version or '?'} · driver {nvml.driver_version or '?'}"
+    if nvml.cuda_driver_version:
+        out += f" · CUDA {nvml.cuda_driver_version}"
     return out
 
 
-def finding_counts(doc: dict[str, Any]) -> list[tuple[str, int]]:
+def finding_counts(report: NodeReport) -> list[tuple[str, int]]:
     counts: dict[str, int] = {}
-    for f in doc["findings"]:
-        counts[f["severity"]] = counts.get(f["severity"], 0) + 1
+    for f in report.findings:
+        counts[f.severity] = counts.get(f.severity, 0) + 1
     return sorted(counts.items(), key=lambda kv: SEVERITY_RANK.get(kv[0], 3))
 
 
@@ -683,11 +706,12 @@ def wrap(text: str, width: int, indent: str = "") -> list[str]:
     return out
 
 
-def details_lines(doc: dict[str, Any], pid: int, samples: Optional[SampleHistory],
+def details_lines(report: NodeReport, pid: int, samples: Optional[SampleHistory],
                   width: int) -> list[Line]:
     """Everything about one process: its command line whole, its job, its figures per GPU, the
     samples top took of it, what its agent reports, and each finding with its evidence."""
-    procs = {p["pid"]: p for p in doc["processes"]}
+    snapshot = report.snapshot
+    procs = snapshot.processes
     p = procs.get(pid)
     if p is None:
         return [Line().add(f"PID {pid} is no longer in the document (it exited, or holds no "
@@ -702,33 +726,34 @@ def details_lines(doc: dict[str, Any], pid: int, samples: Optional[SampleHistory
                 line.add(head if i == 0 else " " * len(head), TITLE)
             out.append(line.add(chunk, style))
 
-    say(f"PID {pid}  {p['name'] or '?'}  (user {p['user'] or '?'}, uid {p['uid']})", TITLE)
-    say(shlex.join(p["cmdline"]) if p["cmdline"] else f"[{p['name'] or '?'}]",
+    say(f"PID {pid}  {p.name or '?'}  (user {p.user or '?'}, uid {p.uid})", TITLE)
+    say(shlex.join(p.cmdline) if p.cmdline else f"[{p.name or '?'}]",
         label="command")
-    parent = procs.get(p["ppid"]) if p["ppid"] else None
-    say(f"{job_cell(p['job'])}; job root {p['job_root'] or '-'}; parent {p['ppid']} "
-        f"({parent['name'] if parent else '?'}); session {p['sid']}, group {p['pgid']}",
-        label="job")
-    state = p["state"] or "-"
-    if p["wchan"]:
-        state += f", waiting in {p['wchan']}"
-    threads = plural(p["num_threads"], "thread") if p["num_threads"] else "? threads"
+    parent = procs.get(p.ppid) if p.ppid else None
+    say(f"{job_cell(report.job_of(p))}; job root {snapshot.job_roots.get(pid) or '-'}; "
+        f"parent {p.ppid} ({parent.name if parent else '?'}); session {p.sid}, "
+        f"group {p.pgid}", label="job")
+    state = p.state or "-"
+    if p.wchan:
+        state += f", waiting in {p.wchan}"
+    threads = plural(p.num_threads, "thread") if p.num_threads else "? threads"
     say(f"{state}; {threads}; started "
-        f"{clock(p['start_time'])}" + ("" if p["in_procfs"] else
-                                        "; not in /proc (exited, or another PID namespace)"),
+        f"{clock(snapshot.wall_or_none(p.start_time))}"
+        + ("" if p.in_procfs else "; not in /proc (exited, or another PID namespace)"),
         label="state")
-    gpus = ", ".join(f"GPU {u['index']}: {human_bytes(u['memory_bytes'])} ({u['type']})"
-                     for u in p["gpus"]) or "none"
-    say(f"RSS {human_bytes(p['rss_bytes'])}; GPU memory {human_bytes(p['gpu_memory_bytes'])}"
-        f" ({gpus})", label="memory")
-    findings = findings_by_pid(doc).get(pid, [])
+    gpus = ", ".join(f"GPU {u.gpu_index}: {human_bytes(u.memory_bytes)} ({u.kind})"
+                     for u in p.gpu_usage) or "none"
+    say(f"RSS {human_bytes(p.rss_bytes)}; GPU memory "
+        f"{human_bytes(gpu_memory(p, snapshot.blind_gpus))} ({gpus})", label="memory")
+    findings = findings_by_pid(report).get(pid, [])
     if not findings:
         say("none", DIM, label="findings")
+    taken_at = snapshot.wall(snapshot.taken_at)
     for f in findings:
-        out.append(Line().add(f"{f['kind']} ({f['severity']})", f["severity"]).add(
-            f", open {human_duration(doc['taken_at'] - f['since'])}", DIM))
-        details = f.get("details") or {}
-        say(f["reason"] + finding_figures(details), indent=2)
+        out.append(Line().add(f"{f.kind} ({f.severity})", f.severity).add(
+            f", open {human_duration(taken_at - snapshot.wall(f.since))}", DIM))
+        details = f.details
+        say(f.reason + finding_figures(details), indent=2)
         for note in leak_notes(details, verbose=True):
             say(note, indent=2)
         for key, value in details.items():
@@ -742,19 +767,19 @@ def details_lines(doc: dict[str, Any], pid: int, samples: Optional[SampleHistory
                 say(f"{name}: min {human_bytes(min(known))}, max {human_bytes(max(known))}, "
                     f"last {human_bytes(known[-1])}", label="samples")
         say(f"{len(history)} taken by top since {clock(history[0].at)}", DIM, label="samples")
-    agent = p.get("agent")
-    if agent:
-        say(agent_phrase(agent, doc["taken_at"]), label="agent")
+    agent = snapshot.agents.get(pid)
+    if agent is not None:
+        say(agent_phrase(report, agent, taken_at), label="agent")
         for phrase in buffer_phrases(agent):
             say(phrase, label="buffer")
-    if p["cgroup"]:
-        say(p["cgroup"], DIM, label="cgroup")
-    if p["launch_env"]:
-        say(" ".join(f"{k}={v}" for k, v in sorted(p["launch_env"].items())), DIM, label="env")
-    if p["kernel_stack"]:
-        say(" < ".join(p["kernel_stack"]), DIM, label="kstack")
-    if p["read_errors"]:
-        say("; ".join(p["read_errors"]), WARNING, label="unread")
+    if p.cgroup:
+        say(p.cgroup, DIM, label="cgroup")
+    if p.launch_env:
+        say(" ".join(f"{k}={v}" for k, v in sorted(p.launch_env.items())), DIM, label="env")
+    if p.kernel_stack:
+        say(" < ".join(p.kernel_stack), DIM, label="kstack")
+    if p.read_errors:
+        say("; ".join(p.read_errors), WARNING, label="unread")
     return out
 
 

@@ -1,9 +1,10 @@
 """`gpuwatch top` on the terminal: curses draws the view's lines, reads the keys, runs the dialogs.
 
-Everything that decides what is on screen is in view.py; this module maps its style names to
-curses attributes, keeps the mode (the list, a process's details, a reap's confirmation, the
-filter prompt) and turns keys into changes of the view's state. The terminal is restored however
-top ends: `q`, Ctrl+C, SIGTERM, SIGHUP, or an error of its own.
+Everything that decides what is on screen is in gpuwatch/sinks/top/view.py, a pure renderer;
+this module maps its style names to curses attributes, keeps the mode (the list, a process's
+details, a reap's confirmation, the filter prompt), turns keys into changes of the view's state
+and carries out the reaps they ask for. The terminal is restored however top ends: `q`, Ctrl+C,
+SIGTERM, SIGHUP, or an error of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from gpuwatch.sinks.status_source import StatusSource
+from gpuwatch.app.status import StatusSource
+from gpuwatch.model import NodeReport
+from gpuwatch.sinks.document import from_json
 from gpuwatch.sinks.top.feed import Feed, Samples
 from gpuwatch.sinks.top.view import (
     ASCII,
@@ -87,7 +90,7 @@ def run_top(cfg: Any, interval: float = 2.0, force_poll: bool = False,
                          f"{os.environ.get('TERM', '')!r}): {exc}\n")
         return 2
     source = StatusSource(cfg, force_poll)
-    feed = Feed(source, interval, close=source.close)
+    feed = Feed(lambda: from_json(source()), interval, close=source.close)
     stopping: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -136,7 +139,7 @@ def _in_curses(body: Callable[[Any], int], stopping: list[int]) -> int:
 
 @dataclass
 class Plan:
-    doc: dict[str, Any]
+    report: NodeReport
     pid: int
     kind: str
     filters: Any
@@ -149,8 +152,9 @@ class Plan:
 
 class Reaping:
     """Plans and carries out a reap of one process exactly as `gpuwatch reap --pid PID --kind
-    KIND` does: the same Reaper, filters, audit log and signalling path. Carrying it out takes
-    the grace period, so it runs in a thread; the screen asks for the result."""
+    KIND` does: the same orchestration (gpuwatch.app.reaping), filters, audit log and signalling
+    path. Carrying it out takes the grace period, so it runs in a thread; the screen asks for the
+    result."""
 
     def __init__(self, cfg: Any, daemon_pid: Callable[[], Optional[int]], force_poll: bool,
                  done: Callable[[], None]) -> None:
@@ -166,23 +170,20 @@ class Reaping:
     def reapable(findings: Any) -> Optional[str]:
         from gpuwatch.actions.reaper import REAPABLE_KINDS
 
-        return next((f["kind"] for f in findings if f["kind"] in REAPABLE_KINDS), None)
+        return next((f.kind for f in findings if f.kind in REAPABLE_KINDS), None)
 
     def _reaper(self) -> Any:
-        from gpuwatch.actions.reaper import AUDIT_NAME, Reaper
+        from gpuwatch.app.reaping import Reap
 
-        return Reaper(self.cfg, self.cfg.daemon.state_dir / AUDIT_NAME,
-                      daemon_pid=self._daemon_pid())
+        return Reap(self.cfg, daemon_pid=self._daemon_pid())
 
-    def plan(self, doc: dict[str, Any], pid: int, kind: str) -> Plan:
+    def plan(self, report: NodeReport, pid: int, kind: str) -> Plan:
         """The dry run's plan (audited as `reap --dry-run` audits it). Raises OSError when
         the audit log cannot be written."""
         from gpuwatch.actions.reaper import Filters
-        from gpuwatch.sinks.document import from_json
         from gpuwatch.sinks.reap_view import render_reap
 
         filters = Filters(kinds=frozenset({kind}), pids=frozenset({pid}))
-        report = from_json(doc)
         actions = self._reaper().plan(report, filters, dry_run=True)
         text = render_reap(report, [(a, "planned", "") for a in actions], True)
         command = (f"gpuwatch reap --dry-run --pid {pid} --kind {kind}"
@@ -191,7 +192,7 @@ class Reaping:
                    + (f", {', '.join(a.signals)}" if a.signals else "")
                    + (f"; refused: {a.refused}" if a.refused else "") + f"; why: {a.reason}"
                    for a in actions]
-        return Plan(doc, pid, kind, filters, text, command, in_full)
+        return Plan(report, pid, kind, filters, text, command, in_full)
 
     @property
     def busy(self) -> bool:
@@ -207,14 +208,12 @@ class Reaping:
         self._thread.start()
 
     def _execute(self, plan: Plan) -> None:
-        from gpuwatch.sinks.document import from_json
-
         try:
             reaper = self._reaper()
             # Planned again, not a dry run this time, from the document the user confirmed:
             # the audit log then reads as it does for `gpuwatch reap --pid PID --kind KIND`.
-            actions = reaper.plan(from_json(plan.doc), plan.filters, dry_run=False)
-            results = reaper.execute(actions)
+            actions = reaper.plan(plan.report, plan.filters, dry_run=False)
+            results = reaper.carry_out(actions, check_release=False).results
             if not results:
                 result = (f"PID {plan.pid}: nothing to reap any more", WARNING)
             else:
@@ -311,9 +310,9 @@ class Top:
         update = self.feed.take()
         if update is not None:
             self.chrome.error = update.error
-            if update.doc is not None:
-                self.samples.record(update.doc)
-                self.view.set_document(update.doc)
+            if update.report is not None:
+                self.samples.record(update.report)
+                self.view.set_report(update.report)
             changed = True
         result = self.reaping.result()
         if result is not None:
@@ -334,8 +333,8 @@ class Top:
         height, width = self.scr.getmaxyx()
         self.chrome.keys = {"details": DETAILS_KEYS, "confirm": CONFIRM_KEYS,
                             "prompt": PROMPT_KEYS}.get(self.mode)
-        if self.mode == "details" and self.view.doc is not None and self.details_pid:
-            body = details_lines(self.view.doc, self.details_pid, self.samples, width)
+        if self.mode == "details" and self.view.report is not None and self.details_pid:
+            body = details_lines(self.view.report, self.details_pid, self.samples, width)
             lines, self.details_scroll = overlay(
                 self.view, f"process {self.details_pid}", body, self.details_scroll, width,
                 height, self.chrome)
@@ -459,8 +458,8 @@ class Top:
 
     def _reap_key(self) -> None:
         row = self.view.selected_row(self.state)
-        doc = self.view.doc
-        if row is None or doc is None:
+        report = self.view.report
+        if row is None or report is None:
             self.say("no process selected", WARNING)
             return
         if self.reaping.busy:
@@ -470,12 +469,12 @@ class Top:
         if kind is None:
             from gpuwatch.actions.reaper import REAPABLE_KINDS
 
-            have = ", ".join(f["kind"] for f in row.findings) or "no finding"
+            have = ", ".join(f.kind for f in row.findings) or "no finding"
             self.say(f"PID {row.pid} has nothing to reap ({have}); `r` reaps "
                      f"{', '.join(sorted(REAPABLE_KINDS))} findings", WARNING)
             return
         try:
-            self.plan = self.reaping.plan(doc, row.pid, kind)
+            self.plan = self.reaping.plan(report, row.pid, kind)
         except OSError as exc:
             self.say(f"cannot plan a reap: the audit log {exc.filename or ''}: "
                      f"{exc.strerror or exc}", CRITICAL)

@@ -534,9 +534,11 @@ def write_markdown(path: Path, command: str, info: dict[str, str], rows: list[Ro
         "## Each benchmark's figures",
     ]
     for name, out in outputs.items():
-        source = (HERE / f"{name}.py").read_text()
+        script, full, small = SCRIPTS.get(name, (name, [], []))
+        source = (HERE / f"{script}.py").read_text()
         doc = (ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].replace("\n", " ")
-        parts += ["", f"### `bench/{name}.py`", "", doc, "", "```", out.rstrip(), "```"]
+        title = " ".join([f"bench/{script}.py", *(small if "--quick" in command else full)])
+        parts += ["", f"### `{title}`", "", doc, "", "```", out.rstrip(), "```"]
     path.write_text("\n".join(parts) + "\n")
 
 
@@ -604,7 +606,8 @@ def main() -> None:
             # A bench that missed a goal still wrote its figures: its rows say MISSED.
             if not figures_path.exists():
                 failed.append(name)
-                rows.append(Row(f"bench/{name}.py", f"failed (exit {code})", "", False))
+                rows.append(Row(f"bench/{SCRIPTS.get(name, (name,))[0]}.py",
+                                f"failed (exit {code})", "", False))
                 continue
             rows += ROWS[name](json.loads(figures_path.read_text()))
             print(flush=True)

@@ -550,6 +550,13 @@ def table_roots(screen: str) -> list[int]:
     return [int(m) for m in re.findall(r"^(\d+) ", screen, re.M)]
 
 
+def drawn(screen: str) -> bool:
+    """The table is drawn whole: no tree's first row stands twice (rows of the last frame left
+    under the new one's would)."""
+    roots = table_roots(screen)
+    return bool(roots) and len(roots) == len(set(roots))
+
+
 def selected_pid(screen: str) -> Optional[int]:
     found = re.search(r"^PID (\d+) ", screen, re.M)
     return int(found.group(1)) if found else None
@@ -649,14 +656,19 @@ def test_the_story_orphans_and_the_leak_shown_sorted_then_an_orphan_reaped_from_
         # (its RSS grows by the step); by PID, ascending.
         by_gpu = table_roots(screen)
         assert by_gpu[0] == sim.training.workers[1]
+        # A screen caught while curses redraws it can show the new header over the old rows:
+        # each sort is read from a screen whose rows are drawn whole (no PID twice).
         term.keys("s")
-        by_rss = table_roots(term.wait("sorted by RSS", lambda s: "RSS▼" in s))
+        by_rss = table_roots(term.wait("sorted by RSS", lambda s: "RSS▼" in s and drawn(s)))
         assert by_rss != by_gpu and by_rss[0] == sim.instrumented.launcher.pid
         term.keys("P")
-        by_pid = table_roots(term.wait("sorted by PID", lambda s: "PID▲" in s))
+        by_pid = table_roots(term.wait("sorted by PID", lambda s: "PID▲" in s and drawn(s)))
         assert by_pid == sorted(by_pid) and by_pid != by_rss
-        # Select the orphan, then `r`: the plan of `gpuwatch reap --dry-run --pid --kind`.
+        # Select the orphan, then `r`: the plan of `gpuwatch reap --dry-run --pid --kind`. The
+        # selection follows its process across sorts: Home is seen to take it to the top before
+        # it is moved from there, or a `j` could be read as undoing the Home.
         term.keys("Home")
+        term.wait("the selection at the top", lambda s: selected_pid(s) == by_pid[0])
         for _ in range(20):
             screen = term.screen()
             if selected_pid(screen) == orphan:

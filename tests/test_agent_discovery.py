@@ -324,9 +324,13 @@ def test_the_programs_own_modules_every_pass_the_librarys_in_rounds_never_skippe
                 deep_named = slices
         slices += 1
     stats = scanner.stats
-    # A pass walks the program's own module only: one slice each.
-    assert stats["modules_last_pass"] == 1 and stats["passes"] == slices
-    assert own_named == 3, own_named  # grown in 3 of its last 4 passes, from the 4th
+    # A pass walks the program's own module only: one slice each. A slice the machine takes
+    # the processor from for longer than its 2 ms budget ends before its pass does, so on a
+    # loaded machine a few slices may finish no pass.
+    assert stats["modules_last_pass"] == 1
+    assert slices * 0.95 <= stats["passes"] <= slices, (stats["passes"], slices)
+    # Grown in 3 of its last 4 passes, from the 4th (later by any slice that finished no pass).
+    assert own_named is not None and 3 <= own_named <= 3 + slices - stats["passes"], own_named
     # The library's 50,000 objects take rounds of many slices, with what each slice leaves; a
     # grower there is found too, at its module's 4th walk (in the 4th round, named while that
     # round goes on).

@@ -351,18 +351,12 @@ class Scanner:
         if type(step) is int:
             self._step = step
         spent = self._spent
-        done = False
         own_deadline = deadline - budget * LIBRARY_SHARE if self._library_names else deadline
         try:
             own = self._own
             if own is None:
                 own = self._own = self._own_pass()
-            while True:
-                next(own)
-                if clock() >= own_deadline:
-                    break
-        except StopIteration:
-            done = True
+            done = _advance(own, own_deadline, clock)
         except Exception:
             self._abandon()
             return False
@@ -381,12 +375,8 @@ class Scanner:
                 library = self._library
                 if library is None:
                     library = self._library = self._library_round()
-                while True:
-                    next(library)
-                    if clock() >= deadline:
-                        break
-            except StopIteration:
-                self._library = None
+                if _advance(library, deadline, clock):
+                    self._library = None
             except Exception:
                 self._abandon()
                 return False
@@ -800,3 +790,15 @@ class Scanner:
             return None
         return {k: v for k, v in entry.items()
                 if k in ("items", "bytes") and type(v) is int and v >= 0}
+
+
+def _advance(work: Iterator[None], deadline: float,
+             clock: Callable[[], float]) -> bool:
+    """Run `work` piece by piece until `deadline`; True when it has finished."""
+    try:
+        while True:
+            next(work)
+            if clock() >= deadline:
+                return False
+    except StopIteration:
+        return True

@@ -22,7 +22,7 @@ TAG_KEY = "GPUWATCH_TEST_RUN"
 _SEPARATOR = ":"
 # A process killed or ending as a test finishes may take a moment to go (it is exiting, or its
 # parent has still to reap it): this long, on a loaded machine, before it counts as left behind.
-EXIT_DEADLINE = 5.0
+EXIT_DEADLINE = 15.0
 
 
 def tag_this_run() -> str:

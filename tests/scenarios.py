@@ -41,8 +41,8 @@ from gpuwatch.simulate.fakenvml import FakeNvmlBuildError, _find_compiler
 from gpuwatch.simulate.job import launch_env
 
 PROGRAMS = Path(__file__).parent / "programs"
-START_TIMEOUT = 20.0
-GONE_TIMEOUT = 10.0
+START_TIMEOUT = 60.0
+GONE_TIMEOUT = 30.0
 
 # What a distributed launcher or a batch system puts in a process's environment.
 LAUNCH_VARIABLES = frozenset({

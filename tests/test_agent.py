@@ -438,7 +438,8 @@ def test_a_daemon_started_again_is_reported_to_at_once_not_after_the_grown_backo
         bound = time.monotonic()
         receiver.wait_for("a report from the backed-off agent",
                           lambda rs: of_kind(rs, "step")[:1], proc=proc)
-        assert time.monotonic() - bound < 2.5  # the backoff alone would take 4 s from failing
+        # The backoff alone would take 4 s from failing; a loaded machine may take a second more.
+        assert time.monotonic() - bound < 3.5
     finally:
         proc.kill()
         proc.communicate()

@@ -118,8 +118,10 @@ def test_the_daemon_shows_nvml_up_again_after_transient_count_failures(
                     value(s, "gpuwatch_poll_errors_total", source="nvml") >= n
                     and value(s, "gpuwatch_nvml_up") == 1
                     and value(s, "gpuwatch_process_gpu_memory_bytes", pid=str(worker)) == GIB)
-                    or None, timeout=10)
-                assert time.monotonic() - started < 5
+                    or None, timeout=30)
+                # A few polls and one backoff, late as a loaded machine may make them; a
+                # daemon that waited out a long backoff (30 s and more) would fail this.
+                assert time.monotonic() - started < 15
                 fake_node.clear_failures()
                 code_, doc = status_json(cli_env)
                 assert doc["source"] == "daemon", doc["source_detail"]

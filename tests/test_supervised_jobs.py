@@ -98,8 +98,8 @@ def test_the_job_of_a_killed_supervisor_is_orphaned_at_the_next_poll_and_reaped_
         orphans = watched.findings_of("orphan", [job.launcher, worker, helper])
         assert_orphaned_from_supervisor(orphans, job, holder=worker)
         # No grace: the first poll after the kill opens them (the rules with a grace are slowed
-        # to 600 s here).
-        assert all(f["since"] - killed_at < INTERVAL + 2.0 for f in orphans.values()), orphans
+        # to 600 s here), however late a loaded machine starts it.
+        assert all(f["since"] - killed_at < INTERVAL + 5.0 for f in orphans.values()), orphans
 
         text = watched.status_text()
         for pid in (job.launcher, worker, helper):

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -374,8 +375,12 @@ def test_control_characters_in_a_command_line_never_reach_the_terminal() -> None
 
 def test_the_feed_hands_each_document_once_and_says_why_a_refresh_failed() -> None:
     answers: list[Any] = [{"n": 1}, RuntimeError("socket closed"), {"n": 2}]
+    # The feed keeps the newest update only, as top wants it; here each answer waits until the
+    # one before it is taken, so that a loaded machine's slow taker sees all three.
+    turn = threading.Semaphore(1)
 
     def produce() -> dict[str, Any]:
+        turn.acquire(timeout=30)
         answer = answers.pop(0) if answers else {"n": 2}
         if isinstance(answer, Exception):
             raise answer
@@ -389,15 +394,17 @@ def test_the_feed_hands_each_document_once_and_says_why_a_refresh_failed() -> No
         update = feed.take()
         if update is not None:
             got.append(update)
+            turn.release()
         return len(got) >= 3 or None
 
     try:
-        wait_for("three updates", three, 10)
+        wait_for("three updates", three, 30)
         assert got[0].report == {"n": 1} and got[0].error is None
         assert got[1].report is None and got[1].error == "RuntimeError: socket closed"
         assert got[2].report == {"n": 2}
         assert len({u.generation for u in got}) == 3
     finally:
+        turn.release(100)
         feed.stop()
 
 

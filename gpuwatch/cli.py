@@ -369,6 +369,7 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
     from gpuwatch.sinks.document import from_json
     from gpuwatch.sinks.reap_view import render_reap
+    from gpuwatch.units import plural
 
     unknown = sorted(set(kinds or ()) - set(KINDS))
     if unknown:
@@ -403,7 +404,7 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
             sys.exit(EXIT_USAGE)
         sys.stdout.write(render_reap(report, [(a, "planned", "") for a in actions], True,
                                      **_fitted()))
-        if not click.confirm(f"Reap {len(actions)} process(es)?"):
+        if not click.confirm(f"Reap {plural(len(actions), 'process')}?"):
             sys.exit(EXIT_NOTHING_TO_DO)
     try:
         done = reaper.carry_out(actions, grace=grace)

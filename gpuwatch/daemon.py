@@ -52,6 +52,7 @@ from gpuwatch.sinks.listener import ConnectionCollector, ConnectionStats
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sources.agent_socket import AgentReceiver
 from gpuwatch.sources.nvml import NvmlSource
+from gpuwatch.units import plural
 
 log = logging.getLogger("gpuwatch.daemon")
 
@@ -301,7 +302,7 @@ class Daemon:
         if up == self._nvml_was_up:
             return
         if up:
-            log.info("NVML up: %s, %d GPU(s)", snapshot.nvml.message, len(snapshot.gpus))
+            log.info("NVML up: %s, %s", snapshot.nvml.message, plural(len(snapshot.gpus), "GPU"))
         else:
             log.warning("%s; monitoring host processes only, retrying NVML with backoff up to "
                         "%g s", snapshot.nvml.message, self.config.daemon.nvml_retry_max)
@@ -312,8 +313,9 @@ class Daemon:
         if self._latest is None:
             return "starting"
         s = self._latest.snapshot
-        return (f"{s.nvml.message}; {len(s.gpus)} GPU(s), {len(s.gpu_holders)} GPU process(es), "
-                f"{len(self._latest.findings)} finding(s)")
+        return (f"{s.nvml.message}; {plural(len(s.gpus), 'GPU')}, "
+                f"{plural(len(s.gpu_holders), 'GPU process')}, "
+                f"{plural(len(self._latest.findings), 'finding')}")
 
     def _read_config(self) -> tuple[Optional[Config], Optional[ConfigError]]:
         try:

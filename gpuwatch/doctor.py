@@ -45,12 +45,11 @@ from gpuwatch.model import GpuDevice, NvmlReading
 from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET_NAME
 from gpuwatch.runtime_dir import DAEMON_INFO_NAME
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateUnavailable, fetch_status
-from gpuwatch.sinks.text import plural
 from gpuwatch.sources.jobs import parse_cgroup
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.proc_stat import is_kernel_thread, parse_stat
 from gpuwatch.sources.processes import has_children_files
-from gpuwatch.units import human_bytes
+from gpuwatch.units import human_bytes, plural
 
 OK = "ok"
 WARN = "warn"
@@ -222,7 +221,7 @@ def check_nvml(ctx: Context) -> list[Check]:
                       fix="`nvidia-smi -L` lists the GPUs the driver sees; in a container, "
                           "NVIDIA_VISIBLE_DEVICES or the device plugin gave it none")]
     count = len(reading.gpus)
-    return [Check("nvml", OK, f"{versions}, {count} GPU{'s' if count != 1 else ''}"),
+    return [Check("nvml", OK, f"{versions}, {plural(count, 'GPU')}"),
             *(_gpu_check(g) for g in reading.gpus)]
 
 
@@ -233,7 +232,7 @@ def _nvml_unavailable(error: str, code: Optional[int], device_files: int,
             return Check(
                 "nvml", FAIL,
                 f"no NVML library (libnvidia-ml.so.1: {error}), yet {dev_dir} has "
-                f"{device_files} nvidiaN device file{'s' if device_files != 1 else ''}: a GPU "
+                f"{plural(device_files, 'nvidiaN device file')}: a GPU "
                 "node without its driver's user-space libraries",
                 fix="install the driver's user-space part (the package with libnvidia-ml.so.1) "
                     "or put its directory on the loader path (ldconfig); in a container, run it "
@@ -269,7 +268,7 @@ def _gpu_check(g: GpuDevice) -> Check:
               if g.memory_total_bytes is not None else "memory unknown")
     count = len(g.processes)
     mig = ", MIG on" if g.mig_enabled else ""
-    return Check(name, OK, f"{what}: {memory}, {count} process{'es' if count != 1 else ''}{mig}",
+    return Check(name, OK, f"{what}: {memory}, {plural(count, 'process')}{mig}",
                  detail=g.uuid)
 
 
@@ -483,7 +482,7 @@ def check_pid_namespace(ctx: Context) -> list[Check]:
     listed, absent = _nvml_pids_absent(ctx)
     cross = ""
     if listed:
-        cross = (f"; NVML lists {plural(len(listed), 'PID', 'PIDs')}, "
+        cross = (f"; NVML lists {plural(len(listed), 'PID')}, "
                  + (f"{len(absent)} of them not in this /proc" if absent
                     else "all in this /proc"))
     nested = (inode is not None and inode != INIT_PID_NS_INODE) or len(nspid) > 1
@@ -583,12 +582,12 @@ def check_cgroups(ctx: Context) -> list[Check]:
             "v1": "cgroup v1", "none": f"no cgroup hierarchy under {ctx.sys_cgroup}"}[layout]
     sources = []
     if seen.slurm_jobs:
-        sources.append(f"Slurm ({plural(len(seen.slurm_jobs), 'job', 'jobs')})")
+        sources.append(f"Slurm ({plural(len(seen.slurm_jobs), 'job')})")
     if seen.pods:
-        sources.append(f"Kubernetes ({plural(len(seen.pods), 'pod', 'pods')})")
+        sources.append(f"Kubernetes ({plural(len(seen.pods), 'pod')})")
     if seen.containers:
         sources.append(f"containers ({len(seen.containers)})")
-    among = plural(seen.processes, "process", "processes")
+    among = plural(seen.processes, "process")
     found = (f"job cgroups among {among}: {', '.join(sources)}" if sources
              else f"no Slurm, pod or container cgroup among {among} (jobs then come from launch "
                   "environments and systemd units)")

@@ -1,4 +1,5 @@
-"""How figures read to people: bytes in binary units, durations in the largest sensible unit."""
+"""How figures read to people: bytes in binary units, durations in the largest sensible unit,
+counts with their nouns."""
 
 from __future__ import annotations
 
@@ -61,6 +62,21 @@ def human_duration(seconds: float) -> str:
     if seconds < 172800:
         return f"{seconds / 3600:.0f} h"
     return f"{seconds / 86400:.0f} d"
+
+
+#: Endings after which a plural takes "es": process -> processes, box -> boxes.
+_ES_ENDINGS = ("s", "sh", "ch", "x")
+
+
+def plural(n: int, one: str, many: Optional[str] = None) -> str:
+    """'1 thread', '2 threads', '1 process', '2 processes', '0 boxes': the count and its noun,
+    "es" added after s, sh, ch and x, "s" after anything else. `many` gives an irregular plural
+    ('1 gpuwatch_ metric family', '2 gpuwatch_ metric families')."""
+    if n == 1:
+        return f"{n} {one}"
+    if many is None:
+        many = one + ("es" if one.endswith(_ES_ENDINGS) else "s")
+    return f"{n} {many}"
 
 
 #: How long a process name (`comm`) can be: the kernel keeps its first 15 bytes.

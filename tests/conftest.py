@@ -11,6 +11,7 @@ import pytest
 
 from gpuwatch.launch_env import RUN_ID_KEY, RUN_SUPERVISOR_KEY
 from gpuwatch.simulate.fakenvml import FakeNode, build_fake_nvml
+from gpuwatch.units import plural
 from tests import process_guard
 
 # Before anything is started: every process of this run inherits the tag.
@@ -65,7 +66,7 @@ def _guard(what: str) -> Iterator[None]:
     left = process_guard.left_behind(RUN_TAG, before)
     if left:
         process_guard.end(left)  # so that one leak does not fail the tests after it
-        pytest.fail(f"{what} left {len(left)} process(es) running (now killed):\n"
+        pytest.fail(f"{what} left {plural(len(left), 'process')} running (now killed):\n"
                     + "\n".join(f"  {p}" for p in left), pytrace=False)
 
 

@@ -18,6 +18,38 @@ from gpuwatch.simulate.demo import read_json, wait_for
 GIB = 1 << 30
 MIB = 1 << 20
 
+#: Python source that defines `empty_command_line()`: it makes the process that calls it read in
+#: /proc as one in the middle of an exec, or one exiting, does. Between the kernel dropping the old
+#: image and placing the new one's arguments and environment (or once an exiting process's memory
+#: is gone), its command line and environment read empty; prctl(PR_SET_MM_MAP) moves their ends
+#: to their starts (no privilege needed for one's own process). It returns 0, or the errno prctl
+#: failed with (where it is refused, as some sandboxes do). Compose it with what the process does
+#: before and after: `EMPTY_COMMAND_LINE + "errno = empty_command_line()\n..."`.
+EMPTY_COMMAND_LINE = r"""
+import ctypes, os
+def empty_command_line():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.sbrk.restype = ctypes.c_void_p
+    libc.sbrk.argtypes = [ctypes.c_long]
+    libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    class Map(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in (
+            "start_code", "end_code", "start_data", "end_data", "start_brk", "brk",
+            "start_stack", "arg_start", "arg_end", "env_start", "env_end", "auxv")] + [
+            ("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
+    with open("/proc/self/stat") as f:
+        stat = f.read().rsplit(")", 1)[1].split()
+    field = lambda n: int(stat[n - 3])
+    m = Map(start_code=field(26), end_code=field(27), start_stack=field(28),
+            start_data=field(45), end_data=field(46), start_brk=field(47), brk=libc.sbrk(0),
+            arg_start=field(48), arg_end=field(48), env_start=field(50), env_end=field(50),
+            exe_fd=0xFFFFFFFF)
+    PR_SET_MM, PR_SET_MM_MAP = 35, 14
+    if libc.prctl(PR_SET_MM, PR_SET_MM_MAP, ctypes.addressof(m), ctypes.sizeof(m), 0) != 0:
+        return ctypes.get_errno()
+    return 0
+"""
+
 
 @dataclass
 class RunningJob:

@@ -28,7 +28,8 @@ from gpuwatch.simulate.job import launch_env
 from gpuwatch.sinks.doctor_view import render_doctor
 from gpuwatch.sinks.reap_view import render_reap
 from gpuwatch.sinks.status_view import render_status
-from gpuwatch.sinks.text import clean, evidence, plural
+from gpuwatch.sinks.text import clean, evidence
+from gpuwatch.units import plural
 from tests.scenarios import _orphan, clean_env, cmdline
 from tests.test_top import GPUWATCH, report, terminal, top_env, two_jobs
 
@@ -153,7 +154,17 @@ def test_evidence_and_counts_read_as_words() -> None:
     assert evidence("culprit", HOSTILE) == f"culprit: {clean(HOSTILE)}"
     assert evidence("exact", True) == "exact: yes"
     assert plural(1, "thread") == "1 thread" and plural(2, "thread") == "2 threads"
-    assert plural(1, "process", "processes") == "1 process"
+    assert plural(0, "thread") == "0 threads"
+
+
+def test_plural_adds_es_after_a_hissing_ending_and_takes_an_irregular_plural() -> None:
+    assert plural(1, "process") == "1 process" and plural(2, "process") == "2 processes"
+    assert plural(1, "box") == "1 box" and plural(3, "box") == "3 boxes"
+    assert plural(2, "batch") == "2 batches" and plural(2, "crash") == "2 crashes"
+    assert plural(2, "GPU") == "2 GPUs" and plural(2, "torn line") == "2 torn lines"
+    assert plural(1, "metric family", "metric families") == "1 metric family"
+    assert plural(2, "metric family", "metric families") == "2 metric families"
+    assert plural(0, "child", "children") == "0 children"
 
 
 # ---- through a real terminal ------------------------------------------------------------------

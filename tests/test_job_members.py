@@ -18,32 +18,17 @@ import pytest
 from gpuwatch.model import GpuDevice, GpuProcessUsage, NodeSnapshot, NvmlReading, NvmlStatus
 from gpuwatch.poll import MAX_NEW_PIDS, Poller
 from gpuwatch.simulate.demo import wait_for
+from tests.realprocs import EMPTY_COMMAND_LINE
 from tests.scenarios import parent, wait_not_running
 
-# Makes this process read in /proc as one in the middle of an exec does: between the kernel
-# dropping the old image and placing the new one's arguments and environment, its command line and
-# environment read empty. prctl(PR_SET_MM_MAP) moves their ends to their starts (no privilege
-# needed for one's own process); then it prints its PID and sleeps.
-MID_EXEC = r"""
-import ctypes, os, time
-libc = ctypes.CDLL(None, use_errno=True)
-libc.sbrk.restype = ctypes.c_void_p
-libc.sbrk.argtypes = [ctypes.c_long]
-libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
-class Map(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in (
-        "start_code", "end_code", "start_data", "end_data", "start_brk", "brk", "start_stack",
-        "arg_start", "arg_end", "env_start", "env_end", "auxv")] + [
-        ("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
-with open("/proc/self/stat") as f:
-    stat = f.read().rsplit(")", 1)[1].split()
-field = lambda n: int(stat[n - 3])
-m = Map(start_code=field(26), end_code=field(27), start_stack=field(28), start_data=field(45),
-        end_data=field(46), start_brk=field(47), brk=libc.sbrk(0), arg_start=field(48),
-        arg_end=field(48), env_start=field(50), env_end=field(50), exe_fd=0xFFFFFFFF)
-PR_SET_MM, PR_SET_MM_MAP = 35, 14
-if libc.prctl(PR_SET_MM, PR_SET_MM_MAP, ctypes.addressof(m), ctypes.sizeof(m), 0) != 0:
-    print(-ctypes.get_errno(), flush=True)
+# Makes this process read in /proc as one in the middle of an exec does (its command line and
+# environment empty: see EMPTY_COMMAND_LINE); then it prints its PID and sleeps. Where prctl is
+# refused it prints the negated errno and exits.
+MID_EXEC = EMPTY_COMMAND_LINE + r"""
+import time
+errno = empty_command_line()
+if errno:
+    print(-errno, flush=True)
     raise SystemExit(1)
 print(os.getpid(), flush=True)
 time.sleep(600)

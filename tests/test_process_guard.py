@@ -46,11 +46,11 @@ def test_a_test_that_leaves_a_process_running_fails_named_and_the_process_is_kil
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     assert "3 passed, 2 errors" in out, out
-    assert ("test_leaky.py::test_leaks_a_reparented_grandchild left 1 process(es) running "
+    assert ("test_leaky.py::test_leaks_a_reparented_grandchild left 1 process running "
             "(now killed):") in out
     assert "): sleep 600" in out and "): sleep 601" in out, out
     assert ("test_leaky.py::test_leaks_a_child_with_an_environment_of_its_own left 1 "
-            "process(es) running (now killed):") in out
+            "process running (now killed):") in out
     assert "test_ends_what_it_starts" not in out.split("short test summary")[1], out
     for name in ("leaked-1", "leaked-2"):
         assert not running(int((tmp_path / name).read_text())), name

@@ -449,7 +449,7 @@ def test_a_torn_last_line_is_skipped_counted_and_the_next_entry_starts_on_a_line
             f.write(torn[1])
         with running_daemon(cli_env, tmp_path, config=DETECTORS) as d:
             d.wait_for_log("ended in a torn line")
-            d.wait_for_log("2 torn line(s) skipped")
+            d.wait_for_log("2 torn lines skipped")
             assert log.read_bytes().endswith(b"\n")
             WatchedNode(fake_node, cli_env, d).findings_of("orphan", [worker])
             done = reap(["--yes", "--grace", "1"], cli_env)
@@ -457,7 +457,7 @@ def test_a_torn_last_line_is_skipped_counted_and_the_next_entry_starts_on_a_line
             d.wait_for_metrics("the reap counted", lambda s: True if value(
                 s, "gpuwatch_reaped_total", kind="orphan", result="exited") == 1 else None)
             # Nothing torn since it started: no new count.
-            assert d.log().count("torn line(s) skipped") == 1
+            assert d.log().count("torn lines skipped") == 1
     lines = audit_lines(states)
     assert lines[:2] == [earlier, torn[0]]
     assert isinstance(lines[2], dict) and (lines[2]["phase"], lines[2]["dry_run"]) == (

@@ -362,6 +362,26 @@ def test_an_instrumented_process_shows_its_agents_step_and_buffers_under_its_row
         ).replace("; ", ";")
 
 
+#: A line that ends in a figure, and a next line that starts with its unit.
+_ENDS_IN_FIGURE = re.compile(r"\d$")
+_STARTS_WITH_UNIT = re.compile(r"^(?:[KMGTPE]i?B|B|ms|s|sec|min|h|d|%)(?!\w)")
+
+
+def test_a_wrapped_line_never_parts_a_figure_from_its_unit_at_any_width() -> None:
+    """'48.0' at the end of one line and 'MiB' at the start of the next reads as two things:
+    the agent's line under a row (its step's age, its buffers' sizes) and the reasons (growth
+    per step, when memory runs out) keep each figure with its unit at every width."""
+    report = from_json(status_document(leakreports.leak_report()))
+    parted = {}
+    for width in range(40, 121):
+        lines = render_status(report, width=width).splitlines()
+        pairs = [f"{a.rstrip()!r} / {b.lstrip()!r}" for a, b in zip(lines, lines[1:])
+                 if _ENDS_IN_FIGURE.search(a.rstrip()) and _STARTS_WITH_UNIT.match(b.lstrip())]
+        if pairs:
+            parted[width] = pairs
+    assert not parted, "\n".join(f"width {w}: {p}" for w, ps in parted.items() for p in ps)
+
+
 def test_a_document_reads_back_into_the_models_types_and_renders_again_byte_for_byte() -> None:
     """What the command line reads from the daemon's state socket is read once, at the edge,
     into the types the reaper, `top` and the views work on; nothing is lost or changed on the

@@ -84,8 +84,8 @@ def manager(request: pytest.FixtureRequest) -> Manager:
 # -- each message arrives intact ---------------------------------------------------------------
 
 def test_ready_sends_ready_and_status(manager: Manager) -> None:
-    assert sd.ready(status="NVML up: 8 GPU(s)") is True
-    assert manager.receive() == "READY=1\nSTATUS=NVML up: 8 GPU(s)"
+    assert sd.ready(status="NVML up: 8 GPUs") is True
+    assert manager.receive() == "READY=1\nSTATUS=NVML up: 8 GPUs"
 
 
 def test_ready_without_status_sends_only_ready(manager: Manager) -> None:

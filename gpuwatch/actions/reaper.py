@@ -48,6 +48,7 @@ from gpuwatch.actions.signals import (
 from gpuwatch.config import Config
 from gpuwatch.model import KINDS, REAPABLE_KINDS, Finding, HostProcess, Job, Kind, NodeReport
 from gpuwatch.sources.processes import ProcessSource
+from gpuwatch.units import plural
 
 AUDIT_NAME = "reap.jsonl"
 #: Phases of an audit line: a plan (a dry run's, or one about to be carried out), a signal sent
@@ -664,8 +665,9 @@ class AuditFollower:
         try:
             self.writer.write(recovered)
         except OSError as exc:
-            news.error = (f"cannot record what became of {len(recovered)} unfinished "
-                          f"action(s) in {self.path}: {exc.strerror or exc}")
+            news.error = (f"cannot record what became of "
+                          f"{plural(len(recovered), 'unfinished action')} in {self.path}: "
+                          f"{exc.strerror or exc}")
             return
         news.recovered.extend(recovered)
         for entry in recovered:

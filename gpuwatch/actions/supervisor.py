@@ -50,7 +50,7 @@ from gpuwatch.launch_env import (
 )
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource, ProcStat
-from gpuwatch.units import short_command
+from gpuwatch.units import human_bytes, plural, short_command
 
 #: Variables every process of the job inherits: the job's id, and the supervisor's identity
 #: (what the daemon reads: gpuwatch.sources.jobs).
@@ -357,10 +357,11 @@ class Supervisor:
                 if member is not None:
                     self._close(member)
                     self._past.append(member)
-                member = Member(ProcessRef(pid, stat.start_time), self._command_of(pid) or "?")
+                member = Member(ProcessRef(pid, stat.start_time),
+                                self._command_of(pid, argv_required=False) or "?")
                 self._members[pid] = member
             else:  # a fork seen before its exec shows the program it became
-                member.command = self._command_of(pid) or member.command
+                member.command = self._command_of(pid, argv_required=True) or member.command
             member.rss_bytes = stat.rss_bytes
             alive.append(pid)
         for pid, member in self._members.items():
@@ -375,13 +376,20 @@ class Supervisor:
         member.ended = {None: "exited", "SIGTERM": "ended on SIGTERM",
                         "SIGKILL": "killed (SIGKILL)"}.get(last, f"exited after {last}")
 
-    def _command_of(self, pid: int) -> str:
+    def _command_of(self, pid: int, *, argv_required: bool) -> str:
+        """`pid`'s command line as a summary shows it; "" if it cannot be read. A process
+        exiting (its memory gone) or in the middle of an exec reads an empty command line:
+        recording a member then (`argv_required` false) names it by its bracketed process name,
+        `[python]`; refreshing a known member's (`argv_required` true) gives "", so that the
+        command it was seen running is kept rather than replaced by that name."""
         try:
             with open(f"/proc/{pid}/comm") as f:
                 name = f.read().strip()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
         except OSError:
+            return ""
+        if not argv and argv_required:
             return ""
         return short_command(name, argv)
 
@@ -510,7 +518,8 @@ class Supervisor:
                 ref = self._signals.ref(pid)
                 if ref is None:
                     return None
-                member = self._members[pid] = Member(ref, self._command_of(pid) or "?")
+                member = self._members[pid] = Member(
+                    ref, self._command_of(pid, argv_required=False) or "?")
                 return member
             current = stat.ppid
         return None
@@ -566,31 +575,26 @@ class Supervisor:
             self._say(f"gpuwatch run: {name}: stopping job run:{self.job_id}")
             return
         self._say(f"gpuwatch run: {name}: stopping job run:{self.job_id}: sent {name} to "
-                  f"{_processes(len(sent))}, waiting up to {max(0.0, wait):.3g} s for them to "
-                  f"exit; {again} to end them now")
+                  f"{plural(len(sent), 'process')}, waiting up to {max(0.0, wait):.3g} s for "
+                  f"them to exit; {again} to end them now")
 
     def _say_ending_now(self, signum: int) -> None:
         left = [pid for pid, m in self._members.items() if m.ended is None and self._runs(m)]
         self._say(f"gpuwatch run: {signal.Signals(signum).name} again: ending "
-                  f"{_processes(len(left))} of job run:{self.job_id} now (SIGTERM, SIGKILL "
+                  f"{plural(len(left), 'process')} of job run:{self.job_id} now (SIGTERM, SIGKILL "
                   f"{KILL_AFTER:g} s later)")
 
     def _say_leftovers(self, alive: list[int]) -> None:
-        from gpuwatch.units import human_bytes
-
+        one = len(alive) == 1
         what = "kept (--keep-helpers)" if self.keep_helpers else \
-            f"ended after {self.grace:g} s unless they exit"
-        self._say(f"gpuwatch run: {self.command[0]} exited; {len(alive)} process(es) of job "
-                  f"run:{self.job_id} still run, {what}:")
+            f"ended after {self.grace:g} s unless {'it exits' if one else 'they exit'}"
+        self._say(f"gpuwatch run: {self.command[0]} exited; {plural(len(alive), 'process')} of "
+                  f"job run:{self.job_id} still {'runs' if one else 'run'}, {what}:")
         for pid in alive:
             m = self._members[pid]
             gpu = human_bytes(m.gpu_memory_bytes) if m.gpu_memory_bytes else "-"
             self._say(f"  {pid:>7}  RSS {human_bytes(m.rss_bytes):>10}  GPU {gpu:>10}  "
                       f"{m.command}")
-
-
-def _processes(n: int) -> str:
-    return f"{n} process" if n == 1 else f"{n} processes"
 
 
 # -- the system ----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from gpuwatch.actions.reaper import (
 )
 from gpuwatch.config import Config
 from gpuwatch.model import NodeReport
+from gpuwatch.units import plural
 
 # The daemon's reaping logs as the daemon always has: its lines keep their logger's name.
 log = logging.getLogger("gpuwatch.daemon")
@@ -143,7 +144,7 @@ class DaemonReaping:
             log.warning("%s ended in a torn line (a reaper stopped in the middle of writing it): "
                         "the next entry starts on a new line", self._audit.path)
         if news.torn:
-            log.warning("%s: %d torn line(s) skipped", self._audit.path, news.torn)
+            log.warning("%s: %s skipped", self._audit.path, plural(news.torn, "torn line"))
         for entry in news.recovered:
             log.warning("reap audit: %s %s (%s) was left without a result: %s: %s",
                         entry["kind"], entry["pid"], entry["name"], entry["result"],

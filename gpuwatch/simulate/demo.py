@@ -34,7 +34,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -47,8 +46,9 @@ from gpuwatch.actions.signals import SAME, ProcessRef, Signaller
 from gpuwatch.config import DEFAULT_PORT, split_listen
 from gpuwatch.protocol import RUNTIME_DIR_VARIABLE
 from gpuwatch.simulate.fakenvml import STATE_ENV, FakeNode, FakeNvmlBuildError, build_fake_nvml
-from gpuwatch.sinks.text import plural
+from gpuwatch.sinks.text import wrap_text
 from gpuwatch.sources.processes import ProcessSource
+from gpuwatch.units import plural
 
 T = TypeVar("T")
 GIB = 1 << 30
@@ -516,9 +516,9 @@ def story_done(sim: SimulatedNode, duration: Optional[float], elapsed: float,
     stop = ("Ctrl+C stops the demo and everything it started" if duration is None else
             f"it stops by itself in {max(0.0, duration - elapsed):.0f} s, or at Ctrl+C, with "
             "everything it started")
-    return "\n" + textwrap.fill(
+    return "\n" + "\n".join(wrap_text(
         f"gpuwatch demo: story done: {shown}. The daemon and jobs B and C keep running for "
-        f"status, top and doctor; {stop}.", 100)
+        f"status, top and doctor; {stop}.", 100))
 
 
 def _keep_exit_quiet() -> None:

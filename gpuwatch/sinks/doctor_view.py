@@ -6,13 +6,12 @@ It renders the same document `gpuwatch doctor --json` prints, so both views alwa
 
 from __future__ import annotations
 
-import textwrap
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuwatch.sinks.colour import paint
-from gpuwatch.sinks.text import clean
+from gpuwatch.sinks.text import clean, wrap_text
 
 _STATUS_WIDTH = 4
 
@@ -45,7 +44,7 @@ def _wrapped(text: str, width: int, indent: int) -> list[str]:
     room = width - indent
     if width <= 0 or room < 20 or len(text) <= room:
         return [text]
-    return textwrap.wrap(text, room, break_on_hyphens=False) or [""]
+    return wrap_text(text, room, break_on_hyphens=False) or [""]
 
 
 def summary_line(checks: Sequence[Mapping[str, Any]]) -> str:

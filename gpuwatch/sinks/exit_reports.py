@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from gpuwatch.model import NodeSnapshot
+from gpuwatch.units import plural
 
 # Lines of the daemon's log: they keep its logger's name.
 log = logging.getLogger("gpuwatch.daemon")
@@ -30,7 +31,7 @@ class ExitReportLog:
             exit_report = agent.exit_report
             left = [f"non-daemon thread {name!r}" for name in exit_report.get("threads", ())]
             if exit_report.get("executors"):
-                left.append(f"{exit_report['executors']} live executor(s)")
+                left.append(plural(exit_report["executors"], "live executor"))
             if exit_report.get("process_group"):
                 left.append("a torch.distributed process group never destroyed")
             if left:

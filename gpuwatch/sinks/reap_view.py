@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import textwrap
 from typing import Any, Optional
 
 from gpuwatch.model import NodeReport
@@ -14,6 +13,7 @@ from gpuwatch.sinks.text import (
     clean,
     fit_widths,
     natural_widths,
+    wrap_text,
     wrapped_table,
 )
 from gpuwatch.units import human_bytes
@@ -60,7 +60,7 @@ def render_reap(report: NodeReport, rows: list[tuple[Any, str, str]], dry_run: b
     if width > 0:
         # Narrower than what every step above leaves (PID, name, kind, action): cut.
         rows_text = [line[:width] for line in rows_text]
-    lines = [*(textwrap.wrap(head, width, subsequent_indent="  ") if width > 0 else [head]),
+    lines = [*(wrap_text(head, width, subsequent_indent="  ") if width > 0 else [head]),
              "", *rows_text, "", f"{verb} up to {human_bytes(freed)} of GPU memory"]
     if not dry_run:
         lines.append("GPU memory still held by PID " + ", ".join(map(str, sorted(held)))

@@ -8,7 +8,6 @@ and listed with their reasons below it.
 from __future__ import annotations
 
 import datetime as _dt
-import textwrap
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -31,12 +30,12 @@ from gpuwatch.sinks.text import (
     clean,
     fit_widths,
     natural_widths,
-    plural,
     table_lines,
     wrap_parts,
+    wrap_text,
     wrapped_table,
 )
-from gpuwatch.units import human_bytes, human_duration, short_command
+from gpuwatch.units import human_bytes, human_duration, plural, short_command
 
 
 def render_status(report: NodeReport, width: int = 0, verbose: bool = False,
@@ -63,7 +62,7 @@ def _wrap(text: str, width: int) -> list[str]:
     if width <= 0:
         return text.splitlines()
     return [wrapped for line in text.splitlines()
-            for wrapped in textwrap.wrap(line, width, subsequent_indent="  ") or [""]]
+            for wrapped in wrap_text(line, width, subsequent_indent="  ") or [""]]
 
 
 #: The findings table: FINDING SEVERITY PID NAME GPU-MEMORY FOR REASON; what gives way first

@@ -1,5 +1,5 @@
-"""Text as every human view writes it: what came from a process made safe for a terminal, counts
-with their nouns, a finding's evidence in words, and tables fitted to a terminal's width.
+"""Text as every human view writes it: what came from a process made safe for a terminal, a
+finding's evidence in words, lines wrapped to a terminal's width, and tables fitted to it.
 
 Every text sink (`status`, `top`, `reap`, `doctor`, `run`'s summary, the daemon's text log lines)
 renders what a process chose (its command line, name, user, cgroup, job id, buffer names, a
@@ -10,6 +10,7 @@ through it: it stays exact.
 from __future__ import annotations
 
 import datetime as _dt
+import re
 import textwrap
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,11 +24,6 @@ from gpuwatch.units import human_bytes, human_duration
 
 
 # ---- words ---------------------------------------------------------------------------------------
-
-
-def plural(n: int, one: str, many: Optional[str] = None) -> str:
-    """'1 thread', '2 threads', '0 processes' (`many` where adding an s is wrong)."""
-    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def evidence(key: str, value: Any) -> str:
@@ -61,6 +57,45 @@ def evidence_value(key: str, value: Any) -> str:
     return clean(str(value))
 
 
+#: A space between a figure and its unit ('48.0 MiB', '+2.0 GiB/step', '12 s', '3 min', '100 %'):
+#: the units human_bytes and human_duration write, and a share.
+_FIGURE_UNIT_SPACE = re.compile(
+    r"(?<=\d) (?=(?:[KMGTPE]i?B|B)(?:/s|/step)?(?!\w)|(?:ms|s|sec|min|h|d|%)(?!\w))")
+#: A word as textwrap finds them: what its whitespace separates.
+_WORD = re.compile(r"[^\t\n\x0b\x0c\r ]+")
+#: What stands for such a space while textwrap breaks lines: a character it never breaks at, as
+#: wide as the space it stands for.
+_GLUE = "\x00"
+
+
+def wrap_text(text: str, width: int, **textwrap_kwargs: Any) -> list[str]:
+    """textwrap.wrap(text, width, **textwrap_kwargs), except that a line never breaks between a
+    figure and its unit ('48.0' at the end of one line, 'MiB' at the start of the next). A figure
+    and unit too wide for a line together with the words they touch (after the longer indent)
+    are left to textwrap as two words, so no line is wider than textwrap would make it."""
+    if _GLUE in text:  # never after clean(); wrapped as textwrap would
+        return textwrap.wrap(text, width, **textwrap_kwargs)
+    room = width - max(len(textwrap_kwargs.get("initial_indent", "")),
+                       len(textwrap_kwargs.get("subsequent_indent", "")))
+    spaces = {m.start() for m in _FIGURE_UNIT_SPACE.finditer(text)}
+    words = [(w.start(), w.end()) for w in _WORD.finditer(text)]
+    glued = list(text)
+    i = 0
+    while i < len(words):
+        start, end = words[i]
+        joins: list[int] = []
+        while end in spaces:  # a unit is a word after it: join the two ('1 s/2 min': three)
+            joins.append(end)
+            i += 1
+            end = words[i][1]
+        if end - start <= room:
+            for at in joins:
+                glued[at] = _GLUE
+        i += 1
+    return [line.replace(_GLUE, " ")
+            for line in textwrap.wrap("".join(glued), width, **textwrap_kwargs)]
+
+
 def wrap_parts(parts: Sequence[str], width: int, indent: str, separator: str = "; "
                ) -> list[str]:
     """`parts` joined by `separator` on lines of at most `width` (0: one line), each starting
@@ -81,8 +116,8 @@ def wrap_parts(parts: Sequence[str], width: int, indent: str, separator: str = "
     lines.append(line)
     out = []
     for text in lines:
-        out += ((textwrap.wrap(text, max(10, room), subsequent_indent="  ",
-                               break_on_hyphens=False) or [""]) if len(text) > room else [text])
+        out += ((wrap_text(text, max(10, room), subsequent_indent="  ",
+                           break_on_hyphens=False) or [""]) if len(text) > room else [text])
     return [indent + text for text in out]
 
 
@@ -205,7 +240,7 @@ def wrapped_table(rows: Sequence[Sequence[str]], widths: Sequence[int], width: i
     if width > 0 and room >= _MIN_WRAP:
         for i, row in enumerate(rows):
             if len(row[-1]) > room:
-                wrapped[i] = textwrap.wrap(row[-1], room, break_on_hyphens=False) or [""]
+                wrapped[i] = wrap_text(row[-1], room, break_on_hyphens=False) or [""]
                 row[-1] = wrapped[i][0]
     indent = " " * sum(w + how.get("gap", 2) for w in widths[:-1] if w)
     out = []
@@ -221,4 +256,4 @@ def _wrap_whole(text: str, room: int) -> list[str]:
     """`text` in lines of at most `room` characters, every character kept (0: one line)."""
     if room < _MIN_WRAP or len(text) <= room:
         return [text]
-    return textwrap.wrap(text, room, break_on_hyphens=False, break_long_words=True) or [""]
+    return wrap_text(text, room, break_on_hyphens=False, break_long_words=True) or [""]

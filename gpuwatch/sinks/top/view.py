@@ -52,9 +52,9 @@ from gpuwatch.sinks.text import (
     evidence,
     fit_widths,
     glyphs_for,
-    plural,
+    wrap_text,
 )
-from gpuwatch.units import human_bytes, human_duration
+from gpuwatch.units import human_bytes, human_duration, plural
 
 __all__ = ["ASCII", "UNICODE", "Glyphs", "clean", "cut", "cut_left", "glyphs_for"]
 
@@ -688,21 +688,16 @@ def finding_counts(report: NodeReport) -> list[tuple[str, int]]:
 # ---- overlays: a process's details, a reap's confirmation ---------------------------------------
 
 def wrap(text: str, width: int, indent: str = "") -> list[str]:
-    """`text` in lines of at most `width`, broken at spaces where it can be, hard where not
-    (a command line's one long argument)."""
+    """`text` in lines of at most `width`, broken at spaces where it can be (never between a
+    figure and its unit), hard where not (a command line's one long argument, on lines of its
+    own)."""
     out: list[str] = []
-    line = ""
-    for word in text.split(" "):
-        candidate = f"{line} {word}" if line else word
-        if len(candidate) <= width or not line:
-            line = candidate
-        else:
-            out.append(line)
-            line = indent + word
-        while len(line) > width:
+    for line in wrap_text(text, width, subsequent_indent=indent, break_long_words=False,
+                          break_on_hyphens=False) or [""]:
+        while len(line) > width > len(indent):
             out.append(line[:width])
             line = indent + line[width:]
-    out.append(line)
+        out.append(line)
     return out
 
 

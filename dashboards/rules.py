@@ -46,6 +46,17 @@ _CULPRIT = (
     "{{ with .Labels.found_by }} ({{ . }}){{ end }}{{ end }}")
 
 
+def _count(one: str, many: str) -> str:
+    """The alert's value with its noun, as a template: '1 process', '3 processes'."""
+    return "{{ $value }} " + _agreeing(one, many)
+
+
+def _agreeing(one: str, many: str) -> str:
+    """`one` where the alert's value is 1, else `many`: a verb or pronoun that agrees with the
+    count ('holds'/'hold', 'its'/'their')."""
+    return "{{ if eq $value 1.0 }}" + one + "{{ else }}" + many + "{{ end }}"
+
+
 @dataclass(frozen=True)
 class Settings:
     #: Selects gpuwatch's series and its scrape targets' `up` (monitoring-mixin style).
@@ -130,9 +141,10 @@ class Rules:
                   self.per_job('kind="orphan", gpu!=""'),
                   "5m", "critical",
                   f"Orphaned processes of {job} hold GPU memory on {node}.",
-                  f"{{{{ $value }}}} process(es) of {job} on {node} hold "
-                  + self.memory('kind="orphan"') + " of GPU memory although their launcher "
-                  "has exited; the next job on these GPUs will run out of memory."
+                  f"{_count('process', 'processes')} of {job} on {node} "
+                  + _agreeing("holds", "hold") + " " + self.memory('kind="orphan"')
+                  + " of GPU memory although " + _agreeing("its", "their") + " launcher has "
+                  "exited; the next job on these GPUs will run out of memory."
                   + self.listing('kind="orphan", gpu!=""',
                                  "PID " + process + ", GPU {{ .Labels.gpu }}): "
                                  "{{ .Labels.reason }}.")
@@ -141,9 +153,9 @@ class Rules:
                   self.per_job('kind="leftover", gpu!=""'),
                   "5m", "critical",
                   f"Processes of finished {job} hold GPU memory on {node}.",
-                  f"{{{{ $value }}}} process(es) of {job} on {node} hold "
-                  + self.memory('kind="leftover"') + " of GPU memory after the job's trainer "
-                  "finished."
+                  f"{_count('process', 'processes')} of {job} on {node} "
+                  + _agreeing("holds", "hold") + " " + self.memory('kind="leftover"')
+                  + " of GPU memory after the job's trainer finished."
                   + self.listing('kind="leftover", gpu!=""',
                                  "PID " + process + ", GPU {{ .Labels.gpu }}): "
                                  "{{ .Labels.reason }}.")
@@ -152,18 +164,20 @@ class Rules:
                   self.per_job('kind="leftover", gpu=""'),
                   "1h", "info",
                   f"Processes of finished {job} are still running on {node}.",
-                  f"{{{{ $value }}}} helper process(es) of {job} on {node} have outlived the "
-                  "job's trainer for over an hour, holding host memory and ports."
+                  f"{_count('helper process', 'helper processes')} of {job} on {node} "
+                  + _agreeing("has", "have") + " outlived the job's trainer for over an hour, "
+                  "holding host memory and ports."
                   + self.listing('kind="leftover", gpu=""',
                                  "PID " + process + "): {{ .Labels.reason }}.")),
             Alert("GpuwatchZombiesHoldGpuMemory",
                   self.per_job('kind="zombie", severity="critical"'),
                   "2m", "critical",
                   f"Defunct processes of {job} keep GPU memory on {node}.",
-                  f"{{{{ $value }}}} process(es) of {job} on {node} are defunct but their "
-                  "threads (an NCCL heartbeat, a thread pool) still run and hold "
+                  f"{_count('process', 'processes')} of {job} on {node} "
+                  + _agreeing("is", "are") + " defunct but " + _agreeing("its", "their")
+                  + " threads (an NCCL heartbeat, a thread pool) still run and hold "
                   + self.memory('kind="zombie", severity="critical"')
-                  + " of GPU memory; only killing them frees it."
+                  + " of GPU memory; only killing " + _agreeing("it", "them") + " frees it."
                   + self.listing('kind="zombie", severity="critical"',
                                  "PID " + process + ", GPU {{ .Labels.gpu }}): "
                                  "{{ .Labels.reason }}.")),
@@ -190,16 +204,17 @@ class Rules:
                   self.per_job('kind="stalled"'),
                   "5m", "warning",
                   f"Training of {job} on {node} stopped taking steps while holding GPU memory.",
-                  f"{{{{ $value }}}} instrumented process(es) of {job} on {node} have not "
-                  "advanced a step:"
+                  f"{_count('instrumented process', 'instrumented processes')} of {job} on "
+                  f"{node} " + _agreeing("has", "have") + " not advanced a step:"
                   + self.listing('kind="stalled"', "PID " + process + "): {{ .Labels.reason }}.")),
             Alert("GpuwatchUnkillableGpuProcess",
                   self.per_job('kind="unkillable", severity="critical"'),
                   "10m", "critical",
                   f"A process of {job} is stuck in the GPU driver on {node}; no signal frees "
                   "the GPU.",
-                  f"{{{{ $value }}}} process(es) of {job} on {node} are in uninterruptible "
-                  "sleep holding GPU memory or waiting in the NVIDIA driver:"
+                  f"{_count('process', 'processes')} of {job} on {node} "
+                  + _agreeing("is", "are") + " in uninterruptible sleep holding GPU memory or "
+                  "waiting in the NVIDIA driver:"
                   + self.listing('kind="unkillable", severity="critical"',
                                  "PID " + process + "): {{ .Labels.reason }}.")
                   + " Drain the node; it needs a GPU reset or a reboot."),
@@ -208,9 +223,10 @@ class Rules:
                   "30m", "warning",
                   f"A process of {job} on {node} is stuck in the kernel, outside the GPU "
                   "driver.",
-                  f"{{{{ $value }}}} process(es) of {job} on {node} have been in uninterruptible "
-                  "sleep for long, holding no GPU memory and not in the GPU driver (a hung "
-                  "network file system, a dead disk):"
+                  f"{_count('process', 'processes')} of {job} on {node} "
+                  + _agreeing("has", "have") + " been in uninterruptible sleep for long, "
+                  "holding no GPU memory and not in the GPU driver (a hung network file "
+                  "system, a dead disk):"
                   + self.listing('kind="unkillable", severity="warning"',
                                  "PID " + process + "): {{ .Labels.reason }}.")
                   + " The GPUs are not affected; the job will not end until the wait does."),
@@ -238,10 +254,11 @@ class Rules:
                                  f"(increase({failed}[30m])) > 0"),
                   "1m", "warning",
                   "gpuwatch could not reap a process on {{ $labels.node }}.",
-                  "{{ $value | humanize }} reap action(s) on {{ $labels.kind }} processes ended "
-                  "`{{ $labels.result }}` on {{ $labels.node }} in the last 30 minutes: the "
-                  "process is still there. The node's reap audit log (reap.jsonl) has the "
-                  "PIDs."),
+                  "{{ $value | humanize }} reap " + _agreeing("action", "actions")
+                  + " on {{ $labels.kind }} processes ended "
+                  "`{{ $labels.result }}` on {{ $labels.node }} in the last 30 minutes: "
+                  + _agreeing("the process is", "the processes are") + " still there. The "
+                  "node's reap audit log (reap.jsonl) has the PIDs."),
         ]
 
     def daemon_alerts(self) -> list[Alert]:

@@ -169,7 +169,7 @@ def test_a_fleet_pages_once_for_one_jobs_orphans_and_resolves_once_when_they_are
                           "job_id": job.run_id, "job_source": "torchelastic"}
         description = alert["annotations"]["description"]
         assert description.startswith(
-            f"4 process(es) of job torchelastic:{job.run_id} on {node.name} hold 12GiB of GPU "
+            f"4 processes of job torchelastic:{job.run_id} on {node.name} hold 12GiB of GPU "
             "memory although their launcher has exited"), description
         for pid in job.workers:
             assert f"PID {pid} (python" in description
@@ -193,7 +193,7 @@ def test_a_fleet_pages_once_for_one_jobs_orphans_and_resolves_once_when_they_are
             with urllib.request.urlopen(f"http://{alertmanager}/api/v2/alerts", timeout=10) as r:
                 held = json.loads(r.read())
             return True if [a["annotations"]["description"][:14] for a in held] == \
-                ["3 process(es) "] else None
+                ["3 processes of"] else None
 
         wait_for("Alertmanager to hold the alert with three orphans", alertmanager_has_the_update,
                  30)

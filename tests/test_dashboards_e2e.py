@@ -127,7 +127,9 @@ def test_every_panel_has_data_and_the_orphan_and_leak_alerts_fire(tmp_path: Path
             assert labels["severity"] == "critical" and labels["job_source"] == "torchelastic"
             assert labels["node"] == socket.gethostname() and labels["job_id"]
             description = orphan["annotations"]["description"]
-            assert description.startswith(f"1 process(es) of job torchelastic:{labels['job_id']}")
+            assert description.startswith(
+                f"1 process of job torchelastic:{labels['job_id']} on {labels['node']} holds "), \
+                description
             assert f"PID {kept} (python" in description and "12GiB" in description
             assert f"parent {sim.training.launcher.pid} " in description
             assert str(reaped) not in description  # the reaped one is gone

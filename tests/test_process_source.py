@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -172,13 +174,25 @@ def test_a_process_in_a_nested_pid_namespace_is_read_with_its_pid_there() -> Non
     source = ProcessSource()
     outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c",
                               "import time; time.sleep(60)"])
+    inner: Optional[int] = None
+
+    def running_python() -> Optional[int]:
+        # unshare's child asks for SIGKILL at unshare's death (--kill-child) only after the
+        # fork: until it runs the program it was asked to, killing unshare may leave it behind.
+        for pid in source.children(outer.pid):
+            with contextlib.suppress(OSError):
+                if b"time.sleep" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+        return None
+
     try:
-        inner = wait_for("the namespace's first process",
-                         lambda: (source.children(outer.pid) or [None])[0], 10)
+        inner = wait_for("the namespace's first process", running_python, 30, alive=outer)
         procs = source.read([inner]).processes
         assert procs[inner].namespace_pids == (1,)
         assert procs[outer.pid].namespace_pids == ()
     finally:
+        if inner is not None:  # the namespace's init, unshare's child: its end ends both
+            os.kill(inner, signal.SIGKILL)
         outer.kill()
         outer.wait()
 

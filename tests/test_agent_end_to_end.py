@@ -147,7 +147,11 @@ def test_gpu_memory_growing_every_step_alone_is_a_leak(
             done.set()
             follower.join()
         assert leak["reason"] == "GPU memory grows every step; runs out against the GPU limit"
-        assert abs(leak["details"]["growth_bytes_per_step"] - 64 * MIB) < 0.15 * 64 * MIB
+        # The daemon pairs the agent's latest step with NVML's figure of the same poll; on a
+        # loaded machine the follower may have moved the figure on a step before the report of
+        # that step is read, and a pair off by one step moves a slope fitted over a few dozen
+        # steps by a tenth or more. A wrong unit or rate (per second: 5x here) is far outside.
+        assert abs(leak["details"]["growth_bytes_per_step"] - 64 * MIB) < 0.3 * 64 * MIB
         assert leak["details"]["limit_source"] == "GPU"
 
 

@@ -64,6 +64,13 @@ def _arguments_in_place(pid: int) -> bool:
         return bool(f.read())
 
 
+def _asleep(pid: int) -> bool:
+    """Whether the process sleeps in the kernel now: `sleep` is still running (loading its
+    libraries, parsing its argument) for a moment after its exec, longer on a loaded machine."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2].split()[0] == b"S"
+
+
 def test_ancestors_are_followed_up_to_pid_1() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -224,8 +231,9 @@ def tricky_process(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     link.symlink_to(shutil.which("sleep") or "/bin/sleep")
     child = subprocess.Popen([str(link), "60"])
     try:
-        wait_for("the tricky name", lambda: (comm(child.pid) == TRICKY_NAME
-                                             and _arguments_in_place(child.pid)) or None, 10)
+        wait_for("the tricky name, asleep", lambda: (comm(child.pid) == TRICKY_NAME
+                                                     and _arguments_in_place(child.pid)
+                                                     and _asleep(child.pid)) or None, 30)
         yield child
     finally:
         child.kill()

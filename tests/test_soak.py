@@ -8,12 +8,12 @@ job. The figures are printed whether the test passes or not; nothing here assert
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.benchscripts import load_bench_script
+from tests.scenarios import wait_not_running
 
 soak = load_bench_script("soak")
 
@@ -24,15 +24,6 @@ soak = load_bench_script("soak")
 # is one that only a leak trips: at these rates an unbounded per-datagram, per-process or per-poll
 # cost grows the daemon by far more than a quarter in 40 s.
 SHORT_RSS_TOLERANCE = 0.25
-
-
-def _gone(pid: int) -> bool:
-    """Ended: no such process, or only a zombie waiting for whoever adopted it to reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def test_short_soak_passes_every_criterion(tmp_path: Path,
@@ -78,7 +69,4 @@ def test_short_soak_passes_every_criterion(tmp_path: Path,
     # Everything the soak started is gone again: killed as it ends, each may take a moment to
     # exit on a loaded machine.
     started = [*result.healthy_pids, *planted.orphans, planted.leaker]
-    deadline = time.monotonic() + 30
-    while (left := [pid for pid in started if not _gone(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert left == [], f"processes left running 30 s after the soak ended them: {left}"
+    wait_not_running(started, 30, f"every process the soak started to end ({started})")

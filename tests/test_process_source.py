@@ -26,7 +26,7 @@ from gpuwatch.sources.proc_stat import (
 )
 from gpuwatch.sources.processes import ProcessSource
 from tests.realprocs import GIB, proc_without_children_files
-from tests.scenarios import comm, pid_namespaces
+from tests.scenarios import cmdline, comm, pid_namespaces, state
 
 
 def _usage(pid: int) -> GpuProcessUsage:
@@ -62,13 +62,6 @@ def _arguments_in_place(pid: int) -> bool:
     child has its new memory, a moment before the kernel has set where its arguments are."""
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return bool(f.read())
-
-
-def _asleep(pid: int) -> bool:
-    """Whether the process sleeps in the kernel now: `sleep` is still running (loading its
-    libraries, parsing its argument) for a moment after its exec, longer on a loaded machine."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rpartition(b")")[2].split()[0] == b"S"
 
 
 def test_ancestors_are_followed_up_to_pid_1() -> None:
@@ -165,13 +158,7 @@ def test_identity_separates_a_reused_pid_from_the_old_process() -> None:
 
 
 def _wait_zombie(pid: int) -> None:
-    from gpuwatch.simulate.demo import wait_for
-
-    def state() -> str | None:
-        with open(f"/proc/{pid}/stat") as f:
-            return "Z" if f.read().rsplit(")", 1)[1].split()[0] == "Z" else None
-
-    wait_for(f"PID {pid} to become a zombie", state, 10)
+    wait_for(f"PID {pid} to become a zombie", lambda: True if state(pid) == "Z" else None, 10)
 
 
 def test_a_process_in_a_nested_pid_namespace_is_read_with_its_pid_there() -> None:
@@ -188,7 +175,7 @@ def test_a_process_in_a_nested_pid_namespace_is_read_with_its_pid_there() -> Non
         # fork: until it runs the program it was asked to, killing unshare may leave it behind.
         for pid in source.children(outer.pid):
             with contextlib.suppress(OSError):
-                if b"time.sleep" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if "import time; time.sleep(60)" in cmdline(pid):
                     return pid
         return None
 
@@ -231,9 +218,11 @@ def tricky_process(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     link.symlink_to(shutil.which("sleep") or "/bin/sleep")
     child = subprocess.Popen([str(link), "60"])
     try:
+        # Asleep in the kernel, too: just after its exec, `sleep` still runs for a moment
+        # (loading its libraries, reading its argument), longer on a loaded machine.
         wait_for("the tricky name, asleep", lambda: (comm(child.pid) == TRICKY_NAME
                                                      and _arguments_in_place(child.pid)
-                                                     and _asleep(child.pid)) or None, 30)
+                                                     and state(child.pid) == "S") or None, 30)
         yield child
     finally:
         child.kill()

@@ -305,6 +305,13 @@ class JobRecord:
     #: When the last trainer was found gone (None while one lives, or if none ever did).
     finished_at: Optional[float] = None
     last_trainer: Optional[tuple[int, Optional[str]]] = None
+    #: The root as first seen: whether it was a launcher still shows once it has exited.
+    root: Optional[HostProcess] = None
+    #: The launch variables (launch_env.LAUNCH_ENV_KEYS, names only) its trainers carried:
+    #: what shows a launcher started them as ranks, after they are gone.
+    trainer_env: frozenset[str] = frozenset()
+    #: A trainer told the agent it finished (agent.finished()).
+    agent_finished: bool = False
 
 
 class History:
@@ -490,7 +497,8 @@ class History:
             if job is None:
                 root_pid = int(h.job_key.split(":", 1)[0])
                 root = snapshot.processes.get(root_pid)
-                job = JobRecord(h.job_key, root_pid, root.name if root else None, p.job)
+                job = JobRecord(h.job_key, root_pid, root.name if root else None, p.job,
+                                root=root)
                 self._jobs[h.job_key] = job
             job.members.add(p.identity)
             job.label = job.label or p.job
@@ -501,6 +509,10 @@ class History:
                 job.trainers.add(p.identity)
                 job.had_trainer = True
                 job.last_trainer = (p.pid, p.name)
+                if not job.trainer_env >= p.launch_env.keys():
+                    job.trainer_env = job.trainer_env | p.launch_env.keys()
+            elif done and p.state != "zombie":
+                job.agent_finished = True
         for key in [k for k, job in self._jobs.items() if not job.members]:
             del self._jobs[key]
         for job in self._jobs.values():

@@ -33,6 +33,29 @@ LAUNCHER_MODULES = frozenset({
     "torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher.launch",
     "deepspeed.launcher.runner", "accelerate.commands.launch", "accelerate.commands.accelerate_cli",
 })
+#: Long-lived programs that start and end processes for many pieces of work, and outlive each:
+#: a cluster manager and its agents, a notebook server and its kernels. A GPU holder under one
+#: ending is one piece of work ending, not the tree's: the service's other children are live.
+#: Names are only ever evidence that a tree is a service (it keeps its members from being
+#: leftovers), never authority to end anything: see docs/findings.md, "How a leftover is told
+#: from a service's child".
+SERVICES = frozenset({
+    # Ray: the per-node manager, the head's control store, their Python processes.
+    "raylet", "gcs_server",
+    # Jupyter: the servers (console scripts), a hub's single-user server, the kernels.
+    "jupyter", "jupyter-lab", "jupyter-notebook", "jupyter-server", "jupyter-nbclassic",
+    "jupyterhub", "jupyterhub-singleuser", "jupyter-kernel", "ipykernel_launcher",
+})
+SERVICE_MODULES = frozenset({
+    "jupyter", "jupyterlab", "notebook", "nbclassic", "jupyter_server", "jupyterhub.singleuser",
+    "ipykernel", "ipykernel_launcher", "jupyter_client.kernelapp", "ray.dashboard.agent",
+})
+#: Process titles Ray gives its workers and agents (setproctitle): `ray::IDLE`,
+#: `ray::Actor.method`, `ray::DashboardAgent`, `ray::RuntimeEnvAgent`.
+SERVICE_TITLE_PREFIXES = ("ray::",)
+#: Where the Python programs of a Ray node live (default_worker.py, dashboard/agent.py,
+#: runtime_env/agent/main.py, log_monitor.py): run as scripts, not with -m.
+_SERVICE_SCRIPT_DIRS = ("/ray/_private/", "/ray/dashboard/", "/ray/autoscaler/")
 # Guards the climb against a corrupt or cyclic parent chain.
 _MAX_DEPTH = 64
 
@@ -50,6 +73,24 @@ def is_launcher(p: HostProcess) -> bool:
     for i, arg in enumerate(args[:-1]):
         if arg == "-m":
             return args[i + 1] in LAUNCHER_MODULES
+    return False
+
+
+def is_service(p: HostProcess) -> bool:
+    """Whether `p` shows the shape of a known service (SERVICES, SERVICE_MODULES, a `ray::`
+    title, a program of Ray's package): evidence that its tree is not one job, never a reason
+    to act on it."""
+    name = p.name or ""
+    args = p.cmdline[:2]
+    if name in SERVICES or name.startswith(SERVICE_TITLE_PREFIXES):
+        return True
+    for arg in args:
+        if (_base(arg) in SERVICES or arg.startswith(SERVICE_TITLE_PREFIXES)
+                or (arg.endswith(".py") and any(d in arg for d in _SERVICE_SCRIPT_DIRS))):
+            return True
+    for i, arg in enumerate(p.cmdline[:-1]):
+        if arg == "-m":
+            return p.cmdline[i + 1] in SERVICE_MODULES
     return False
 
 

@@ -465,6 +465,9 @@ class NodeSnapshot:
     #: How far the wall clock had stepped from the steady clock when this was taken (an NTP
     #: step, a VM resumed): 0 until somebody sets the clock.
     clock_step: float = 0.0
+    #: The PID, as this /proc shows it, of the process that took the snapshot (the daemon, a
+    #: one-shot `status`): never a job's member to report, whatever tree it sits in.
+    observer_pid: Optional[int] = None
 
     def wall(self, t: float) -> float:
         """A time of this snapshot's (`taken_at`, a start time, a `since`) on the wall clock:

@@ -132,7 +132,14 @@ class Poller:
             mem_available_bytes=read_mem_available(),
             cgroup_memory=MappingProxyType(self.cgroup_memory.read(limited)),
             run_supervisors=MappingProxyType(self._run_supervisors(processes)),
+            observer_pid=self._observer_pid(),
         )
+
+    def _observer_pid(self) -> Optional[int]:
+        """This process's PID as the process source's /proc shows it (a stand-in source
+        without `own_pid` knows none)."""
+        own_pid = getattr(self.processes, "own_pid", None)
+        return own_pid() if own_pid is not None else None
 
     def _without_exited(self, gpus: tuple[GpuDevice, ...],
                         carried: Mapping[int, frozenset[int]]) -> tuple[GpuDevice, ...]:

@@ -270,6 +270,140 @@ def plain_service(tmp_path: Path, name: str = "jupyter-lab",
         yield pid
 
 
+# ---- services: long-lived parents of GPU holders that are not one job -------------------------
+
+SERVICE_TREE = """\
+import json, os, signal, subprocess, sys
+spec = json.loads(sys.argv[1])
+if spec["title"]:
+    import setproctitle
+    setproctitle.setproctitle(spec["title"])
+children = [subprocess.Popen(argv) for argv in spec["children"]]
+restarts = 0
+
+def write_ready():
+    tmp = spec["ready"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "children": [c.pid for c in children],
+                   "restarts": restarts}, f)
+    os.replace(tmp, spec["ready"])
+
+def stop(*_):
+    for c in children:
+        c.kill()
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+write_ready()
+while True:  # the service's own work would go here; it reaps and, if asked, restarts children
+    pid, _ = os.wait()
+    for i, c in enumerate(children):
+        if c.pid == pid:
+            c.returncode = 0
+            if spec["restart"]:
+                children[i] = subprocess.Popen(spec["children"][i])
+                restarts += 1
+                write_ready()
+"""
+
+TITLED_SLEEP = """\
+import setproctitle, sys, time
+setproctitle.setproctitle(sys.argv[1])
+while True:
+    time.sleep(3600)
+"""
+
+#: A stand-in for ipykernel's launcher module, run as `python -m ipykernel_launcher -f FILE`.
+KERNEL_BODY = """\
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+while True:  # executing cells would go here
+    time.sleep(3600)
+"""
+
+
+@dataclass
+class ServiceTree:
+    """A service and its children, in host PIDs; `children` as the service's ready file says
+    now (a restarted child has a new PID there)."""
+
+    service: int
+    ready: Path
+    _proc: subprocess.Popen[bytes] = field(repr=False, compare=False)
+
+    def children(self) -> list[int]:
+        info = read_json(self.ready)
+        assert info is not None
+        return [int(pid) for pid in info["children"]]
+
+    def restarts(self) -> int:
+        info = read_json(self.ready)
+        return int(info["restarts"]) if info is not None else 0
+
+
+@contextlib.contextmanager
+def _service_tree(argv: Sequence[str], children: Sequence[Sequence[str]], ready: Path,
+                  env: Mapping[str, str], what: str, title: Optional[str] = None,
+                  restart: bool = False) -> Iterator[ServiceTree]:
+    spec = json.dumps({"title": title, "children": [list(c) for c in children],
+                       "ready": str(ready), "restart": restart})
+    top = subprocess.Popen([*argv, spec], env=dict(env), stdin=subprocess.DEVNULL,
+                           start_new_session=True)
+    _reap_in_background(top)
+    try:
+        info = wait_for(what, lambda: read_json(ready), START_TIMEOUT, alive=top)
+        tree = ServiceTree(top.pid, ready, top)
+        kids = [int(pid) for pid in info["children"]]
+        wait_for(f"{what}: its children to start", lambda: True if all(
+            running(pid) and cmdline(pid) and cmdline(pid) != cmdline(top.pid)
+            for pid in kids) else None, START_TIMEOUT)
+        yield tree
+    finally:
+        _end_job(top, top.pid, [], what)
+
+
+@contextlib.contextmanager
+def raylet_like(tmp_path: Path, actor_title: str = "ray::Actor") -> Iterator[ServiceTree]:
+    """A Ray node's manager as `ray start` leaves it: a process titled `raylet` (setproctitle,
+    as comm and command line show it) whose children are its agents, titled
+    `ray::DashboardAgent` and `ray::RuntimeEnvAgent`, and a worker running an actor, titled
+    `actor_title`. Children in that order; a killed child is not restarted (a detached actor
+    `ray.kill`ed stays dead). Clean environment: no launcher variable anywhere."""
+    titled = [sys.executable, "-c", TITLED_SLEEP]
+    children = [[*titled, "ray::DashboardAgent"], [*titled, "ray::RuntimeEnvAgent"],
+                [*titled, actor_title]]
+    with _service_tree([sys.executable, "-c", SERVICE_TREE], children,
+                       _unique(tmp_path, "raylet", ".json"), clean_env(), "the raylet",
+                       title="raylet") as tree:
+        wait_for("the raylet's title", lambda: True if comm(tree.service) == "raylet" and all(
+            (comm(pid) or "").startswith("ray::") for pid in tree.children()) else None,
+            START_TIMEOUT)
+        yield tree
+
+
+@contextlib.contextmanager
+def notebook_server_like(tmp_path: Path, kernels: int = 3) -> Iterator[ServiceTree]:
+    """A notebook server as a pip-installed `jupyter-lab` runs (a console script through its
+    `#!python` line: comm `jupyter-lab`) with `kernels` kernels, each exactly as the server
+    starts one: `python -m ipykernel_launcher -f /.../kernel-<id>.json`. A kernel that exits is
+    started again with the same command line, as the server's restarter does after a kernel
+    died or was restarted from the notebook. Clean environment."""
+    home = _unique(tmp_path, "jupyter")
+    (home / "site").mkdir(parents=True)
+    (home / "site" / "ipykernel_launcher.py").write_text(KERNEL_BODY)
+    runtime = home / "runtime"
+    runtime.mkdir()
+    server = home / "jupyter-lab"
+    server.write_text(f"#!{sys.executable}\n{SERVICE_TREE}")
+    server.chmod(0o755)
+    children = [[sys.executable, "-m", "ipykernel_launcher", "-f",
+                 str(runtime / f"kernel-{uuid.uuid4()}.json")] for _ in range(kernels)]
+    env = {**clean_env(), "PYTHONPATH": str(home / "site")}
+    with _service_tree([str(server)], children, home / "ready.json", env,
+                       "the notebook server", restart=True) as tree:
+        yield tree
+
+
 @contextlib.contextmanager
 def orphaned_worker_under_pid1(tmp_path: Path, local_rank: int = 3, world_size: int = 4,
                                run_id: str = "orphaned-run") -> Iterator[int]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,18 +20,24 @@ import pytest
 
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
+from gpuwatch.simulate.job import launch_env
 from tests.daemonproc import WatchedNode, by_pid, running_daemon
 from tests.realprocs import GIB, gpuwatch, processes_by_pid, status_json
 from tests.scenarios import (
+    GONE_TIMEOUT,
+    clean_env,
     ctrl_c,
     free_pid,
     job_with_processes_in_d_state,
     launcher_as_container_init,
+    notebook_server_like,
     orphaned_worker_under_pid1,
     parent,
     pid_namespaces,
     plain_service,
     process_on_pid,
+    raylet_like,
+    running,
     shell_loop_as_container_init,
     sigkill_launcher,
     torchrun_job,
@@ -166,6 +174,72 @@ def test_5_helpers_outliving_the_trainer_are_leftovers_after_the_grace_period_no
             assert f"its trainer {trainer} (" in leftovers[pid]["reason"]
         assert min(f["since"] for f in leftovers.values()) >= gone_at + LEFTOVER_GRACE - 1
         assert watched.status_text().count("[leftover]") == 3
+
+
+# -- 5b, 5c, 5d: a service's GPU holder ends; its other children are no leftovers -----------------
+def quiet_after_the_grace(watched: WatchedNode, ended: int, kept: list[int]) -> dict[str, Any]:
+    """Wait until the daemon has seen `ended` gone and polled a while past the leftover grace
+    after that (when a leftover would have opened); then check that none of `kept` is a finding
+    of any kind nor in `reap --dry-run`'s plan, and that they all still run. The document."""
+    seen = watched.doc_when(f"the daemon to see {ended} gone", lambda d: ended not in {
+        p["pid"] for p in d["processes"] if p["holds_gpu"]})
+    doc = watched.doc_when("polls past the leftover grace", lambda d: (
+        d["taken_at"] >= seen["taken_at"] + LEFTOVER_GRACE + 5 * INTERVAL))
+    assert [f for f in findings(doc) if f["pid"] in kept] == []
+    plan = gpuwatch(["reap", "--dry-run", "--json"], watched.env)
+    assert plan.stdout, plan.stderr
+    assert [a for a in json.loads(plan.stdout)["actions"] if a["pid"] in kept] == []
+    assert all(running(pid) for pid in kept)
+    return doc
+
+
+def test_5b_a_killed_ray_actor_leaves_the_raylet_and_its_agents_unflagged(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    """A detached actor `ray.kill`ed: the raylet and its dashboard and runtime-env agents are a
+    cluster's services, not leftovers of the actor (reaping them took the raylet down)."""
+    with raylet_like(tmp_path) as ray:
+        dashboard, runtime_env, actor = ray.children()
+        watched.node.hold(actor, device=0, used=4 * GIB)
+        watched.holding(actor)
+        os.kill(actor, signal.SIGKILL)
+        wait_not_running([actor])
+        quiet_after_the_grace(watched, actor, [ray.service, dashboard, runtime_env])
+
+
+def test_5c_a_restarted_notebook_kernel_leaves_the_server_and_its_other_kernels_unflagged(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    """Three kernels under a notebook server, one on the GPU, which is restarted (killed, a new
+    kernel started): the other two kernels hold notebooks' state and are not leftovers."""
+    with notebook_server_like(tmp_path, kernels=3) as server:
+        gpu_kernel, *others = server.children()
+        watched.node.hold(gpu_kernel, device=0, used=6 * GIB)
+        watched.holding(gpu_kernel)
+        os.kill(gpu_kernel, signal.SIGKILL)
+        wait_for("the kernel restarted", lambda: server.restarts() == 1 or None, 30)
+        restarted = server.children()[0]
+        quiet_after_the_grace(watched, gpu_kernel, [server.service, *others, restarted])
+
+
+@pytest.mark.parametrize("driver_env", ["plain", "ranked"])
+def test_5d_the_daemon_beside_a_finished_driver_under_one_harness_is_no_leftover(
+        watched: WatchedNode, driver_env: str) -> None:
+    """A test harness (this test process) started the daemon and a driver that held GPU memory
+    and exited: the harness is their common parent, which makes neither one job. A driver
+    started with a launcher's variables ("ranked") is evidence of a job; the daemon is still
+    none of its leftovers: it never reports itself."""
+    env = clean_env() if driver_env == "plain" else launch_env(0, 1, "harness-run", clean_env())
+    driver = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                              stdin=subprocess.PIPE, env=env)
+    try:
+        watched.node.hold(driver.pid, device=0, used=2 * GIB)
+        watched.holding(driver.pid)
+        assert driver.stdin is not None
+        driver.stdin.close()  # the driver's work is done: it exits 0
+        assert driver.wait(GONE_TIMEOUT) == 0
+        quiet_after_the_grace(watched, driver.pid, [watched.daemon.proc.pid])
+    finally:
+        driver.kill()
+        driver.wait()
 
 
 # -- 6 ------------------------------------------------------------------------------------------

@@ -10,10 +10,11 @@ from typing import Any, Optional
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import DETECTORS, assess
 from gpuwatch.history import History
-from gpuwatch.jobtree import job_roots
+from gpuwatch.jobtree import is_service, job_roots
 from gpuwatch.model import (
     KINDS,
     REAPABLE_KINDS,
+    AgentReading,
     GpuDevice,
     GpuProcessUsage,
     HostProcess,
@@ -40,6 +41,10 @@ def proc(pid: int, ppid: int, start: float = 100.0, gpu: Optional[int] = None,
                               "num_threads": 4, "user": "alice"}
     fields.update(kw)
     return HostProcess(pid=pid, ppid=ppid, start_time=start, gpu_usage=usage, **fields)
+
+
+#: A rank as torchrun's agent starts it: TORCHELASTIC_RUN_ID says a launcher started it.
+RANK_0 = MappingProxyType({"LOCAL_RANK": "0", "RANK": "0", "TORCHELASTIC_RUN_ID": "r0"})
 
 
 def snapshot(t: float, *procs: HostProcess, gpus: tuple[GpuDevice, ...] = ()) -> NodeSnapshot:
@@ -279,12 +284,13 @@ def test_a_zombie_is_reported_only_after_its_grace_period() -> None:
 def test_a_member_without_gpu_memory_is_an_orphan_while_its_job_trains_a_leftover_after() -> None:
     history = History()
     launcher = proc(10, 1, pgid=10)
-    trainer = proc(11, 10, gpu=GIB, pgid=10)
+    trainer = proc(11, 10, gpu=GIB, pgid=10, launch_env=RANK_0)
     helper = proc(12, 10, pgid=10, cmdline=("redis-server", "--port", "6380"))
     run(history, snapshot(1.0, launcher, trainer, helper))
     # The launcher dies; the trainer still trains: both it and the helper are orphans.
-    report = run(history, snapshot(2.0, proc(11, 1, gpu=GIB, pgid=10), proc(12, 1, pgid=10,
-                 cmdline=("redis-server", "--port", "6380"))))
+    report = run(history, snapshot(2.0, proc(11, 1, gpu=GIB, pgid=10, launch_env=RANK_0),
+                                   proc(12, 1, pgid=10,
+                                        cmdline=("redis-server", "--port", "6380"))))
     assert sorted(kinds(report)) == [("orphan", 11), ("orphan", 12)]
     # The trainer ends: the helper is no orphan any more, and a leftover once the grace is over.
     lone = proc(12, 1, pgid=10, cmdline=("redis-server", "--port", "6380"))
@@ -299,7 +305,7 @@ def test_trainers_hidden_by_a_driver_fault_keep_their_helpers_from_being_leftove
     """Found by the soak: while NVML or a GPU's process list fails, no process is seen holding
     memory; that is not the trainers ending."""
     history = History()
-    launcher = proc(10, 1, pgid=10)
+    launcher = proc(10, 1, pgid=10, name="torchrun")
     trainer = proc(11, 10, gpu=GIB, pgid=10)
     helper = proc(12, 10, pgid=10, cmdline=("redis-server",))
     hidden = proc(11, 10, pgid=10)  # alive, its memory not visible
@@ -320,6 +326,114 @@ def test_trainers_hidden_by_a_driver_fault_keep_their_helpers_from_being_leftove
     assert kinds(run(history, snapshot(81.0, launcher, hidden, helper, gpus=(free,)))) == []
     assert sorted(kinds(run(history, snapshot(83.0, launcher, hidden, helper, gpus=(free,))))) \
         == [("leftover", 11), ("leftover", 12)]
+
+
+# -- leftovers need evidence of one finished job ---------------------------------------------------
+def ended(history: History, root: HostProcess, trainer: HostProcess,
+          *others: HostProcess, observer: Optional[int] = None) -> list[tuple[str, Optional[int]]]:
+    """Run the tree with its trainer, then without it past the grace: the findings then."""
+    def snap(t: float, *procs: HostProcess) -> NodeSnapshot:
+        return replace(snapshot(t, *procs), observer_pid=observer)
+
+    run(history, snap(1.0, root, trainer, *others))
+    run(history, snap(2.0, root, *others))
+    return kinds(run(history, snap(30.0, root, *others)))
+
+
+def test_children_of_a_common_parent_with_no_evidence_of_a_job_are_never_leftovers() -> None:
+    """A harness, an IDE, a service of any name: a parent whose GPU-holding child ended, with
+    other children, is not a launcher whose job finished."""
+    parent = proc(10, 1, pgid=10, cmdline=("python", "-m", "pytest"))
+    driver = proc(11, 10, gpu=GIB, pgid=10, cmdline=("python", "drive.py"))
+    other = proc(12, 10, pgid=10, cmdline=("python", "-m", "http.server"))
+    assert ended(History(), parent, driver, other) == []
+
+
+def test_each_kind_of_evidence_of_a_finished_job_makes_its_helpers_leftovers() -> None:
+    helper = proc(12, 10, pgid=10, cmdline=("redis-server",))
+    plain = proc(10, 1, pgid=10, cmdline=("python", "launch.py"))
+    for root, trainer in (
+            (proc(10, 1, pgid=10, name="torchrun"), proc(11, 10, gpu=GIB, pgid=10)),
+            (proc(10, 1, pgid=10, cmdline=("python", "-m", "torch.distributed.run")),
+             proc(11, 10, gpu=GIB, pgid=10)),
+            (plain, proc(11, 10, gpu=GIB, pgid=10, launch_env=RANK_0)),
+            (plain, proc(11, 10, gpu=GIB, pgid=10,
+                         launch_env=MappingProxyType({"OMPI_COMM_WORLD_RANK": "0"}))),
+            (plain, proc(11, 10, gpu=GIB, pgid=10,
+                         launch_env=MappingProxyType({"GPUWATCH_RUN_ID": "train-1"})))):
+        assert ended(History(), root, trainer, helper) == [("leftover", 12)], (root, trainer)
+    # RANK and LOCAL_RANK alone: a script may set them itself, which says no launcher.
+    ranked = proc(11, 10, gpu=GIB, pgid=10, launch_env=MappingProxyType({"RANK": "0"}))
+    assert ended(History(), plain, ranked, helper) == []
+
+
+def test_a_trainer_that_told_the_agent_it_finished_is_evidence_of_a_finished_job() -> None:
+    history = History()
+    root = proc(10, 1, pgid=10, sid=5, name="sh")  # `sh -c "train & redis & wait"`
+    trainer = proc(11, 10, gpu=GIB, pgid=10)
+    helper = proc(12, 10, pgid=10, cmdline=("redis-server",))
+    done = AgentReading(pid=11, uid=1000, first_seen=0.5, last_seen=1.5, step=9,
+                        step_changed_at=1.5, finished_at=1.5, exit_report=None, points=(),
+                        latest=None)
+    agents = MappingProxyType({11: done})
+    run(history, snapshot(1.0, root, trainer, helper))
+    run(history, replace(snapshot(2.0, root, trainer, helper), agents=agents))
+    report = run(history, replace(snapshot(30.0, root, trainer, helper), agents=agents))
+    assert sorted(kinds(report)) == [("leftover", 11), ("leftover", 12)]
+
+
+def test_a_tree_that_holds_a_service_never_has_leftovers_whatever_its_evidence() -> None:
+    """Ray's raylet and its `ray::` workers and agents, a notebook server and its kernels: even
+    where the whole tree inherited a launcher's variables (`srun ray start`, PMI_RANK in every
+    process), and inside a Slurm job whose step is a launcher."""
+    pmi = MappingProxyType({"PMI_RANK": "0"})
+    raylet = proc(10, 1, pgid=10, name="raylet", cmdline=("raylet",), launch_env=pmi)
+    actor = proc(11, 10, gpu=GIB, name="ray::Actor", cmdline=("ray::Actor",), launch_env=pmi)
+    agents = [proc(pid, 10, name=title[:15], cmdline=(title,), launch_env=pmi)
+              for pid, title in ((12, "ray::DashboardAgent"), (13, "ray::RuntimeEnvAgent"))]
+    assert ended(History(), raylet, actor, *agents) == []
+
+    server = proc(20, 1, name="jupyter-lab",
+                  cmdline=("/usr/bin/python3", "/usr/local/bin/jupyter-lab", "--no-browser"))
+    kernel = ("python", "-m", "ipykernel_launcher", "-f", "/run/kernel-1.json")
+    gpu_kernel = proc(21, 20, gpu=GIB, cmdline=kernel, launch_env=RANK_0)
+    kernels = [proc(pid, 20, cmdline=kernel) for pid in (22, 23)]
+    assert ended(History(), server, gpu_kernel, *kernels) == []
+
+    job = Job("4242", "slurm")
+    stepd = proc(30, 1, name="slurmstepd", job=job)
+    script = proc(31, 30, name="bash", sid=31, pgid=31, job=job)
+    in_job = proc(32, 31, name="python", job=job,
+                  cmdline=("python", "-m", "jupyter_server", "--port", "8888"))
+    cell = proc(33, 32, gpu=GIB, job=job, cmdline=kernel)
+    redis = proc(34, 31, job=job, cmdline=("redis-server",))
+    assert ended(History(), stepd, cell, script, in_job, redis) == []
+
+
+def test_the_process_that_took_the_snapshot_is_never_a_leftover() -> None:
+    """The daemon started by a harness that also ran a launcher-started driver."""
+    harness = proc(10, 1, pgid=10, cmdline=("python", "-m", "pytest"))
+    driver = proc(11, 10, gpu=GIB, pgid=10, launch_env=RANK_0)
+    daemon = proc(12, 10, pgid=10, cmdline=("python3", "-m", "gpuwatch", "daemon"))
+    helper = proc(13, 10, pgid=10, cmdline=("redis-server",))
+    assert ended(History(), harness, driver, daemon, helper, observer=12) == [("leftover", 13)]
+
+
+def test_service_shapes_are_known_by_name_module_title_and_rays_programs() -> None:
+    def shaped(name: str, *args: str) -> bool:
+        return is_service(proc(5, 1, name=name, cmdline=args))
+
+    assert shaped("raylet", "/x/ray/core/src/ray/raylet/raylet", "--node_ip_address=1.2.3.4")
+    assert shaped("gcs_server", "/x/ray/core/src/ray/gcs/gcs_server")
+    assert shaped("ray::IDLE", "ray::IDLE")
+    assert shaped("python", "python", "/x/site-packages/ray/dashboard/agent.py", "--a=b")
+    assert shaped("python", "python", "/x/site-packages/ray/_private/workers/default_worker.py")
+    assert shaped("jupyter-lab", "/usr/bin/python3", "/usr/local/bin/jupyter-lab")
+    assert shaped("python", "python", "-m", "jupyter_server")
+    assert shaped("python", "python", "-m", "ipykernel_launcher", "-f", "/k.json")
+    assert not shaped("torchrun", "/usr/bin/python3", "/usr/local/bin/torchrun", "t.py")
+    assert not shaped("python", "python", "train.py", "--out", "/data/ray/_private/x.py")
+    assert not shaped("python", "python", "-m", "torch.distributed.run", "t.py")
 
 
 def test_a_login_shell_is_never_a_job_root() -> None:

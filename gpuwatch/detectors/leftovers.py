@@ -6,26 +6,41 @@ redis, the actor, the preprocessor) is a leftover, named by its command. The lau
 not reported: it is typically waiting for those very helpers, and ends with them. A member whose
 `gpuwatch run` supervisor is gone is an orphan instead, from the first poll that sees it, and is
 not reported twice.
+
+A common parent is not enough: a notebook server, a cluster manager or a test harness is the
+parent of its GPU holder as a launcher is of its workers, and outlives it with other children
+that are live work. So a tree's members are leftovers only where the tree shows that it was one
+job (`job_evidence`): its root is a distributed launcher, its trainers were started as ranks by
+one (a variable only a launcher's agent sets) or under `gpuwatch run`, or a trainer told the
+agent it finished. And never where the tree still holds a service (jobtree.is_service: a raylet,
+a notebook server, a kernel), nor the process that took the snapshot, the daemon itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Optional
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import command, finding, is_protected, named, supervisor_gone
-from gpuwatch.history import History
-from gpuwatch.model import Finding, Kind, NodeSnapshot
+from gpuwatch.history import History, JobRecord
+from gpuwatch.jobtree import is_launcher, is_service
+from gpuwatch.launch_env import LAUNCHER_SET_KEYS, RUN_ID_KEY
+from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.LEFTOVER})
+# Guards the climb against a corrupt or cyclic parent chain.
+_MAX_DEPTH = 64
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
     for job in history.jobs():
         if job.finished_at is None or snapshot.taken_at - job.finished_at < config.leftover_grace:
+            continue
+        if job_evidence(job) is None or _hosts_a_service(job, snapshot):
             continue
         trainer_pid, trainer_name = job.last_trainer or (None, None)
         for identity in sorted(job.members, key=lambda i: i[0]):
@@ -34,6 +49,8 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                 continue
             if p.state == "zombie" or is_protected(p, config):
                 continue  # a zombie is reported as one, whatever its job
+            if _under_observer(p, snapshot):
+                continue
             if supervisor_gone(p, snapshot) is not None:
                 continue  # an orphan already, since its supervisor went
             label = f" of job {job.label}" if job.label else ""
@@ -45,3 +62,49 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                           f"{named(trainer_pid, trainer_name)} ended after "
                           f"{clock_time(snapshot.wall(job.finished_at))}")
             yield finding(Kind.LEFTOVER, "warning", p, reason)
+
+
+def job_evidence(job: JobRecord) -> Optional[str]:
+    """What shows that the tree was one job that has finished, not a long-lived parent's
+    children, in words; None where nothing does (its members are then never leftovers)."""
+    root = job.root
+    if root is not None and is_launcher(root) and not is_service(root):
+        return f"its root {named(root.pid, root.name)} is a distributed launcher"
+    started_by_launcher = sorted(job.trainer_env & LAUNCHER_SET_KEYS)
+    if started_by_launcher:
+        return f"its trainers were started as ranks by a launcher ({started_by_launcher[0]})"
+    if RUN_ID_KEY in job.trainer_env:
+        return "its trainers ran under `gpuwatch run`"
+    if job.agent_finished:
+        return "a trainer told the agent it finished"
+    return None
+
+
+def _hosts_a_service(job: JobRecord, snapshot: NodeSnapshot) -> bool:
+    """Whether the tree's root (as first seen) or a live member shows a service's shape: its
+    GPU holders were one piece of a service's work, and the service's other children are
+    live."""
+    if job.root is not None and is_service(job.root):
+        return True
+    for identity in job.members:
+        p = snapshot.processes.get(identity[0])
+        if p is not None and p.identity == identity and is_service(p):
+            return True
+    return False
+
+
+def _under_observer(p: HostProcess, snapshot: NodeSnapshot) -> bool:
+    """Whether `p` is the process that took the snapshot (the daemon), or runs under it."""
+    observer = snapshot.observer_pid
+    if observer is None:
+        return False
+    current: Optional[HostProcess] = p
+    for _ in range(_MAX_DEPTH):
+        if current is None:
+            return False
+        if current.pid == observer:
+            return True
+        if not current.ppid:
+            return False
+        current = snapshot.processes.get(current.ppid)
+    return False

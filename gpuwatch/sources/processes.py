@@ -365,6 +365,14 @@ class ProcessSource:
             return []
         return [int(c) for c in raw.split()] if raw else []
 
+    def own_pid(self) -> Optional[int]:
+        """This process's PID in the /proc read (/proc/self), or None where that /proc does
+        not show this process (mounted for another PID namespace, or a fixture directory)."""
+        try:
+            return int(os.readlink(os.path.join(self._procfs, "self")))
+        except (OSError, ValueError):
+            return None
+
     def last_pid(self) -> Optional[int]:
         """The PID most recently handed out in this process's PID namespace (the last field of
         /proc/loadavg), or None when /proc is not this namespace's, or unreadable."""

@@ -557,7 +557,9 @@ class History:
         daemon works towards after the leak opened (a discovery pass, a trace it asked for), so
         "RSS grows every step" would otherwise stay the reason for the whole life of a leak
         whose cause became known minutes later. The reason changes at most once, from saying
-        less to saying more; a culprit named differently later only shows in `details`.
+        less to saying more; a culprit named differently later only shows in `details`. So
+        does a step stall's, once the process reports hung at exit (details["hung_at_exit"]):
+        what holds it is then known.
         """
         stamped = []
         open_now: dict[tuple[object, ...], tuple[float, str, bool]] = {}
@@ -565,10 +567,12 @@ class History:
             kept = self._open_findings.get(f.identity)
             if kept is None:
                 since, reason = now, f.reason
-                refinable = f.kind == Kind.LEAK and f.details.get("culprit") is None
+                refinable = ((f.kind == Kind.LEAK and f.details.get("culprit") is None)
+                             or (f.kind == Kind.STALLED and not f.details.get("hung_at_exit")))
             else:
                 since, reason, refinable = kept
-                if refinable and f.details.get("culprit") is not None:
+                if refinable and (f.details.get("culprit") is not None
+                                  or f.details.get("hung_at_exit")):
                     reason, refinable = f.reason, False
             open_now[f.identity] = (since, reason, refinable)
             job = f.job

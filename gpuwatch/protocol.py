@@ -43,6 +43,9 @@ DISCOVERED_NAME_PATTERN = r"[A-Za-z0-9_.:/<>-]{1,128}"
 #: An exit report: at most this many thread names, each at most this long.
 MAX_EXIT_THREADS = 64
 MAX_THREAD_NAME = 64
+#: An exit report's `thread_pools`: at most MAX_EXIT_THREADS pools, each naming at most this many
+#: of its worker threads (its `workers` counts them all).
+MAX_POOL_THREAD_NAMES = 4
 #: A trace report: its `status`, at most this many sites and traceback frames, a file name and
 #: a `why` at most this long.
 TRACE_STATUSES = ("done", "refused", "failed")

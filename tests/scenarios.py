@@ -1037,3 +1037,37 @@ def process_on_pid(pid: int, argv: Sequence[str]) -> Iterator[subprocess.Popen[b
         proc.kill()
         proc.wait()
     pytest.fail(f"could not get PID {pid} back after 50 tries")
+
+
+#: A trainer that ends its script without shutting its executor down, while a worker of it is
+#: blocked for good: the interpreter starts its exit (the agent sends its `exit` report) and then
+#: waits on the worker forever, holding whatever the process holds.
+HUNG_AT_EXIT_PROGRAM = """\
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from gpuwatch import agent
+for step in range(3):
+    agent.step(step)
+reward_buffer = ThreadPoolExecutor(1, thread_name_prefix="reward_buffer")
+reward_buffer.submit(threading.Event().wait)
+print("training done", flush=True)
+"""
+
+
+@contextlib.contextmanager
+def hung_at_exit(env: Mapping[str, str], program: str = HUNG_AT_EXIT_PROGRAM
+                 ) -> Iterator[subprocess.Popen[str]]:
+    """A real instrumented Python program hung at interpreter exit (HUNG_AT_EXIT_PROGRAM unless
+    told), yielded once the agent has said on stderr what holds it; killed on the way out."""
+    proc = subprocess.Popen([sys.executable, "-c", program], env=dict(env), text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert proc.stderr is not None
+        said = proc.stderr.readline()  # the agent's line, written at exit (or EOF if it died)
+        assert said.startswith("gpuwatch: at exit,"), said + proc.stderr.read()
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()

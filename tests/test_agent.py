@@ -525,7 +525,8 @@ def test_a_thread_left_running_at_exit_gets_an_exit_report_and_a_stderr_line(
     assert proc.returncode == 0
     (pid, _, report), = of_kind(receiver.reports, "exit")
     assert pid == proc.pid and report["step"] == 6
-    assert report["exit"] == {"threads": ["heartbeat"], "executors": 1, "process_group": False}
+    assert report["exit"] == {"threads": ["heartbeat"], "executors": 1, "process_group": False,
+                              "thread_pools": [{"workers": 1, "threads": ["prefetch_0"]}]}
     # The coalesced last step went out before the exit report.
     assert [r[2]["step"] for r in of_kind(receiver.reports, "step")] == [5, 6]
     lines = err.splitlines()

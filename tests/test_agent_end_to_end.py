@@ -20,7 +20,8 @@ import pytest
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import running_daemon, value
-from tests.realprocs import GIB, MIB, killed_after, progress_step, status_json
+from tests.realprocs import GIB, MIB, gpuwatch, killed_after, progress_step, status_json
+from tests.scenarios import hung_at_exit
 
 INTERVAL = 0.2
 WARMUP = 10
@@ -217,6 +218,32 @@ def test_exit_hygiene_reaches_the_daemon_log_and_stderr(
         _, stderr = proc.communicate(timeout=30)
         assert "non-daemon thread 'heartbeat'" in stderr
         daemon.wait_for_log("reached interpreter exit with non-daemon thread 'heartbeat'")
+
+
+def test_a_rank_hung_at_exit_by_an_executor_never_shut_down_is_stalled_within_a_few_polls(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    # The step-stall threshold stays at its default (600 s): the exit report alone opens it.
+    with running_daemon(cli_env, tmp_path, args=("--interval", str(INTERVAL))) as daemon, \
+            hung_at_exit(cli_env) as proc:
+        fake_node.hold(proc.pid, device=0, used=8 * GIB)
+        reached_exit = time.monotonic()
+
+        def hung() -> Optional[dict[str, Any]]:
+            _, doc = status_json(cli_env)
+            f = finding_of(doc, "stalled", proc.pid) if doc["source"] == "daemon" else None
+            return f if f is not None and f["gpu_memory_bytes"] == 8 * GIB else None
+
+        # A few polls, and the time `gpuwatch status` takes on a loaded machine.
+        stalled = wait_for("the stalled finding", hung, 30, alive=daemon.proc)
+        assert time.monotonic() - reached_exit < 30
+        cause = ("a ThreadPoolExecutor with 1 live worker thread ('reward_buffer_0') was never "
+                 "shut down")
+        assert stalled["reason"] == f"hung at exit: the interpreter began to exit, but {cause}"
+        assert stalled["severity"] == "critical"
+        assert stalled["details"] == {"hung_at_exit": True}
+        text = gpuwatch(["status"], {**cli_env, "COLUMNS": "400"}).stdout
+        assert "from the running daemon" in text and cause in text, text
+        assert proc.poll() is None  # still there, holding its 8 GiB
 
 
 def test_hostile_agent_input_is_counted_and_bounded_while_the_daemon_keeps_working(

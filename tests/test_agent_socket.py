@@ -260,6 +260,21 @@ def test_finished_and_exit_reports_are_stored(receiver: AgentReceiver, sock_path
     assert r.last_seen == 1003.0
 
 
+def test_an_exit_report_keeps_each_thread_pool_with_its_workers_and_their_names(
+        receiver: AgentReceiver, sock_path: Path) -> None:
+    pools = [{"workers": 1, "threads": ["reward_buffer_0"]},
+             {"workers": 16, "threads": ["loader_0", "loader_1", "loader_2", "loader_3"]}]
+    pid = send(sock_path, report("exit", exit={"executors": 3, "thread_pools": pools}))
+    wait_handled(receiver, 1)
+    r = receiver.drain()[pid]
+    assert r.exit_report is not None
+    assert [dict(pool) for pool in r.exit_report["thread_pools"]] == [
+        {"workers": 1, "threads": ("reward_buffer_0",)},
+        {"workers": 16, "threads": ("loader_0", "loader_1", "loader_2", "loader_3")}]
+    with pytest.raises(TypeError):
+        r.exit_report["thread_pools"][0]["workers"] = 0
+
+
 def test_a_finished_report_without_a_step_report_makes_a_reading_without_points(
         receiver: AgentReceiver, sock_path: Path) -> None:
     pid = send(sock_path, report("finished"))
@@ -587,6 +602,10 @@ REJECTIONS: dict[str, list[bytes]] = {
         report("exit", exit={"threads": ["t"] * 65}),
         report("exit", exit={"threads": ["t" * 65]}),
         report("exit", exit={"executors": -1}),
+        report("exit", exit={"thread_pools": [{"workers": 1}] * 65}),
+        report("exit", exit={"thread_pools": [{"workers": 0}]}),
+        report("exit", exit={"thread_pools": [{"workers": 5, "threads": ["t"] * 5}]}),
+        report("exit", exit={"thread_pools": [{"workers": 1, "threads": ["t" * 65]}]}),
         report("paused", step=1),
         report(step=1, cuda={"active": -1}),
         report(step=1, cuda={"allocations": 1 << 63}),
@@ -623,6 +642,11 @@ REJECTIONS: dict[str, list[bytes]] = {
         report("exit", exit={"threads": [1]}),
         report("exit", exit={"executors": True}),
         report("exit", exit={"process_group": 1}),
+        report("exit", exit={"thread_pools": {"workers": 1}}),
+        report("exit", exit={"thread_pools": [["reward_buffer_0"]]}),
+        report("exit", exit={"thread_pools": [{"threads": ["t"]}]}),
+        report("exit", exit={"thread_pools": [{"workers": "1"}]}),
+        report("exit", exit={"thread_pools": [{"workers": 1, "threads": [1]}]}),
         report(step=1, cuda={"active": "1"}),
         report(step=1, cuda={"allocations": 1.0}),
         report(step=1, discovered=["m.d"]),

@@ -303,3 +303,26 @@ def test_seed_001_a_gloo_process_group_never_destroyed_is_reported_at_exit(
                 "call torch.distributed.destroy_process_group()") in stderr
         daemon.wait_for_log(f"PID {proc.pid} (python) reached interpreter exit with a "
                             "torch.distributed process group never destroyed")
+
+
+def test_seed_001_a_rank_held_at_exit_with_its_gloo_group_never_destroyed_is_stalled(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed")
+    with running_daemon(cli_env, tmp_path) as daemon, killed_after(
+            [sys.executable, "-m", "gpuwatch.simulate.torch_trainer", "--progress",
+             str(tmp_path / "progress"), "--steps", "3", "--step-seconds", "0.2",
+             "--process-group", str(tmp_path / "store"), "--linger", "600"],
+            {**cli_env, "GLOO_SOCKET_IFNAME": "lo"},
+            cwd=Path(__file__).resolve().parent.parent) as proc:
+        # Past its last step, its exit held for as long as the test runs.
+        fake_node.hold(proc.pid, device=0, used=GIB)
+
+        def hung() -> Optional[dict[str, Any]]:
+            _, doc = status_json(cli_env)
+            return next((f for f in doc["findings"] if f["kind"] == "stalled"
+                         and f["pid"] == proc.pid and f["severity"] == "critical"), None)
+
+        stalled = wait_for("the stalled finding", hung, 120, alive=daemon.proc)
+        assert stalled["reason"] == ("hung at exit: the interpreter began to exit, but the "
+                                     "torch.distributed process group was never destroyed")
+        assert proc.poll() is None

@@ -26,6 +26,7 @@ from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import WatchedNode, running_daemon
 from tests.realprocs import GIB
 from tests.scenarios import (
+    hung_at_exit,
     process_on_pid,
     running,
     sigkill_launcher,
@@ -148,6 +149,24 @@ def test_the_epilog_frees_the_gpu_memory_of_a_job_orphaned_by_sigkill(
         watched.doc_when("the daemon to see the memory freed",
                          lambda d: used_before - _doc_used(d) == 9 * GIB)
         assert epilog.scontrol_calls() == []
+
+
+def test_the_epilog_ends_a_rank_of_the_job_hung_at_interpreter_exit(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    epilog = Epilog(tmp_path, watched.env)
+    with hung_at_exit({**watched.env, "SLURM_JOB_ID": "7373"}) as rank, \
+            hung_at_exit({**watched.env, "SLURM_JOB_ID": "7400"}) as other:
+        watched.node.hold(rank.pid, device=0, used=8 * GIB)
+        watched.node.hold(other.pid, device=1, used=8 * GIB)
+        stalled = watched.findings_of("stalled", [rank.pid, other.pid])
+        assert stalled[rank.pid]["job"] == {"id": "7373", "source": "slurm"}
+
+        done = epilog.run("7373")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "GPU memory released" in done.stdout, done.stdout
+        wait_not_running([rank.pid])
+        assert epilog.scontrol_calls() == []
+        assert running(other.pid)  # another job's: not the epilog's to end
 
 
 def test_the_epilog_finds_the_job_by_its_slurm_cgroup_without_any_job_variable(

@@ -75,7 +75,10 @@ TRACE = anything_or(st.fixed_dictionaries({}, optional={
     "traceback": anything_or(st.lists(FRAME, max_size=18))}))
 EXIT = anything_or(st.fixed_dictionaries({}, optional={
     "threads": anything_or(st.lists(TEXT, max_size=70)), "executors": anything_or(GOOD_INTS),
-    "process_group": anything_or(st.booleans())}))
+    "process_group": anything_or(st.booleans()),
+    "thread_pools": anything_or(st.lists(anything_or(st.fixed_dictionaries({}, optional={
+        "workers": anything_or(GOOD_INTS),
+        "threads": anything_or(st.lists(TEXT, max_size=6))})), max_size=66))}))
 CUDA = anything_or(st.fixed_dictionaries({}, optional={
     k: anything_or(GOOD_INTS) for k in ("allocated", "reserved", "active", "allocations")}))
 

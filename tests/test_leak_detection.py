@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 from types import MappingProxyType
-from typing import Optional
+from typing import Any, Optional
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import assess
@@ -53,7 +53,8 @@ class Run:
              advance: bool = True, discovered: Optional[dict[str, BufferSize]] = None,
              cuda: tuple[Optional[int], Optional[int]] = (None, None),
              trace: Optional[TraceReport] = None,
-             traces_pending: Optional[dict[int, int]] = None) -> NodeReport:
+             traces_pending: Optional[dict[int, int]] = None,
+             exit_report: Optional[dict[str, Any]] = None) -> NodeReport:
         t = at if at is not None else 1000.0 + step
         if advance:
             self.step_changed_at = t
@@ -62,7 +63,9 @@ class Run:
                           else MappingProxyType(discovered))
         agent = AgentReading(pid=10, uid=1000, first_seen=self.first_seen, last_seen=t,
                              step=step, step_changed_at=self.step_changed_at, finished_at=None,
-                             exit_report=None, points=(point,) if advance else (),
+                             exit_report=(MappingProxyType(exit_report)
+                                          if exit_report is not None else None),
+                             points=(point,) if advance else (),
                              latest=point, trace=trace, can_reply=True)
         usage = (GpuProcessUsage(0, "GPU-0", 10, gpu),) if gpu is not None else ()
         worker = HostProcess(pid=10, ppid=1, start_time=900.0, name="python", user="alice",
@@ -195,6 +198,35 @@ def test_a_stalled_step_is_flagged_after_the_threshold_and_cleared_when_steps_re
     assert (f.kind, f.pid) == ("stalled", 10)
     assert f.reason == "step 4 has not advanced since 00:16:44Z while holding GPU memory"
     assert run.step(5, 3 * GIB, gpu=GIB, at=t + 62.0).findings == ()
+
+
+def test_a_step_stall_that_turns_out_hung_at_exit_says_what_holds_it_from_then_on() -> None:
+    run = Run()
+    for step in range(5):
+        run.step(step, 3 * GIB, gpu=GIB)
+    (stall,) = run.step(4, 3 * GIB, gpu=GIB, at=1065.0, advance=False).findings
+    assert stall.severity == "warning" and stall.details == {}
+    pools = (MappingProxyType({"workers": 1, "threads": ("reward_buffer_0",)}),)
+    hung = {"threads": ("heartbeat",), "executors": 2, "thread_pools": pools,
+            "process_group": True}
+    for at in (1066.0, 1067.0):
+        (f,) = run.step(4, 3 * GIB, gpu=GIB, at=at, advance=False, exit_report=hung).findings
+        assert (f.kind, f.since, f.severity) == ("stalled", stall.since, "critical")
+        assert f.reason == (
+            "hung at exit: the interpreter began to exit, but a ThreadPoolExecutor with 1 live "
+            "worker thread ('reward_buffer_0') was never shut down; a ProcessPoolExecutor was "
+            "never shut down; non-daemon thread 'heartbeat' is still running; the "
+            "torch.distributed process group was never destroyed")
+        assert f.details == {"hung_at_exit": True}
+
+
+def test_a_process_hung_at_exit_without_gpu_memory_is_a_warning_from_the_first_poll() -> None:
+    run = Run()
+    run.step(0, GIB)
+    (f,) = run.step(0, GIB, at=1001.0, advance=False, exit_report={"executors": 2}).findings
+    assert (f.kind, f.severity, f.gpu_memory_bytes) == ("stalled", "warning", None)
+    assert f.reason == "hung at exit: the interpreter began to exit, but 2 executors were never " \
+        "shut down"
 
 
 FETCH = "areal.infra.rpc.rtensor._fetch_buffer"

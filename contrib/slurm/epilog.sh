@@ -1,6 +1,6 @@
 #!/bin/sh
 # /etc/slurm/epilog.d/gpuwatch: free what the job left on its GPUs before the next one lands.
-gpuwatch reap --job "$SLURM_JOB_ID" --kind orphan --kind leftover --kind zombie --yes --grace 10
+gpuwatch reap --job "$SLURM_JOB_ID" --kind orphan --kind leftover --kind zombie --kind stalled --yes --grace 10
 case $? in
   0|3) exit 0 ;;   # no GPU memory of the job is held any more, or nothing to do
   4)   # GPU memory of the job is still held: keep the next job off this node

@@ -387,9 +387,16 @@ def _plain_step_report(step_value: Any) -> Optional[bytes]:
 
 def _encode(report: dict[str, Any]) -> Optional[bytes]:
     data = _encode_json(report).encode("utf-8")
-    threads = report.get("exit", {}).get("threads")
-    while len(data) > MAX_DATAGRAM and threads:
-        del threads[len(threads) // 2:]  # only very long non-ASCII thread names get here
+    exit_body = report.get("exit", {})
+    threads, pools = exit_body.get("threads"), exit_body.get("thread_pools")
+    # Only very long non-ASCII thread names get here: the pools' names go first, then the
+    # threads' (`executors` still counts every pool).
+    while len(data) > MAX_DATAGRAM and (threads or pools):
+        names = pools or threads
+        del names[len(names) // 2:]
+        if pools is not None and not pools:
+            del exit_body["thread_pools"]
+            pools = None
         data = _encode_json(report).encode("utf-8")
     return data if len(data) <= MAX_DATAGRAM else None
 

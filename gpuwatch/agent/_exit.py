@@ -14,7 +14,7 @@ import threading
 from typing import Any, Optional
 
 from gpuwatch.protocol import MAX_EXIT_THREADS as MAX_THREAD_NAMES
-from gpuwatch.protocol import MAX_THREAD_NAME
+from gpuwatch.protocol import MAX_POOL_THREAD_NAMES, MAX_THREAD_NAME
 
 __all__ = ["EXIT_CODE_INTERRUPTED", "exit_now", "leftovers", "say"]
 
@@ -23,7 +23,7 @@ EXIT_CODE_INTERRUPTED = 130
 
 def leftovers() -> Optional[tuple[dict[str, Any], list[str]]]:
     """What is still alive that holds the exit: the `exit` body and one stderr line per item."""
-    executor_lines, executor_threads = executors()
+    executor_lines, executor_threads, pools = executors()
     lines = list(executor_lines)
     main, current = threading.main_thread(), threading.current_thread()
     threads = []
@@ -46,12 +46,15 @@ def leftovers() -> Optional[tuple[dict[str, Any], list[str]]]:
         return None
     body = {"threads": threads[:MAX_THREAD_NAMES], "executors": len(executor_lines),
             "process_group": process_group}
+    if pools:
+        body["thread_pools"] = pools[:MAX_THREAD_NAMES]
     return body, lines
 
 
-def executors() -> tuple[list[str], set[threading.Thread]]:
+def executors() -> tuple[list[str], set[threading.Thread], list[dict[str, Any]]]:
     """Executors never shut down, found through the registries the executors' own exit hooks
-    use; their threads are returned so they are not listed again one by one.
+    use; their threads are returned so they are not listed again one by one, and each thread
+    pool as the `exit` report's `thread_pools` has it (its live workers, a few of their names).
 
     Thread pool workers that share a work queue belong to one executor; a process pool has one
     manager thread. Where these private registries are missing, the same threads still show up
@@ -59,6 +62,7 @@ def executors() -> tuple[list[str], set[threading.Thread]]:
     """
     lines: list[str] = []
     seen: set[threading.Thread] = set()
+    described: list[dict[str, Any]] = []
     thread_mod = sys.modules.get("concurrent.futures.thread")
     pools: dict[int, list[threading.Thread]] = {}
     for t, q in list(getattr(thread_mod, "_threads_queues", {}).items()):
@@ -66,6 +70,9 @@ def executors() -> tuple[list[str], set[threading.Thread]]:
             pools.setdefault(id(q), []).append(t)
     for workers in pools.values():
         seen.update(workers)
+        described.append({"workers": len(workers),
+                          "threads": [t.name[:MAX_THREAD_NAME]
+                                      for t in workers[:MAX_POOL_THREAD_NAMES]]})
         names = ", ".join(repr(t.name) for t in workers[:4]) + (", ..." if len(workers) > 4
                                                                 else "")
         lines.append(f"gpuwatch: at exit, a ThreadPoolExecutor with {len(workers)} live worker "
@@ -77,7 +84,7 @@ def executors() -> tuple[list[str], set[threading.Thread]]:
             seen.add(t)
             lines.append("gpuwatch: at exit, a ProcessPoolExecutor was never shut down: the "
                          "process will not exit until its running and queued tasks finish")
-    return lines, seen
+    return lines, seen, described
 
 
 def say(lines: list[str]) -> None:

@@ -1,29 +1,52 @@
-"""stalled: an instrumented process whose step has not advanced while it holds GPU memory.
+"""stalled: an instrumented process that holds on and does not move.
 
-The trainer starved of data for ten minutes, a collective that never returns, a deadlock: the
-GPU memory stays held and nothing moves. Only processes that report steps through the agent can
-be judged, and one that said it finished is not stalled. The finding closes when steps resume.
+Two ways, one kind:
+- its step has not advanced while it holds GPU memory: the trainer starved of data for ten
+  minutes, a collective that never returns, a deadlock. Only processes that report steps through
+  the agent can be judged, and one that said it finished is not stalled. The finding closes when
+  steps resume.
+- hung at exit: its interpreter began to exit (the agent's `exit` report, sent from the exit
+  hooks) yet the process still runs, held by what the report names: an executor never shut
+  down, a non-daemon thread, a torch.distributed process group never destroyed. Nothing the
+  program does moves any more; what it holds stays held until something ends it. Reported from
+  the first poll that sees the report, critical while it holds GPU memory, and a warning when
+  it holds none (its job still waits for it). The finding closes when the process exits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Any
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import finding, is_protected
 from gpuwatch.history import History
-from gpuwatch.model import Finding, Kind, NodeSnapshot
-from gpuwatch.units import clock_time
+from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
+from gpuwatch.units import clock_time, plural
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.STALLED})
+
+#: Set in the details of a stalled finding about a process hung at exit (the history lets such
+#: a finding take over the reason of a step stall open on the same process).
+HUNG_AT_EXIT = "hung_at_exit"
+_AT_EXIT_DETAILS: Mapping[str, Any] = MappingProxyType({HUNG_AT_EXIT: True})
+# Names a reason gives at most, of threads and of each pool's workers.
+_NAMES_SHOWN = 4
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
     for pid, agent in snapshot.agents.items():
         p = snapshot.processes.get(pid)
-        if p is None or not p.holds_gpu or is_protected(p, config):
+        if p is None or not p.in_procfs or is_protected(p, config):
+            continue
+        if agent.exit_report is not None and p.state != "zombie":
+            yield _hung_at_exit(p, agent.exit_report)
+            continue
+        if not p.holds_gpu:
             continue
         if agent.finished_at is not None or agent.step_changed_at is None:
             continue
@@ -33,3 +56,46 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                       f"step {agent.step} has not advanced since "
                       f"{clock_time(snapshot.wall(agent.step_changed_at))} "
                       "while holding GPU memory")
+
+
+def _hung_at_exit(p: HostProcess, report: Mapping[str, Any]) -> Finding:
+    causes = "; ".join(exit_causes(report)) or "something it did not name holds it"
+    f = finding(Kind.STALLED, "critical" if p.holds_gpu else "warning", p,
+                f"hung at exit: the interpreter began to exit, but {causes}")
+    return replace(f, details=_AT_EXIT_DETAILS)
+
+
+def exit_causes(report: Mapping[str, Any]) -> list[str]:
+    """What an agent's exit report says holds the exit, one clause each: "a ThreadPoolExecutor
+    with 1 live worker thread ('reward_buffer_0') was never shut down". Names are quoted with
+    repr(), so what a program calls its threads cannot break the sentence."""
+    causes = []
+    pools = report.get("thread_pools") or ()
+    for pool in pools:
+        workers = pool.get("workers") or 0
+        names = _names(pool.get("threads") or (), workers)
+        causes.append(f"a ThreadPoolExecutor with {plural(workers, 'live worker thread')}"
+                      f"{f' ({names})' if names else ''} was never shut down")
+    executors = report.get("executors") or 0
+    if pools:
+        others = executors - len(pools)
+        if others == 1:
+            causes.append("a ProcessPoolExecutor was never shut down")
+        elif others > 1:
+            causes.append(f"{others} ProcessPoolExecutors were never shut down")
+    elif executors:
+        causes.append(f"{plural(executors, 'executor')} "
+                      f"{'was' if executors == 1 else 'were'} never shut down")
+    threads = tuple(report.get("threads") or ())
+    if threads:
+        causes.append(f"non-daemon thread{'s' if len(threads) != 1 else ''} "
+                      f"{_names(threads, len(threads))} "
+                      f"{'is' if len(threads) == 1 else 'are'} still running")
+    if report.get("process_group"):
+        causes.append("the torch.distributed process group was never destroyed")
+    return causes
+
+
+def _names(names: tuple[str, ...] | list[str], count: int) -> str:
+    shown = ", ".join(repr(name) for name in list(names)[:_NAMES_SHOWN])
+    return shown + (", ..." if count > min(len(names), _NAMES_SHOWN) else "")

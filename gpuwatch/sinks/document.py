@@ -167,7 +167,7 @@ def _agent(a: Optional[AgentReading], wall: Callable[[float], float]
         "cuda_allocations": getattr(latest, "cuda_allocations", None),
         "buffers": {name: {"items": b.items, "bytes": b.bytes}
                     for name, b in (latest.buffers.items() if latest else ())},
-        "exit": dict(a.exit_report) if a.exit_report is not None else None,
+        "exit": _plain(a.exit_report) if a.exit_report is not None else None,
     }
 
 

@@ -33,6 +33,7 @@ from gpuwatch.protocol import (
     MAX_DATAGRAM,
     MAX_DISCOVERED_PER_REPORT,
     MAX_EXIT_THREADS,
+    MAX_POOL_THREAD_NAMES,
     MAX_THREAD_NAME,
     MAX_TRACE_FILE,
     MAX_TRACE_SITES,
@@ -238,9 +239,23 @@ def _exit_report(value: Any) -> Mapping[str, Any]:
     executors = _optional_int(value.get("executors"))
     if executors is not None:
         report["executors"] = executors
+    pools = value.get("thread_pools")
+    if pools is not None:
+        report["thread_pools"] = tuple(_thread_pool(pool)
+                                       for pool in _items(pools, MAX_EXIT_THREADS, dict))
     process_group = value.get("process_group")
     if process_group is not None:
         if type(process_group) is not bool:
             raise Rejected("bad_type")
         report["process_group"] = process_group
     return MappingProxyType(report)
+
+
+def _thread_pool(value: dict[str, Any]) -> Mapping[str, Any]:
+    """One of an exit report's `thread_pools`: its live workers, and a few of their names."""
+    workers = _required_int(value.get("workers"))
+    names = value.get("threads")
+    threads = tuple(_items(names, MAX_POOL_THREAD_NAMES, str)) if names is not None else ()
+    if workers < 1 or any(len(name) > MAX_THREAD_NAME for name in threads):
+        raise Rejected("bad_value")
+    return MappingProxyType({"workers": workers, "threads": threads})

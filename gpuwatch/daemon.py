@@ -45,12 +45,13 @@ from gpuwatch.runtime_dir import (
 from gpuwatch.sinks.daemon_metrics import DaemonMetrics
 from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
 from gpuwatch.sinks.exit_reports import ExitReportLog
-from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap
+from gpuwatch.sinks.exporter import SERIES_DROPPED_REASONS, ReportCollector, dropped_by_cap
 from gpuwatch.sinks.exposition import RenderedMetrics
 from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
 from gpuwatch.sinks.listener import ConnectionCollector, ConnectionStats
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sources.agent_socket import AgentReceiver
+from gpuwatch.sources.memory import read_mem_total
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.units import plural
 
@@ -77,6 +78,8 @@ class Daemon:
                                     clock=self.poller.clock)
         if self.poller.agents is None:
             self.poller.agents = self.agents
+        #: MemTotal, with the GPUs' memory the most a report's figure may be.
+        self._mem_total = read_mem_total()
         self.trace_requests = TraceRequests(self.agents, config.agent)
         self.history = History(config.history.samples, config.history.max_processes,
                                budget=self.agents.budget)
@@ -106,7 +109,7 @@ class Daemon:
         self.metrics = DaemonMetrics(
             self.registry, reap_kinds=REAPABLE_KINDS, reap_outcomes=OUTCOMES,
             trace_request_results=TRACE_REQUEST_RESULTS, trace_statuses=TRACE_STATUSES,
-            search_results=SEARCH_RESULTS)
+            search_results=SEARCH_RESULTS, series_dropped_reasons=SERIES_DROPPED_REASONS)
         self.reaping = DaemonReaping(config, self.metrics.count_reaps)
         self.exit_reports = ExitReportLog()
 
@@ -283,8 +286,11 @@ class Daemon:
             self.metrics.poll_raised()
             return
         self._latest = report
+        self.agents.note_node_memory(self._mem_total, sum(
+            g.memory_total_bytes or 0 for g in snapshot.gpus) if snapshot.nvml.available else None)
         self.metrics.count_poll(snapshot,
-                                dropped_by_cap(report, self.collector.max_process_series))
+                                dropped_by_cap(report, self.collector.max_process_series),
+                                self.history.rss_disagreements)
         self.collector.count_poll(report)
         self._log_nvml_transition(snapshot)
         self.exit_reports.log(snapshot)

@@ -11,6 +11,11 @@ Everything is capped and whatever is absent from a poll is forgotten, so the dae
 flat however long it runs. Samples are packed arrays (8 bytes a figure, NaN for unknown) rather
 than one Python object each.
 
+An instrumented process's RSS series is the kernel's figure (/proc) at each poll, against the
+step it had reached, as its GPU memory is NVML's: the RSS its agent reports is its own word,
+which any process can make up (docs/security.md, rule 4); it is only compared with the kernel's,
+and disagreements counted.
+
 What agent reports make it keep (each reporting process's step series) is charged to the
 reporting user in the agent memory budget (gpuwatch.agent_budget), at the size each series can
 reach, when it is created: a series the budget refuses is not kept (and counted), and at each
@@ -78,6 +83,10 @@ def series_bytes(capacity: int) -> int:
 STEP_BYTES = 640 + 4 * series_bytes(STEP_POINTS)
 #: One buffer's or discovered container's two series (items, bytes) and their entries.
 PAIR_BYTES = 160 + 2 * series_bytes(SERIES_POINTS)
+#: An agent's RSS and the kernel's at the next poll differ by the allocations in between: by
+#: more than this share of the kernel's figure and RSS_SLACK_BYTES, they disagree.
+RSS_TOLERANCE = 0.25
+RSS_SLACK_BYTES = 64 << 20
 #: Names a StepSeries remembers as refused, so that each is counted once.
 _REFUSED_NAMES = 256
 
@@ -133,6 +142,8 @@ class StepSeries:
         self.charged = charged
         self.refused_names: set[str] = set()
         self.times = Series(capacity)  # step -> receive time, for seconds per step
+        #: The kernel's RSS (/proc) at each poll, against the step reached by then: never the
+        #: agent's own figure (docs/design-notes.md, "RSS from /proc").
         self.rss = Series(capacity)
         #: torch's allocated bytes: what tensors hold, which a GPU leak is decided on.
         self.cuda = Series(capacity)
@@ -180,7 +191,6 @@ class StepSeries:
     def add(self, point: StepPoint) -> None:
         step = float(point.step)
         self.times.add(step, point.at)
-        self.rss.add(step, point.rss_bytes)
         self.cuda.add(step, point.cuda_allocated_bytes)
         items, sizes = self.buffer_items, self.buffer_bytes
         for name, size in point.buffers.items():
@@ -218,6 +228,12 @@ class StepSeries:
         if len(self.gpu) and self.gpu.xs[-1] >= step:
             return  # no step since the last poll: nothing new to align
         self.gpu.add(float(step), gpu_memory)
+
+    def add_rss(self, step: int, rss: Optional[int]) -> None:
+        """The kernel's RSS of the process at a poll, against the step it had reached."""
+        if len(self.rss) and self.rss.xs[-1] >= step:
+            return
+        self.rss.add(float(step), rss)
 
 
 class ProcessHistory:
@@ -332,6 +348,10 @@ class History:
         self._open_findings: dict[tuple[object, ...], tuple[float, str, bool]] = {}
         self._unattributed: dict[int, deque[tuple[float, Optional[int]]]] = {}
         self._unlisted_since: dict[int, float] = {}
+        #: Polls at which a process's newest step report claimed an RSS the kernel's figure did
+        #: not bear out (gpuwatch_agent_rss_disagreements_total): the leak test never uses the
+        #: agent's figure, this only shows an agent that lies (or measures something else).
+        self.rss_disagreements = 0
 
     def __len__(self) -> int:
         return len(self._by_identity)
@@ -450,10 +470,22 @@ class History:
                 self._stepped[h.identity] = h
             for point in agent.points:
                 h.steps.add(point)
-            if p is not None and p.holds_gpu and agent.step is not None:
-                h.steps.add_gpu(agent.step, p.gpu_memory_bytes)
+            if p is not None and agent.step is not None:
+                h.steps.add_rss(agent.step, p.rss_bytes)
+                if p.holds_gpu:
+                    h.steps.add_gpu(agent.step, p.gpu_memory_bytes)
+            if p is not None and agent.points:
+                self._compare_rss(agent.points[-1].rss_bytes, p.rss_bytes)
         budget.reclaim()
         budget.give_pages_back()
+
+    def _compare_rss(self, claimed: Optional[int], kernel: Optional[int]) -> None:
+        """Count an agent's RSS that the kernel's, read at this poll, does not bear out: off by
+        more than RSS_TOLERANCE of it and RSS_SLACK_BYTES."""
+        if claimed is None or kernel is None:
+            return
+        if abs(claimed - kernel) > max(RSS_TOLERANCE * kernel, RSS_SLACK_BYTES):
+            self.rss_disagreements += 1
 
     def _drop_steps(self, h: ProcessHistory) -> int:
         self._stepped.pop(h.identity, None)

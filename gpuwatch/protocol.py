@@ -31,6 +31,12 @@ REPORT_KINDS = ("step", "finished", "exit", "trace")
 MAX_DATAGRAM = 16_384
 #: Figures are integers from 0 to below this (a signed 64-bit integer's range).
 INT_LIMIT = 1 << 63
+#: No figure of a report (bytes, item and allocation counts, steps) may exceed this: a pebibyte,
+#: more memory than any one machine holds, and more steps than any run takes (and every figure
+#: up to it is exact as a double, as the history keeps it). Beyond it a report is rejected as
+#: `implausible`; the receiver also rejects bytes and counts beyond the node's own memory
+#: (MemTotal and every GPU's total, once NVML has answered).
+MAX_FIGURE = 1 << 50
 #: Watched buffers in one report, and distinct buffer names a process may use over its life.
 MAX_BUFFERS = 64
 #: A buffer name: 1 to 64 of these characters.

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import pytest
 
 from gpuwatch.model import NO_DISCOVERY, TraceReport, TraceSite
+from gpuwatch.protocol import MAX_FIGURE
 from gpuwatch.simulate.demo import wait_for as poll_until
 from gpuwatch.sources.agent_socket import (
     MAX_DATAGRAM,
@@ -666,6 +667,23 @@ REJECTIONS: dict[str, list[bytes]] = {
         trace_report(traceback=[["leaky.py", 42]]),
         trace_report(traceback=[{"file": "leaky.py"}]),
     ],
+    # Within a 64-bit integer, beyond any machine: the protocol's MAX_FIGURE.
+    "implausible": [
+        report(step=MAX_FIGURE + 1),
+        report(step=1, rss=(1 << 63) - 1),
+        report(step=1, rss=MAX_FIGURE + 1),
+        report(step=1, cuda={"allocated": MAX_FIGURE + 1}),
+        report(step=1, cuda={"reserved": MAX_FIGURE + 1}),
+        report(step=1, cuda={"active": MAX_FIGURE + 1}),
+        report(step=1, cuda={"allocations": MAX_FIGURE + 1}),
+        report(step=1, buffers={"b": {"bytes": (1 << 63) - 1}}),
+        report(step=1, buffers={"b": {"items": MAX_FIGURE + 1}}),
+        report(step=1, discovered={"m.d": {"bytes": MAX_FIGURE + 1}}),
+        report(step=1, discovered={"m.d": {"items": MAX_FIGURE + 1}}),
+        trace_report(steps=MAX_FIGURE + 1),
+        trace_report(sites=[site(bytes=(1 << 63) - 1)]),
+        trace_report(sites=[site(count=MAX_FIGURE + 1)]),
+    ],
 }
 
 
@@ -678,6 +696,35 @@ def test_each_rejection_is_counted_exactly_under_its_reason(
     assert receiver.accepted == 0
     assert dict(receiver.rejected) == {r: (len(payloads) if r == reason else 0) for r in REASONS}
     assert receiver.drain() == {}
+
+
+def test_figures_beyond_what_the_node_holds_are_implausible_once_nvml_has_answered() -> None:
+    """A byte figure or count above MemTotal plus the GPUs' memory is rejected and counted as
+    `implausible`; until NVML has told the GPUs' memory, only MAX_FIGURE bounds them (a CUDA
+    figure may rightly exceed the host's memory)."""
+    gib = 1 << 30
+    receiver = AgentReceiver(Path("/nonexistent/agent.sock"))
+    receiver.note_node_memory(8 * gib, None)  # NVML has not answered: only MAX_FIGURE
+
+    def accepted(pid: int, **fields: Any) -> bool:
+        before = receiver.accepted
+        receiver.handle(report(step=1, **fields), pid, 1000)
+        return receiver.accepted > before
+
+    assert accepted(100, cuda={"allocated": 20 * gib})
+    receiver.note_node_memory(8 * gib, 16 * gib)
+    receiver.note_node_memory(8 * gib, None)  # a poll without NVML keeps what it told
+    receiver.note_node_memory(8 * gib, 8 * gib)  # a GPU missing from a poll: the largest stays
+    assert receiver.max_bytes == 24 * gib
+    assert accepted(101, cuda={"allocated": 20 * gib}, rss=2 * gib)
+    assert accepted(102, buffers={"b": {"bytes": 24 * gib, "items": 24 * gib}})
+    for figures in ({"cuda": {"allocated": 24 * gib + 1}}, {"rss": 25 * gib},
+                    {"buffers": {"b": {"bytes": 1 << 45}}},
+                    {"discovered": {"m.d": {"items": 25 * gib}}}):
+        assert not accepted(103, **figures), figures
+    receiver.handle(trace_report(sites=[site(bytes=(1 << 63) - 1)]), 103, 1000)
+    assert receiver.rejected["implausible"] == 5
+    assert set(receiver.drain()) == {100, 101, 102}
 
 
 def test_every_reason_is_present_before_any_rejection(receiver: AgentReceiver) -> None:
@@ -834,7 +881,8 @@ def test_memory_is_bounded_whatever_is_sent() -> None:
     names = [f"{i:02d}".ljust(64, "n") for i in range(64)]
     exit_report = report("exit", exit={"threads": [f"{i:02d}".ljust(64, "t") for i in range(64)],
                                        "executors": (1 << 63) - 1, "process_group": True})
-    big = (1 << 63) - 1
+    big = MAX_FIGURE  # the largest figure a report may carry; line numbers may be larger
+    line = (1 << 63) - 1
     address = b"\0" + b"a" * 107  # sun_path's 108 bytes
 
     def round_(first_step: int) -> list[tuple[bytes, int]]:
@@ -852,9 +900,9 @@ def test_memory_is_bounded_whatever_is_sent() -> None:
             sends.append((exit_report, pid))
             sends.append((report("trace", step=big, trace={
                 "status": "failed", "why": f"{first_step}".ljust(200, "w"), "steps": big,
-                "sites": [{"file": f"{first_step}.{i}".ljust(256, "f"), "line": big,
+                "sites": [{"file": f"{first_step}.{i}".ljust(256, "f"), "line": line,
                            "bytes": big, "count": big} for i in range(8)],
-                "traceback": [{"file": f"{first_step}.{i}".ljust(256, "t"), "line": big}
+                "traceback": [{"file": f"{first_step}.{i}".ljust(256, "t"), "line": line}
                               for i in range(16)]}), pid))
         return sends
 

@@ -200,7 +200,8 @@ def test_sighup_applies_a_good_config_and_refuses_a_bad_one_keeping_the_old(
             s, "gpuwatch_process_gpu_memory_bytes")) == 1 else None)
         assert value(samples, "gpuwatch_config_reloads_total", result="applied") == 1
         d.wait_for_metrics("the cap's drops to be counted", lambda s: (
-            value(s, "gpuwatch_process_series_dropped_total") >= 1) or None)
+            value(s, "gpuwatch_process_series_dropped_total", reason="max_process_series")
+            >= 1) or None)
         assert d.proc.poll() is None
 
 

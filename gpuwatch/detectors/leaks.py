@@ -1,7 +1,8 @@
 """leak: a figure that grows every step (or steadily over time without an agent).
 
-For an instrumented process the series are step-aligned: RSS, CUDA allocations and every watched
-buffer from its reports, and NVML's GPU memory at each poll against the step reached by then. The
+For an instrumented process the series are step-aligned: CUDA allocations and every watched
+buffer from its reports, and the kernel's RSS and NVML's GPU memory at each poll against the step
+reached by then (the RSS a report claims is never used: docs/security.md, rule 4). The
 first `leak_warmup_steps` are ignored. Where the process reports torch's allocated bytes, a GPU
 leak is decided on those alone: the caching allocator grows NVML's figure (and torch's reserved
 one) without anything leaking. A finding names the figure that grows and projects the step and

@@ -28,7 +28,8 @@ class DaemonMetrics(Collector):
 
     def __init__(self, registry: CollectorRegistry, reap_kinds: Iterable[str],
                  reap_outcomes: Iterable[str], trace_request_results: Iterable[str],
-                 trace_statuses: Iterable[str], search_results: Iterable[str]) -> None:
+                 trace_statuses: Iterable[str], search_results: Iterable[str],
+                 series_dropped_reasons: Iterable[str] = ()) -> None:
         self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=None)
         self.poll_errors = Counter(
             "gpuwatch_poll_errors", "Problems met while polling, by source (nvml, procfs, poll: "
@@ -39,7 +40,14 @@ class DaemonMetrics(Collector):
         self.series_dropped = Counter(
             "gpuwatch_process_series_dropped",
             "Processes that mattered but got no per-process series because of "
-            "exporter.max_process_series, summed over polls.", registry=None)
+            "exporter.max_process_series, summed over polls, by reason (max_process_series: "
+            "the cap left every user short; user_share: the process's user had its share "
+            "while others' fit).", ["reason"], registry=None)
+        self.agent_rss_disagreements = Counter(
+            "gpuwatch_agent_rss_disagreements",
+            "Polls at which an instrumented process's newest report claimed an RSS that the "
+            "kernel's figure (/proc) did not bear out; leaks are decided on the kernel's.",
+            registry=None)
         self.reloads = Counter("gpuwatch_config_reloads", "Configuration reloads by result.",
                                ["result"], registry=None)
         self.reaped = Counter(
@@ -59,6 +67,9 @@ class DaemonMetrics(Collector):
             "by status (done, refused, failed).", ["status"], registry=None)
         # What the three counters above have been given so far of the running totals they mirror.
         self._trace_counted: dict[tuple[str, str], int] = {}
+        self._rss_disagreements_counted = 0
+        for reason in series_dropped_reasons:
+            self.series_dropped.labels(reason)
         for source in ("nvml", "procfs", "poll"):
             self.poll_errors.labels(source)
         for result in ("applied", "refused"):
@@ -75,8 +86,9 @@ class DaemonMetrics(Collector):
             for outcome in outcomes:
                 self.reaped.labels(kind, outcome)
         self._metrics = (self.polls, self.poll_errors, self.poll_duration, self.series_dropped,
-                         self.reloads, self.reaped, self.agent_trace_requests,
-                         self.agent_search_requests, self.agent_trace_reports)
+                         self.agent_rss_disagreements, self.reloads, self.reaped,
+                         self.agent_trace_requests, self.agent_search_requests,
+                         self.agent_trace_reports)
         registry.register(self)
 
     def describe(self) -> Iterator[Metric]:
@@ -91,13 +103,20 @@ class DaemonMetrics(Collector):
         """A poll (or what follows it: rendering, trace requests) raised."""
         self.poll_errors.labels("poll").inc()
 
-    def count_poll(self, snapshot: NodeSnapshot, series_dropped: int) -> None:
-        """A poll completed: its time, the problems its sources met, the series it dropped."""
+    def count_poll(self, snapshot: NodeSnapshot, series_dropped: Mapping[str, int],
+                   rss_disagreements: int = 0) -> None:
+        """A poll completed: its time, the problems its sources met, the series it dropped (by
+        reason), and the running total of agents' RSS figures the kernel did not bear out."""
         self.polls.inc()
         self.poll_duration.observe(snapshot.poll_duration_seconds)
         for error in snapshot.errors:
             self.poll_errors.labels(error.source).inc()
-        self.series_dropped.inc(series_dropped)
+        for reason, n in series_dropped.items():
+            if n:
+                self.series_dropped.labels(reason).inc(n)
+        if rss_disagreements > self._rss_disagreements_counted:
+            self.agent_rss_disagreements.inc(rss_disagreements - self._rss_disagreements_counted)
+            self._rss_disagreements_counted = rss_disagreements
 
     def count_reload(self, applied: bool) -> None:
         self.reloads.labels("applied" if applied else "refused").inc()

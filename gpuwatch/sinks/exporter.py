@@ -60,8 +60,83 @@ def culprit_label(culprit: object) -> str:
     return "..." + text[-(CULPRIT_LABEL_MAX - 3):]
 
 
-def dropped_by_cap(report: NodeReport, cap: int) -> int:
-    return max(0, len(processes_that_matter(report)) - cap)
+#: Why a process that mattered got no per-process series (the `reason` label of
+#: gpuwatch_process_series_dropped_total): its user was over its share while another user's
+#: processes all fit (`user_share`), or the cap left every user short (`max_process_series`:
+#: raise it).
+SERIES_DROPPED_REASONS = ("max_process_series", "user_share")
+
+
+def dropped_by_cap(report: NodeReport, cap: int) -> dict[str, int]:
+    """How many processes that mattered exported_processes leaves out, by reason."""
+    return exported_processes(report, cap)[1]
+
+
+def exported_processes(report: NodeReport, cap: int
+                       ) -> tuple[list[HostProcess], dict[str, int]]:
+    """The processes that get per-process series under exporter.max_process_series, in
+    processes_that_matter's order, and those left out by reason (SERIES_DROPPED_REASONS).
+
+    While they fit, all of them. When the cap binds, GPU holders come first, then the rest
+    (findings, agent reporters), and within each tier the room left is shared by user, by
+    max-min fairness: every user keeps all of its processes up to an even share, and what users
+    below it leave goes to the others, evenly; a user's own processes are kept in
+    processes_that_matter's order. One user's flood of reporting processes (or of findings it
+    can raise against itself) thus never takes another user's series."""
+    matter = processes_that_matter(report)
+    dropped = dict.fromkeys(SERIES_DROPPED_REASONS, 0)
+    if len(matter) <= cap:
+        return matter, dropped
+    kept: set[int] = set()
+    room = cap
+    for tier in ([p for p in matter if p.holds_gpu], [p for p in matter if not p.holds_gpu]):
+        by_user: dict[Optional[int], list[HostProcess]] = {}
+        for p in tier:
+            by_user.setdefault(p.uid, []).append(p)
+        shares = fair_shares({uid: len(ps) for uid, ps in by_user.items()}, room)
+        for ps in by_user.values():
+            share = shares[ps[0].uid]
+            kept.update(p.pid for p in ps[:share])
+            room -= min(share, len(ps))
+    short = {p.uid for p in matter if p.pid not in kept}
+    # A user left short while another user kept all of its processes was over its share.
+    over = len(short) < len({p.uid for p in matter})
+    for p in matter:
+        if p.pid not in kept:
+            dropped["user_share" if over else "max_process_series"] += 1
+    return [p for p in matter if p.pid in kept], dropped
+
+
+def fair_shares(demands: Mapping[Optional[int], int], room: int) -> dict[Optional[int], int]:
+    """Max-min fair shares of `room` among users asking for `demands`: each gets what it asks
+    up to a level, the level as high as the room allows, and what is left below a whole level
+    goes one each to the users asking most (then to the lowest UID: the same answer every
+    poll)."""
+    shares = {uid: 0 for uid in demands}
+    waiting = sorted(demands, key=lambda uid: (demands[uid], _uid_order(uid)))
+    while waiting and room > 0:
+        level = room // len(waiting)
+        if level == 0:
+            for uid in sorted(waiting, key=lambda uid: (-demands[uid], _uid_order(uid)))[:room]:
+                shares[uid] += 1
+            break
+        uid = waiting[0]
+        if demands[uid] <= level:  # asks less than an even share: gets all it asks
+            shares[uid] = demands[uid]
+            room -= demands[uid]
+            waiting.pop(0)
+            continue
+        for uid in waiting:  # every user left asks more than the level: each gets it
+            shares[uid] = level
+        room -= level * len(waiting)
+        for uid in sorted(waiting, key=lambda uid: (-demands[uid], _uid_order(uid)))[:room]:
+            shares[uid] += 1
+        break
+    return shares
+
+
+def _uid_order(uid: Optional[int]) -> int:
+    return -1 if uid is None else uid
 
 
 def agent_series_cap(report: NodeReport, processes: Iterable[HostProcess], cap: int
@@ -110,7 +185,8 @@ def agent_series_cap(report: NodeReport, processes: Iterable[HostProcess], cap: 
 
 def processes_that_matter(report: NodeReport) -> list[HostProcess]:
     """Processes that get per-process series: GPU holders, processes with findings and agent
-    reporters; those with findings first, then the most GPU memory (the cap keeps the first)."""
+    reporters; those with findings first, then the most GPU memory (within a user's share,
+    exported_processes keeps the first)."""
     flagged = {f.pid for f in report.findings if f.pid is not None}
     agents = report.snapshot.agents
     chosen = [p for p in report.snapshot.processes.values()
@@ -136,7 +212,7 @@ class ReportCollector(Collector):
     def count_poll(self, report: NodeReport) -> int:
         """Count the agent series the per-user cap leaves out of this poll's report (summed
         over polls, as gpuwatch_agent_series_dropped_total); the number."""
-        exported = processes_that_matter(report)[: self.max_process_series]
+        exported, _ = exported_processes(report, self.max_process_series)
         _, dropped = agent_series_cap(report, exported, self.max_agent_series)
         self._agent_series_dropped += dropped
         return dropped
@@ -235,8 +311,7 @@ class ReportCollector(Collector):
                      labels, util)
 
     def _processes(self, report: NodeReport) -> Iterator[Metric]:
-        matter = processes_that_matter(report)
-        exported = matter[: self.max_process_series]
+        exported, _ = exported_processes(report, self.max_process_series)
         gpu_labels = [*PROCESS_LABELS, "gpu", "uuid"]
         gpu_mem, rss, start, steps, step_at, items, sizes = [], [], [], [], [], [], []
         agents = report.snapshot.agents

@@ -14,6 +14,12 @@ Where the protocol leaves a choice open, this decides: a report without `v` is r
 is `malformed`); every field of a trace site or traceback frame is required (`bad_type` when
 missing); text in a trace report (file names, `why`) may not hold control characters
 (`bad_value`), since it ends up in log lines.
+
+A figure within a 64-bit integer's range that no node could hold (bytes, item and allocation
+counts above the receiver's `max_bytes`: the node's MemTotal plus its GPUs' memory, at most
+MAX_FIGURE; a step above MAX_FIGURE) is `implausible`: the kernel outranks the agent, and a
+figure the daemon could not believe of any process must not become a growth rate, a metric or a
+line of the log.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from gpuwatch.protocol import (
     MAX_DATAGRAM,
     MAX_DISCOVERED_PER_REPORT,
     MAX_EXIT_THREADS,
+    MAX_FIGURE,
     MAX_POOL_THREAD_NAMES,
     MAX_THREAD_NAME,
     MAX_TRACE_FILE,
@@ -82,9 +89,12 @@ class Report(NamedTuple):
 
 def parse_report(payload: bytes, truncated: bool = False,
                  known_names: Mapping[str, str] = _NO_NAMES,
-                 known_discovered: Mapping[str, str] = _NO_NAMES) -> Report:
+                 known_discovered: Mapping[str, str] = _NO_NAMES,
+                 max_bytes: int = MAX_FIGURE) -> Report:
     """Check one datagram; raises Rejected. `known_names` and `known_discovered` are the names
-    already accepted from the same process (they skip the regex)."""
+    already accepted from the same process (they skip the regex). `max_bytes` is the most any
+    byte figure or count may be: what the node could hold (the receiver's `max_bytes`), at most
+    MAX_FIGURE; steps may reach MAX_FIGURE."""
     if truncated or len(payload) > MAX_DATAGRAM:
         raise Rejected("oversized")
     try:
@@ -97,55 +107,59 @@ def parse_report(payload: bytes, truncated: bool = False,
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise Rejected("version")
     kind = _choice(doc.get("kind"), _KINDS)
-    _optional_int(doc.get("seq"))
+    _optional_int(doc.get("seq"), _INT_LIMIT)
     step = _optional_int(doc.get("step"))
     if step is None and kind == "step":
         raise Rejected("malformed")
-    rss = _optional_int(doc.get("rss"))
+    rss = _optional_int(doc.get("rss"), max_bytes)
     allocated = reserved = active = allocations = None
     cuda = doc.get("cuda")
     if cuda is not None:
         if type(cuda) is not dict:
             raise Rejected("bad_type")
-        allocated = _optional_int(cuda.get("allocated"))
-        reserved = _optional_int(cuda.get("reserved"))
-        active = _optional_int(cuda.get("active"))
-        allocations = _optional_int(cuda.get("allocations"))
+        allocated = _optional_int(cuda.get("allocated"), max_bytes)
+        reserved = _optional_int(cuda.get("reserved"), max_bytes)
+        active = _optional_int(cuda.get("active"), max_bytes)
+        allocations = _optional_int(cuda.get("allocations"), max_bytes)
     raw_buffers = doc.get("buffers")
     buffers: Optional[dict[str, BufferSize]] = None
     if raw_buffers is not None:
-        buffers = _sizes(raw_buffers, MAX_BUFFERS, known_names, _NAME)
+        buffers = _sizes(raw_buffers, MAX_BUFFERS, known_names, _NAME, max_bytes)
     raw_discovered = doc.get("discovered")
     discovered = None
     if raw_discovered is not None:
         discovered = _sizes(raw_discovered, MAX_DISCOVERED_PER_REPORT, known_discovered,
-                            _DISCOVERED_NAME)
+                            _DISCOVERED_NAME, max_bytes)
     exit_report = trace = None
     if kind != "step":
         if kind == "exit":
             exit_report = _exit_report(doc.get("exit"))
         elif kind == "trace":
-            trace = _trace(doc.get("trace"))
+            trace = _trace(doc.get("trace"), max_bytes)
     return Report(kind, step, rss, allocated, reserved, active, allocations, buffers, discovered,
                   exit_report, trace)
 
 
-def _optional_int(value: Any) -> Optional[int]:
+def _optional_int(value: Any, limit: int = MAX_FIGURE) -> Optional[int]:
+    """An integer from 0 to `limit`: outside a signed 64-bit integer's range it is `bad_value`,
+    within it and above `limit` (what the node could hold) `implausible`."""
     if value is None:
         return None
     if type(value) is not int:
         raise Rejected("bad_type")
     if value < 0 or value >= _INT_LIMIT:
         raise Rejected("bad_value")
+    if value > limit:
+        raise Rejected("implausible")
     return value
 
 
 
 
-def _sizes(value: Any, limit: int, known: Mapping[str, str], pattern: re.Pattern[str]
-           ) -> dict[str, BufferSize]:
+def _sizes(value: Any, limit: int, known: Mapping[str, str], pattern: re.Pattern[str],
+           max_bytes: int) -> dict[str, BufferSize]:
     """At most `limit` name -> {"items", "bytes"}, each name either `known` (accepted before)
-    or matching `pattern`."""
+    or matching `pattern`, each figure at most `max_bytes`."""
     if type(value) is not dict:
         raise Rejected("bad_type")
     if len(value) > limit:
@@ -156,15 +170,15 @@ def _sizes(value: Any, limit: int, known: Mapping[str, str], pattern: re.Pattern
             raise Rejected("bad_name")
         if type(size) is not dict:
             raise Rejected("bad_type")
-        sizes[name] = BufferSize(_optional_int(size.get("items")),
-                                 _optional_int(size.get("bytes")))
+        sizes[name] = BufferSize(_optional_int(size.get("items"), max_bytes),
+                                 _optional_int(size.get("bytes"), max_bytes))
     return sizes
 
 
-def _required_int(value: Any) -> int:
+def _required_int(value: Any, limit: int) -> int:
     if value is None:
         raise Rejected("bad_type")
-    return _optional_int(value)  # type: ignore[return-value]
+    return _optional_int(value, limit)  # type: ignore[return-value]
 
 
 def _text(value: Any, limit: int) -> str:
@@ -186,7 +200,7 @@ def _choice(value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _trace(value: Any) -> TraceFields:
+def _trace(value: Any, max_bytes: int) -> TraceFields:
     if value is None:
         raise Rejected("malformed")
     if type(value) is not dict:
@@ -195,10 +209,11 @@ def _trace(value: Any) -> TraceFields:
     why = value.get("why")
     why = "" if why is None else _text(why, MAX_TRACE_WHY)
     steps = _optional_int(value.get("steps"))
-    sites = tuple(TraceSite(_file(site.get("file")), _required_int(site.get("line")),
-                            _required_int(site.get("bytes")), _required_int(site.get("count")))
+    sites = tuple(TraceSite(_file(site.get("file")), _required_int(site.get("line"), _INT_LIMIT),
+                            _required_int(site.get("bytes"), max_bytes),
+                            _required_int(site.get("count"), max_bytes))
                   for site in _items(value.get("sites"), MAX_TRACE_SITES, dict))
-    frames = tuple((_file(frame.get("file")), _required_int(frame.get("line")))
+    frames = tuple((_file(frame.get("file")), _required_int(frame.get("line"), _INT_LIMIT))
                    for frame in _items(value.get("traceback"), MAX_TRACEBACK, dict))
     return status, why, steps, sites, frames
 
@@ -236,7 +251,7 @@ def _exit_report(value: Any) -> Mapping[str, Any]:
             if len(name) > MAX_THREAD_NAME:
                 raise Rejected("bad_value")
         report["threads"] = tuple(threads)
-    executors = _optional_int(value.get("executors"))
+    executors = _optional_int(value.get("executors"), _INT_LIMIT)
     if executors is not None:
         report["executors"] = executors
     pools = value.get("thread_pools")
@@ -253,7 +268,7 @@ def _exit_report(value: Any) -> Mapping[str, Any]:
 
 def _thread_pool(value: dict[str, Any]) -> Mapping[str, Any]:
     """One of an exit report's `thread_pools`: its live workers, and a few of their names."""
-    workers = _required_int(value.get("workers"))
+    workers = _required_int(value.get("workers"), MAX_FIGURE)
     names = value.get("threads")
     threads = tuple(_items(names, MAX_POOL_THREAD_NAMES, str)) if names is not None else ()
     if workers < 1 or any(len(name) > MAX_THREAD_NAME for name in threads):

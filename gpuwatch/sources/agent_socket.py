@@ -55,6 +55,9 @@ Bounds, whatever is sent:
   exceed it, a user holding its share of the entries or more loses its own oldest pending
   points, so a flood costs only the flooder its history; a user under its share takes them from
   the user holding the most. Every process keeps at least its newest point;
+- no figure beyond what the node could hold (`implausible`): bytes and counts above MemTotal plus
+  the GPUs' memory (`note_node_memory`, from the daemon after each poll), any figure above the
+  protocol's MAX_FIGURE;
 - `max_reports_per_second` shared by the users that sent in the last 10 s, and each user's share
   by its processes that did (at least PROCESS_REPORTS_PER_SECOND_MIN each), in token buckets of
   one second's worth: a datagram beyond is rejected as `rate_limited` before it is parsed;
@@ -110,7 +113,7 @@ from typing import Any, Callable, Optional
 
 from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.model import AgentReading, BufferSize
-from gpuwatch.protocol import MAX_DATAGRAM, TRACE_STATUSES
+from gpuwatch.protocol import MAX_DATAGRAM, MAX_FIGURE, TRACE_STATUSES
 from gpuwatch.sources.agent_admission import (
     AGENT_BYTES,
     DEFAULT_MAX_PENDING,
@@ -138,7 +141,7 @@ __all__ = [
 #: Why a report was rejected: the `reason` label of gpuwatch_agent_reports_rejected_total.
 REASONS = ("malformed", "version", "oversized", "too_many_buffers", "bad_name", "bad_value",
            "bad_type", "no_credentials", "too_many_processes", "rate_limited", "user_share",
-           "memory_budget")
+           "memory_budget", "implausible")
 
 
 class AgentReceiver:
@@ -152,6 +155,11 @@ class AgentReceiver:
                  max_reports_per_second: Optional[float] = None,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.path = Path(path)
+        #: The most GPU memory NVML has shown (None before it has answered).
+        self._gpu_memory_total: Optional[int] = None
+        #: The most a byte figure or count of a report may be: more than the node could hold is
+        #: `implausible` (agent_reports). MAX_FIGURE until the node's memory is known.
+        self.max_bytes = MAX_FIGURE
         # Guards the store and the counters: the receiving thread writes, the poll thread drains.
         self._lock = threading.Lock()
         self.store = AgentStore(max_processes=max_processes, max_points=max_points,
@@ -195,6 +203,18 @@ class AgentReceiver:
             self.rates.max_reports_per_second = max_reports_per_second
         self.budget.max_bytes = memory_budget
 
+    def note_node_memory(self, mem_total: Optional[int], gpu_total: Optional[int]) -> None:
+        """What the node could hold, as the daemon read it: MemTotal, and the GPUs' total
+        memory at the latest poll (None: NVML did not answer). The largest GPU total seen is
+        kept (a GPU missing from one poll still exists); once both are known, `max_bytes` is
+        their sum. Before NVML has answered a report's CUDA figures cannot be weighed against
+        the node, and only MAX_FIGURE bounds them."""
+        if gpu_total is not None and (self._gpu_memory_total is None
+                                      or gpu_total > self._gpu_memory_total):
+            self._gpu_memory_total = gpu_total
+        if mem_total is not None and self._gpu_memory_total is not None:
+            self.max_bytes = min(MAX_FIGURE, mem_total + self._gpu_memory_total)
+
     # -- counters ----------------------------------------------------------------------------
     @property
     def rejected(self) -> Mapping[str, int]:
@@ -236,9 +256,10 @@ class AgentReceiver:
                 raise Rejected("rate_limited")
             agent = self.store.known(pid)
             if agent is None:
-                report = parse_report(payload, truncated)
+                report = parse_report(payload, truncated, max_bytes=self.max_bytes)
             else:
-                report = parse_report(payload, truncated, agent.names, agent.discovered_names)
+                report = parse_report(payload, truncated, agent.names, agent.discovered_names,
+                                      self.max_bytes)
             now = self._clock()
             with self._lock:
                 self.store.store(pid, uid, now, report, address, via)

@@ -15,13 +15,22 @@ from gpuwatch.sources.kernel_files import read_or_none
 
 
 def read_mem_available(procfs: str = "/proc") -> Optional[int]:
+    return _meminfo(procfs, b"MemAvailable:")
+
+
+def read_mem_total(procfs: str = "/proc") -> Optional[int]:
+    """The node's MemTotal: the most host memory any process could hold."""
+    return _meminfo(procfs, b"MemTotal:")
+
+
+def _meminfo(procfs: str, key: bytes) -> Optional[int]:
     raw = read_or_none(f"{procfs}/meminfo")
     text = b"\n" + raw if raw is not None else b""
-    at = text.find(b"\nMemAvailable:")
+    at = text.find(b"\n" + key)
     if at < 0:
         return None
     try:
-        return int(text[at + 14:].split(None, 1)[0]) * 1024
+        return int(text[at + 1 + len(key):].split(None, 1)[0]) * 1024
     except (ValueError, IndexError):
         return None
 

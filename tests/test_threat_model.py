@@ -13,14 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+import shutil
 import signal
+import socket
+import ssl
 import subprocess
+import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlencode, urlsplit
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gpuwatch.config import EXIT_CONFIG
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import (
@@ -260,11 +269,189 @@ def test_one_user_s_flood_of_fake_leaks_never_removes_another_user_s_gpu_series(
 # Rule 6. TLS as the exporter toolkit's web config allows; ECDHE with AEAD only by default.
 # =================================================================================================
 
+def _rsa_server_certificate(dir: Path) -> tuple[Path, Path]:
+    """A self-signed RSA certificate for 127.0.0.1: with RSA, every kind of TLS 1.2 suite (RSA
+    key exchange, ECDHE-RSA, DHE-RSA) could be negotiated, if the server offered it."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command makes the test certificate")
+    dir.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    "server.key", "-out", "server.crt", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1"],
+                   cwd=dir, check=True, capture_output=True)
+    return dir / "server.crt", dir / "server.key"
+
+
+def _handshake(port: int, ciphers: str, version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2
+               ) -> Optional[str]:
+    """The suite a client offering only `ciphers` (OpenSSL's names) at `version` gets, or None
+    when the server refuses it. The client offers anything it is told to (security level 0)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.minimum_version = ctx.maximum_version = version
+    ctx.set_ciphers(f"{ciphers}:@SECLEVEL=0")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+        try:
+            with ctx.wrap_socket(raw) as tls:
+                return str(tls.cipher()[0])
+        except (ssl.SSLError, ConnectionResetError):
+            return None
+
+
+def _daemon_port(daemon: RunningDaemon) -> int:
+    return int(str(urlsplit(daemon.metrics_url).port))
+
+
+def test_the_default_web_config_refuses_cbc_sha1_rsa_key_exchange_dhe_and_tls_1_1(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    cert, key = _rsa_server_certificate(tmp_path / "pki")
+    web = tmp_path / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n")
+    with running_daemon(cli_env, tmp_path / "daemon",
+                        args=("--interval", "0.2", "--web-config", str(web))) as daemon:
+        port = _daemon_port(daemon)
+        refused = {suite: _handshake(port, suite) for suite in (
+            "AES128-SHA", "AES256-SHA",  # RSA key exchange, CBC with SHA-1
+            "AES128-GCM-SHA256", "AES256-GCM-SHA384",  # RSA key exchange: no forward secrecy
+            "ECDHE-RSA-AES128-SHA", "ECDHE-RSA-AES256-SHA",  # CBC with SHA-1
+            "ECDHE-RSA-AES128-SHA256", "ECDHE-RSA-AES256-SHA384",  # CBC
+            "DHE-RSA-AES128-GCM-SHA256", "DHE-RSA-AES256-GCM-SHA384")}  # not ECDHE
+        assert refused == dict.fromkeys(refused), refused
+        assert _handshake(port, "ALL", ssl.TLSVersion.TLSv1_1) is None
+        assert _handshake(port, "ALL", ssl.TLSVersion.TLSv1) is None
+        # What the default offers: ECDHE with an AEAD cipher, and TLS 1.3.
+        assert _handshake(port, "ECDHE-RSA-AES128-GCM-SHA256") == "ECDHE-RSA-AES128-GCM-SHA256"
+        assert _handshake(port, "ECDHE-RSA-CHACHA20-POLY1305") == "ECDHE-RSA-CHACHA20-POLY1305"
+        assert _handshake(port, "ALL", ssl.TLSVersion.TLSv1_3) is not None
+
+
+def test_cipher_suites_and_curve_preferences_narrow_what_the_daemon_offers(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    cert, key = _rsa_server_certificate(tmp_path / "pki")
+    web = tmp_path / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                   "  cipher_suites: [TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384]\n"
+                   "  curve_preferences: [CurveP384, CurveP521]\n")
+    with running_daemon(cli_env, tmp_path / "daemon",
+                        args=("--interval", "0.2", "--web-config", str(web))) as daemon:
+        port = _daemon_port(daemon)
+        assert _handshake(port, "ECDHE-RSA-AES256-GCM-SHA384") == "ECDHE-RSA-AES256-GCM-SHA384"
+        assert _handshake(port, "ECDHE-RSA-AES128-GCM-SHA256") is None
+        assert _handshake(port, "ECDHE-RSA-CHACHA20-POLY1305") is None
+        if shutil.which("openssl") is not None:
+            def groups(name: str) -> int:
+                return subprocess.run(
+                    ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-groups", name,
+                     "-brief"], input=b"", capture_output=True, timeout=30).returncode
+            assert groups("X25519") != 0 and groups("P-256") != 0
+            assert groups("P-384") == 0 and groups("P-521") == 0
+
+
+def test_an_unknown_cipher_suite_or_curve_is_refused_naming_the_key(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    cert, key = _rsa_server_certificate(tmp_path / "pki")
+    for extra, message in (
+            ("cipher_suites: [AES128-SHA]", "tls_server_config.cipher_suites: 'AES128-SHA' is "
+                                            "not a cipher suite's Go name"),
+            ("cipher_suites: [TLS_RSA_WITH_3DES_EDE_CBC_SHA]",
+             "tls_server_config.cipher_suites: TLS_RSA_WITH_3DES_EDE_CBC_SHA is one of Go's "
+             "insecure suites"),
+            ("curve_preferences: [secp256r1]", "tls_server_config.curve_preferences: "
+                                               "'secp256r1' is not one of CurveP256")):
+        web = tmp_path / "web.yml"
+        web.write_text(f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                       f"  {extra}\n")
+        result = subprocess.run(
+            [sys.executable, "-m", "gpuwatch", "daemon", "--listen", "127.0.0.1:0",
+             "--web-config", str(web), "--runtime-dir", str(tmp_path / "run")],
+            env=cli_env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == EXIT_CONFIG, result.stderr
+        assert message in result.stderr
+
 # (section 6 ends)
 
 
 # =================================================================================================
 # Rule 7. The small ones: /metrics?name[]= for every family; top ends with its terminal.
 # =================================================================================================
+
+def _families(text: str) -> dict[str, set[str]]:
+    """{family name: the names of its samples} of an exposition."""
+    return {f.name: {s.name for s in f.samples} for f in text_string_to_metric_families(text)}
+
+
+def test_name_filter_returns_every_family_the_daemon_serves(cli_env: dict[str, str],
+                                                            tmp_path: Path) -> None:
+    with running_daemon(cli_env, tmp_path / "daemon") as daemon:
+        served = _families(daemon.scrape_text())
+        assert {"gpuwatch_build_info", "gpuwatch_last_poll_timestamp_seconds",
+                "gpuwatch_polls", "gpuwatch_connections", "process_cpu_seconds"} <= set(served)
+        missing = []
+        for family, samples in sorted(served.items()):
+            for name in sorted({family, *samples}):
+                query = urlencode({"name[]": name})
+                with urllib.request.urlopen(f"{daemon.metrics_url}?{query}", timeout=30) as r:
+                    got = _families(r.read().decode())
+                wanted = samples if name == family else {name}
+                # The family, with the samples asked for (the family's name: all of them), and
+                # nothing else.
+                if set(got) != {family} or (wanted and not wanted & got[family]):
+                    missing.append(f"name[]={name}: {got}")
+        assert not missing, "\n".join(missing)
+
+
+def test_top_ends_when_its_terminal_is_closed(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """A window closed under top, whose shell ignores the hangup: top gets no SIGHUP, and must
+    see for itself that its terminal is gone (every read then fails at once: a loop that took
+    that for "no key yet" spun at full CPU for ever)."""
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed")
+    work = tmp_path / "tmux"
+    work.mkdir()
+    pid_file = work / "top.pid"
+    env = {**cli_env, "GPUWATCH_RUNTIME_DIR": str(tmp_path / "no-daemon"), "TERM": "xterm",
+           "LANG": "C.UTF-8", "TMUX_TMPDIR": str(work), "HOME": str(work)}
+    tmux = ["tmux", "-S", str(work / "tmux.sock"), "-f", "/dev/null"]
+    script = work / "top.sh"
+    script.write_text(f"echo $$ > {shlex.quote(str(pid_file))}\n"
+                      f"exec {shlex.quote(sys.executable)} -m gpuwatch top\n")
+    # The pane's shell runs top as a child, not by exec, and ignores the hangup: it neither
+    # dies of it nor passes it on, and top gets no SIGHUP at all.
+    leader_file = work / "leader.pid"
+    shell = (f"echo $$ > {shlex.quote(str(leader_file))}; trap '' HUP; "
+             f"sh {shlex.quote(str(script))}; echo top ended")
+    subprocess.run([*tmux, "new-session", "-d", "-x", "100", "-y", "30", "-s", "top",
+                    f"sh -c {shlex.quote(shell)}"], env=env, check=True, timeout=30)
+    top_pid: Optional[int] = None
+    try:
+        def drawn() -> Optional[bool]:
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], env=env,
+                                    capture_output=True, text=True, timeout=30).stdout
+            return True if "q quit" in screen else None
+
+        wait_for("top's screen", drawn, 60)
+        top_pid = int(pid_file.read_text())
+        subprocess.run([*tmux, "kill-server"], env=env, check=True, timeout=30)
+        wait_for(f"top ({top_pid}) to end after its terminal closed",
+                 lambda: None if _running(top_pid) else True, 30)
+    finally:
+        subprocess.run([*tmux, "kill-server"], env=env, capture_output=True, timeout=30)
+        if top_pid is not None and _running(top_pid):
+            os.kill(top_pid, signal.SIGKILL)
+        # The shell ends once top has.
+        if leader_file.exists():
+            leader = int(leader_file.read_text())
+            wait_for(f"top's shell ({leader}) to end", lambda: None if _running(leader)
+                     else True, 30)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 # (section 7 ends)

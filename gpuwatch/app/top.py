@@ -4,7 +4,10 @@ Everything that decides what is on screen is in gpuwatch/sinks/top/view.py, a pu
 this module maps its style names to curses attributes, keeps the mode (the list, a process's
 details, a reap's confirmation, the filter prompt), turns keys into changes of the view's state
 and carries out the reaps they ask for. The terminal is restored however top ends: `q`, Ctrl+C,
-SIGTERM, SIGHUP, or an error of its own.
+SIGTERM, SIGHUP, or an error of its own. A terminal that is gone (its window closed, with nobody
+to send top a SIGHUP: a shell that ran it without exec, `sh -c "cd x && gpuwatch top"`) ends it
+too, as a SIGHUP would: every read from a hung-up terminal fails at once, and a loop that took
+that for "no key yet" would spin.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import locale
 import os
 import signal
 import sys
+import termios
 import threading
 import time
 from dataclasses import dataclass
@@ -117,6 +121,16 @@ def run_top(cfg: Any, interval: float = 2.0, force_poll: bool = False,
             with contextlib.suppress(OSError, ValueError):
                 sys.stderr.write("gpuwatch top: finishing the reap under way...\n")
             reaping.wait()
+
+
+def terminal_gone(fd: int = 0) -> bool:
+    """Whether the terminal top reads its keys from was hung up (closed under it): the kernel
+    then fails every call on it with EIO, tcgetattr too."""
+    try:
+        termios.tcgetattr(fd)
+    except (termios.error, OSError):
+        return True
+    return False
 
 
 def _in_curses(body: Callable[[Any], int], stopping: list[int]) -> int:
@@ -297,7 +311,9 @@ class Top:
                 dirty = False
             try:
                 key = self.scr.get_wch()
-            except curses.error:  # no key within the tick
+            except curses.error:  # no key within the tick, or no terminal any more
+                if terminal_gone():
+                    raise Stopped(signal.SIGHUP) from None
                 continue
             if self.handle(key):
                 return 0

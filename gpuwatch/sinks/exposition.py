@@ -18,12 +18,15 @@ of the poll.
 
 from __future__ import annotations
 
+import copy
 import gzip
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
 Encoder = Callable[[CollectorRegistry], bytes]
 Key = tuple[Encoder, bool]
@@ -37,9 +40,35 @@ GAPS_KEPT = 4
 MIN_GAP = 0.5
 
 
-def render(encoder: Encoder, registry: CollectorRegistry, gzipped: bool) -> bytes:
-    body = encoder(registry)
+def render(encoder: Encoder, registry: CollectorRegistry | Selection, gzipped: bool) -> bytes:
+    # The encoders call only collect(), which a Selection has.
+    body = encoder(registry)  # type: ignore[arg-type]
     return gzip.compress(body, compresslevel=GZIP_LEVEL) if gzipped else body
+
+
+class Selection:
+    """What `/metrics?name[]=...` asks for, out of `registry`: each family named (its help and
+    type even while it has no series), and each sample named (`gpuwatch_polls_total`,
+    `gpuwatch_build_info`, `..._bucket`: what prometheus-client's restricted registry selects).
+
+    Taken from what the registry collects, not from what its collectors describe: a collector
+    that renders the latest report describes nothing (there may be none when it registers), and
+    a family it serves must be selectable all the same."""
+
+    def __init__(self, registry: CollectorRegistry, names: Iterable[str]) -> None:
+        self.registry = registry
+        self.names = frozenset(names)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if family.name in self.names:
+                yield family
+                continue
+            samples = [s for s in family.samples if s.name in self.names]
+            if samples:
+                chosen = copy.copy(family)
+                chosen.samples = samples
+                yield chosen
 
 
 class _Scrapes:

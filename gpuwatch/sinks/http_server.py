@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from gpuwatch import __version__
-from gpuwatch.sinks.exposition import RenderedMetrics, render
+from gpuwatch.sinks.exposition import RenderedMetrics, Selection, render
 from gpuwatch.sinks.listener import (
     MAX_ANSWERING,
     MAX_CONNECTIONS,
@@ -182,8 +182,7 @@ class MetricsHandler(Handler):
                 if kept is not None:
                     return respond(kept)
                 return Job("render", lambda: respond(rendered.body(encoder, gzipped)))
-            registry = (self.registry.restricted_registry(names) if names
-                        else self.registry)
+            registry = Selection(self.registry, names) if names else self.registry
             return Job("render", lambda: respond(render(encoder, registry, gzipped)))
         if target.path == "/":
             return self._response(200, _LANDING, "text/html; charset=utf-8", head=head)

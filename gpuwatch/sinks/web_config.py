@@ -11,10 +11,17 @@ node:
     basic_auth_users:
       prometheus: $2y$10$...         # bcrypt hashes (htpasswd -nBC 10 "" | tr -d ':\\n')
 
-Unknown keys are errors, as there. The file, and the certificate, key and CA files it names, are
-re-read when they change (checked at most once a second, when a connection arrives), so renewed
-certificates are picked up without a restart; a changed file with an error is refused with a log
-line and the running settings kept. PyYAML and bcrypt are imported only when a file is given.
+`tls_server_config` takes the toolkit's `min_version`, `max_version`, `cipher_suites`,
+`curve_preferences` and `prefer_server_cipher_suites`, with Go's names (crypto/tls), which are
+mapped to OpenSSL's. Without `cipher_suites`, TLS 1.2 offers ECDHE with AEAD ciphers only (forward
+secrecy, no CBC or SHA-1); TLS 1.3's suites are all of that kind and are not configurable, in Go
+as here.
+
+Unknown keys and names are errors, as there. The file, and the certificate, key and CA files it
+names, are re-read when they change (checked at most once a second, when a connection arrives),
+so renewed certificates are picked up without a restart; a changed file with an error is refused
+with a log line and the running settings kept. PyYAML and bcrypt are imported only when a file
+is given.
 """
 
 from __future__ import annotations
@@ -55,6 +62,47 @@ TLS_VERSIONS = {
     "TLS12": ssl.TLSVersion.TLSv1_2,
     "TLS13": ssl.TLSVersion.TLSv1_3,
 }
+#: Go's names (crypto/tls, the ones tls.CipherSuites() lists: what the exporter toolkit accepts)
+#: for the TLS 1.2 suites, and OpenSSL's. Go's "insecure" list (RC4, 3DES, CBC with SHA-256) is
+#: refused by the toolkit, and here.
+CIPHER_SUITES = {
+    "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256": "ECDHE-ECDSA-AES128-GCM-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256": "ECDHE-RSA-AES128-GCM-SHA256",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384": "ECDHE-ECDSA-AES256-GCM-SHA384",
+    "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384": "ECDHE-RSA-AES256-GCM-SHA384",
+    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-ECDSA-CHACHA20-POLY1305",
+    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-RSA-CHACHA20-POLY1305",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA": "ECDHE-ECDSA-AES128-SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA": "ECDHE-ECDSA-AES256-SHA",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA": "ECDHE-RSA-AES128-SHA",
+    "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA": "ECDHE-RSA-AES256-SHA",
+    "TLS_RSA_WITH_AES_128_GCM_SHA256": "AES128-GCM-SHA256",
+    "TLS_RSA_WITH_AES_256_GCM_SHA384": "AES256-GCM-SHA384",
+    "TLS_RSA_WITH_AES_128_CBC_SHA": "AES128-SHA",
+    "TLS_RSA_WITH_AES_256_CBC_SHA": "AES256-SHA",
+}
+#: Go's insecure suites (tls.InsecureCipherSuites()), which the toolkit refuses.
+INSECURE_CIPHER_SUITES = (
+    "TLS_RSA_WITH_RC4_128_SHA", "TLS_RSA_WITH_3DES_EDE_CBC_SHA", "TLS_RSA_WITH_AES_128_CBC_SHA256",
+    "TLS_ECDHE_ECDSA_WITH_RC4_128_SHA", "TLS_ECDHE_RSA_WITH_RC4_128_SHA",
+    "TLS_ECDHE_RSA_WITH_3DES_EDE_CBC_SHA", "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA256")
+#: TLS 1.3's suites: Go accepts their names in cipher_suites and does not let them be chosen;
+#: neither does Python's ssl. Accepted, and they change nothing.
+TLS13_CIPHER_SUITES = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384",
+                       "TLS_CHACHA20_POLY1305_SHA256")
+#: The TLS 1.2 suites offered without `cipher_suites`: ECDHE (forward secrecy) with an AEAD
+#: cipher, in the order Go prefers them.
+DEFAULT_CIPHER_SUITES = (
+    "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256", "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256", "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384", "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384",
+)
+#: Go's names for the key exchange groups (tls.CurveID), and OpenSSL's.
+CURVES = {"CurveP256": "P-256", "CurveP384": "P-384", "CurveP521": "P-521", "X25519": "X25519"}
+#: The same, as Python's ssl.SSLContext.set_ecdh_curve names them (one group only).
+_ECDH_CURVE = {"CurveP256": "prime256v1", "CurveP384": "secp384r1", "CurveP521": "secp521r1",
+               "X25519": "X25519"}
 #: The response headers the file may set, with the values allowed where the toolkit limits them.
 HEADERS: dict[str, tuple[str, ...]] = {
     "Strict-Transport-Security": (),
@@ -95,6 +143,10 @@ class TlsSettings:
     min_version: str = "TLS12"
     max_version: str = "TLS13"
     prefer_server_cipher_suites: bool = True
+    #: Go's names, in order (empty: DEFAULT_CIPHER_SUITES).
+    cipher_suites: tuple[str, ...] = ()
+    #: Go's names, in order (empty: OpenSSL's default groups).
+    curve_preferences: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -216,10 +268,6 @@ def _tls(raw: Any, base: Path, where: str) -> Optional[TlsSettings]:
         if inline in doc:
             raise ConfigError(f"{key(inline)}: inline certificates and keys are not supported; "
                               f"name a file with {inline}_file")
-    for go_only in ("cipher_suites", "curve_preferences"):
-        if doc.get(go_only):
-            raise ConfigError(f"{key(go_only)}: not supported (the names are Go's); gpuwatch "
-                              "uses OpenSSL's defaults, which min_version narrows")
 
     def path(k: str) -> Optional[Path]:
         v = doc.get(k)
@@ -270,12 +318,42 @@ def _tls(raw: Any, base: Path, where: str) -> Optional[TlsSettings]:
     prefer = doc.get("prefer_server_cipher_suites", True)
     if not isinstance(prefer, bool):
         raise ConfigError(f"{key('prefer_server_cipher_suites')}: expected true or false")
+    suites = _names(doc.get("cipher_suites"), (*CIPHER_SUITES, *TLS13_CIPHER_SUITES),
+                    key("cipher_suites"), "a cipher suite's Go name, as "
+                    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256")
+    if suites and not any(s in CIPHER_SUITES for s in suites) \
+            and TLS_VERSIONS[versions["min_version"]] < ssl.TLSVersion.TLSv1_3:
+        raise ConfigError(f"{key('cipher_suites')}: names TLS 1.3 suites only, which cannot be "
+                          "chosen: TLS 1.2 would have no suite; name a TLS 1.2 one, or set "
+                          "min_version: TLS13")
+    curves = _names(doc.get("curve_preferences"), tuple(CURVES), key("curve_preferences"),
+                    "one of " + ", ".join(CURVES))
     return TlsSettings(cert_file=cert, key_file=private, client_auth_type=auth,
                        client_ca_file=ca_file, client_ca=ca_text or None,
                        client_allowed_sans=tuple(_normal_san(s) for s in sans),
                        min_version=versions["min_version"],
                        max_version=versions["max_version"],
-                       prefer_server_cipher_suites=prefer)
+                       prefer_server_cipher_suites=prefer, cipher_suites=suites,
+                       curve_preferences=curves)
+
+
+def _names(raw: Any, known: tuple[str, ...], where: str, what: str) -> tuple[str, ...]:
+    """A list of names from `known`; a ConfigError naming the key (and the name, when it is
+    short enough to be one) otherwise."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
+        raise ConfigError(f"{where}: expected a list of names ({what})")
+    for name in raw:
+        if name in INSECURE_CIPHER_SUITES:
+            raise ConfigError(f"{where}: {name} is one of Go's insecure suites (RC4, 3DES, CBC "
+                              "with SHA-256), which the exporter toolkit refuses too")
+        if name not in known:
+            shown = repr(name) if len(name) <= 64 and name.isprintable() else "a name"
+            close = difflib.get_close_matches(name[:64], known, n=1, cutoff=0.8)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{where}: {shown} is not {what}{hint}")
+    return tuple(dict.fromkeys(raw))
 
 
 def _rate_limit(raw: Any, where: str) -> Optional[tuple[float, int]]:
@@ -305,6 +383,17 @@ def ssl_context(tls: TlsSettings, where: str = "daemon.web_config") -> ssl.SSLCo
     ctx.maximum_version = TLS_VERSIONS[tls.max_version]
     if not tls.prefer_server_cipher_suites:
         ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
+    suites = [CIPHER_SUITES[s] for s in tls.cipher_suites or DEFAULT_CIPHER_SUITES
+              if s in CIPHER_SUITES]
+    try:
+        # TLS 1.3's suites are not set by this: all of them have forward secrecy and AEAD.
+        ctx.set_ciphers(":".join(suites) if suites else "ECDHE+AESGCM")
+    except ssl.SSLError as exc:
+        raise ConfigError(f"{where}: tls_server_config.cipher_suites: this OpenSSL "
+                          f"({ssl.OPENSSL_VERSION}) supports none of them: {_reason(exc)}"
+                          ) from None
+    if tls.curve_preferences:
+        _set_groups(ctx, tls.curve_preferences, where)
     # HTTP/1.1 only: a client offering HTTP/2 (Go's, Prometheus's) settles on 1.1.
     ctx.set_alpn_protocols(["http/1.1"])
     cert = read_config_file(tls.cert_file, f"{where}: tls_server_config.cert_file")
@@ -331,6 +420,58 @@ def ssl_context(tls: TlsSettings, where: str = "daemon.web_config") -> ssl.SSLCo
                               f"{_reason(exc)}") from None
     ctx.verify_mode = CLIENT_AUTH[tls.client_auth_type]
     return ctx
+
+
+def _set_groups(ctx: ssl.SSLContext, curves: tuple[str, ...], where: str) -> None:
+    """Offer exactly `curves` (Go's names), in that order, for the key exchange.
+
+    Python's ssl sets one group (set_ecdh_curve); OpenSSL takes a list (SSL_CTX_set1_groups_list),
+    which is called here on the context's SSL_CTX, in the libssl this process already loaded, after
+    checking that the pointer read is that SSL_CTX (its options read through OpenSSL match
+    Python's). Where any of that cannot be done, the first curve alone is set, and a log line says
+    so."""
+    groups = ":".join(CURVES[c] for c in curves)
+    if len(curves) > 1:
+        if _set1_groups_list(ctx, groups.encode()):
+            return
+        log.warning("%s: tls_server_config.curve_preferences: this Python can set one curve "
+                    "only; offering %s alone", where, curves[0])
+    try:
+        ctx.set_ecdh_curve(_ECDH_CURVE[curves[0]])
+    except (ValueError, ssl.SSLError) as exc:
+        raise ConfigError(f"{where}: tls_server_config.curve_preferences: this OpenSSL "
+                          f"({ssl.OPENSSL_VERSION}) cannot use {curves[0]}: {exc}") from None
+
+
+def _set1_groups_list(ctx: ssl.SSLContext, groups: bytes) -> bool:
+    """SSL_CTX_set1_groups_list(ctx, groups) through ctypes; False where it cannot be done
+    safely (no libssl found, a pointer that is not the context's, OpenSSL refusing)."""
+    import ctypes
+    import sys
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps
+                     if "/libssl.so" in line and line.rstrip().endswith(tuple("0123456789"))}
+        if len(paths) != 1 or sys.implementation.name != "cpython":
+            return False
+        lib = ctypes.CDLL(paths.pop())
+        get_options = lib.SSL_CTX_get_options
+        get_options.restype, get_options.argtypes = ctypes.c_uint64, [ctypes.c_void_p]
+        control = lib.SSL_CTX_ctrl
+        control.restype = ctypes.c_long
+        control.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
+        # CPython's context object: its SSL_CTX pointer is the first field after the header.
+        pointer = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+        if not pointer or get_options(pointer) != int(ctx.options):
+            return False
+        return bool(control(pointer, _SSL_CTRL_SET_GROUPS_LIST, 0, groups))
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
+#: From OpenSSL's ssl.h (stable since 1.1.0).
+_SSL_CTRL_SET_GROUPS_LIST = 92
 
 
 @contextlib.contextmanager

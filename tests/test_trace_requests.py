@@ -66,9 +66,9 @@ class Clock:
         return self.now
 
 
-def agent(pid: int, can_reply: bool = True, trace: Optional[TraceReport] = None
-          ) -> AgentReading:
-    return AgentReading(pid=pid, uid=1000, first_seen=1000.0, last_seen=1000.0, step=30,
+def agent(pid: int, can_reply: bool = True, trace: Optional[TraceReport] = None,
+          uid: int = 1000) -> AgentReading:
+    return AgentReading(pid=pid, uid=uid, first_seen=1000.0, last_seen=1000.0, step=30,
                         step_changed_at=1000.0, finished_at=None, exit_report=None, points=(),
                         latest=None, trace=trace, can_reply=can_reply)
 
@@ -298,6 +298,37 @@ def test_at_most_max_pending_requests_wait_and_one_held_back_is_counted_once(
     assert sender.calls == [(10, 20), (11, 20), (12, 20)]
     assert counts(node.requests) == {"sent": 3, "rate_limited": 1}
     assert node.requests.pending == {11: 20, 12: 20}
+
+
+def test_one_user_s_unanswered_requests_give_way_to_another_user_s_up_to_its_share(
+        sender: Sender, clock: Clock) -> None:
+    """mallory's four leaking processes never answer and would hold every pending request for
+    a cooldown; alice's leak takes the place of mallory's oldest, and a second user under its
+    share the next; a user at its share waits."""
+    node = node_of(sender, clock)  # 4 pending
+    mallory = (20, 21, 22, 23)
+    node.agents = {pid: agent(pid, uid=2000) for pid in mallory}
+    node.findings = [leak(pid) for pid in mallory]
+    node.poll()
+    assert set(node.requests.pending) == set(mallory)
+    clock.now += 2
+    node.agents[10] = agent(10, uid=1000)
+    node.findings.append(leak(10))
+    node.poll()
+    assert sender.calls[-1] == (10, 20)
+    assert set(node.requests.pending) == {10, 21, 22, 23}  # mallory's oldest gave way
+    clock.now += 2
+    node.agents.update({11: agent(11, uid=1000), 30: agent(30, uid=3000)})
+    node.findings += [leak(11), leak(30)]
+    node.poll()
+    # 11: alice holds 1 of her share of 2 (two users); then bob's 30: 1 of three users' 4.
+    assert set(node.requests.pending) == {10, 11, 30, 23}
+    clock.now += 2
+    node.agents[12] = agent(12, uid=1000)
+    node.findings.append(leak(12))
+    node.poll()  # alice holds more than her share (4 // 3): 12 waits
+    assert set(node.requests.pending) == {10, 11, 30, 23}
+    assert counts(node.requests) == {"sent": 7, "rate_limited": 1}
 
 
 def test_a_failed_send_is_counted_and_tried_again_after_the_cooldown(

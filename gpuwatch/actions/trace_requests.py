@@ -20,9 +20,13 @@ leaking process can look harder (docs/agent-protocol.md):
   a culprit in the library's may take the faster search a minute);
 - at most once per process per `agent.trace_cooldown` seconds, whatever the outcome: sent,
   failed (its queue full, its socket gone) or not made because `agent.tracing` is off;
-- at most `agent.trace_max_pending` requests awaiting an answer on the node. A request is
-  answered by the process's next trace report; one unanswered for `agent.trace_cooldown` seconds
-  stops counting as pending.
+- at most `agent.trace_max_pending` requests awaiting an answer on the node, shared by user (the
+  kernel's UID of the reports): when all are taken, a process of a user holding fewer than its
+  share (`trace_max_pending` / users with requests, its own counted) takes the place of the
+  oldest request of the user holding the most, which stops counting as pending; one of a user
+  holding its share waits. A user whose processes leak and never answer cannot hold every
+  request for a cooldown. A request is answered by the process's next trace report; one
+  unanswered for `agent.trace_cooldown` seconds stops counting as pending.
 
 Trace requests are counted by result: `sent`, `failed`, `rate_limited` (held back by the pending
 limit: counted once until it goes out) and `disabled` (`agent.tracing` off: counted once per
@@ -63,11 +67,13 @@ class TraceSender(Protocol):
 
 
 class _Pending:
-    __slots__ = ("previous", "sent_at", "steps")
+    __slots__ = ("previous", "sent_at", "steps", "uid")
 
-    def __init__(self, sent_at: float, steps: int, previous: Optional[TraceReport]) -> None:
+    def __init__(self, sent_at: float, steps: int, previous: Optional[TraceReport],
+                 uid: int) -> None:
         self.sent_at = sent_at
         self.steps = steps
+        self.uid = uid
         #: The trace report the process had sent before: the answer is the next one.
         self.previous = previous
 
@@ -161,7 +167,8 @@ class TraceRequests:
                 self._asked[pid] = now
                 self._counts[DISABLED] += 1
                 continue
-            if len(self._pending) >= config.trace_max_pending:
+            if (len(self._pending) >= config.trace_max_pending
+                    and not self._make_room(agent.uid, report.snapshot)):
                 if pid not in self._held:
                     self._held.add(pid)
                     self._counts[RATE_LIMITED] += 1
@@ -169,6 +176,23 @@ class TraceRequests:
             self._held.discard(pid)
             self._asked[pid] = now
             self._request(pid, agent, report, now)
+
+    def _make_room(self, uid: int, snapshot: NodeSnapshot) -> bool:
+        """With every pending request taken: whether `uid` holds fewer than its share of them,
+        in which case the oldest request of the user holding the most stops counting."""
+        by_uid: dict[int, list[int]] = {}
+        for pid, request in self._pending.items():
+            by_uid.setdefault(request.uid, []).append(pid)
+        users = len(by_uid) + (uid not in by_uid)
+        if len(by_uid.get(uid, ())) >= self.config.trace_max_pending // users:
+            return False
+        most = max(by_uid.values(), key=len)
+        victim = min(most, key=lambda pid: self._pending[pid].sent_at)
+        del self._pending[victim]
+        log.info("PID %d (%s): its trace request, unanswered, gives way to another user's "
+                 "(its user holds more than its share of agent.trace_max_pending)", victim,
+                 _name(snapshot, victim))
+        return True
 
     def _search(self, pid: int, report: NodeReport, now: float) -> None:
         seconds = self.config.search_seconds
@@ -194,7 +218,7 @@ class TraceRequests:
         steps = self.config.trace_steps
         name = _name(report.snapshot, pid)
         if self.sender.request_trace(pid, steps):
-            self._pending[pid] = _Pending(now, steps, agent.trace)
+            self._pending[pid] = _Pending(now, steps, agent.trace, agent.uid)
             self._counts[SENT] += 1
             log.info("asked PID %d (%s) to trace its allocations for %d steps: its RSS grows "
                      "every step and nothing it reports explains it", pid, name, steps)

@@ -172,6 +172,11 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """Every descendant of `pid` now, by the parent PIDs /proc shows."""
+    return _descendants(pid)
+
+
 def _kill(pid: Optional[int]) -> None:
     if pid is not None:
         with contextlib.suppress(ProcessLookupError):
@@ -402,6 +407,175 @@ def notebook_server_like(tmp_path: Path, kernels: int = 3) -> Iterator[ServiceTr
     with _service_tree([str(server)], children, home / "ready.json", env,
                        "the notebook server", restart=True) as tree:
         yield tree
+
+
+# ---- the real programs, where installed (too large to be the suite's dependencies) --------------
+
+
+def installed_program(name: str, imports: str) -> tuple[Path, str]:
+    """`name` on PATH and the Python its `#!` line runs, which must import `imports`; the test
+    is skipped where either is missing ("ray not installed")."""
+    found = shutil.which(name)
+    if found is None:
+        pytest.skip(f"{imports} not installed ({name} is not on PATH)")
+    first = Path(found).read_text(errors="replace").split("\n", 1)[0]
+    python = first[2:].strip() if first.startswith("#!") else sys.executable
+    probe = subprocess.run([python, "-c", f"import {imports}"], capture_output=True,
+                           timeout=START_TIMEOUT)
+    if probe.returncode != 0:
+        pytest.skip(f"{imports} not installed for {python}")
+    return Path(found), python
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RealNotebookServer:
+    """A real `jupyter-server` and the kernels it started, in host PIDs."""
+
+    server: int
+    url: str
+    token: str
+
+    def _call(self, method: str, path: str) -> Any:
+        import urllib.request
+        request = urllib.request.Request(f"{self.url}{path}", method=method, data=(
+            b"{}" if method == "POST" else None), headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=START_TIMEOUT) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    def start_kernel(self) -> str:
+        return str(self._call("POST", "/api/kernels")["id"])
+
+    def restart_kernel(self, kernel_id: str) -> None:
+        self._call("POST", f"/api/kernels/{kernel_id}/restart")
+
+    def kernel_pids(self) -> dict[str, int]:
+        """{kernel id: PID} of the server's children running a kernel (its connection file,
+        `kernel-<id>.json`, names it)."""
+        found: dict[str, int] = {}
+        for child in _children(self.server):
+            try:
+                args = cmdline(child)
+            except OSError:
+                continue
+            if "ipykernel_launcher" in args and "-f" in args[:-1]:
+                name = Path(args[args.index("-f") + 1]).name
+                if name.startswith("kernel-") and name.endswith(".json"):
+                    found[name[len("kernel-"):-len(".json")]] = child
+        return found
+
+
+@contextlib.contextmanager
+def real_notebook_server(tmp_path: Path) -> Iterator[RealNotebookServer]:
+    """`jupyter-server` (jupyter_server, with ipykernel for its kernels) as a user runs it, on a
+    free port, its runtime and data directories under `tmp_path`. Skipped where not installed."""
+    program, _ = installed_program("jupyter-server", "jupyter_server, ipykernel")
+    home = _unique(tmp_path, "jupyter-home")
+    home.mkdir()
+    port, token = _free_port(), uuid.uuid4().hex
+    env = {**clean_env(), "HOME": str(home), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+           "JUPYTER_DATA_DIR": str(home / "data"), "JUPYTER_CONFIG_DIR": str(home / "config")}
+    top = subprocess.Popen([str(program), "--no-browser", "--allow-root", f"--port={port}",
+                            "--ip=127.0.0.1", f"--IdentityProvider.token={token}",
+                            f"--ServerApp.root_dir={home}"],
+                           env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    _reap_in_background(top)
+    server = RealNotebookServer(top.pid, f"http://127.0.0.1:{port}", token)
+
+    def answers() -> Optional[bool]:
+        try:
+            server._call("GET", "/api/status")
+            return True
+        except OSError:
+            return None
+
+    try:
+        wait_for("the notebook server to answer", answers, START_TIMEOUT, alive=top)
+        yield server
+    finally:
+        _end_job(top, top.pid, [], "the notebook server")
+
+
+RAY_DRIVER = """\
+import os, sys, ray
+ray.init(address=sys.argv[1], namespace="gpuwatch-test", log_to_driver=False)
+
+@ray.remote(num_cpus=0)
+class Holder:
+    def pid(self):
+        return os.getpid()
+
+actor = Holder.options(name="holder", lifetime="detached").remote()
+print(ray.get(actor.pid.remote()), flush=True)
+sys.stdin.readline()
+ray.kill(actor)
+print("killed", flush=True)
+"""
+
+
+@dataclass
+class RealRayNode:
+    """A real Ray head node (`ray start --head --block`), in host PIDs."""
+
+    start: int
+    address: str
+    python: str
+
+    def raylet(self) -> Optional[int]:
+        return next((pid for pid in _descendants(self.start) if comm(pid) == "raylet"), None)
+
+
+@contextlib.contextmanager
+def real_ray_node(tmp_path: Path) -> Iterator[RealRayNode]:
+    """`ray start --head --block` on a free port, its temp dir short (Ray's socket paths must
+    fit 107 bytes), usage stats off. Skipped where Ray is not installed."""
+    import tempfile
+    program, python = installed_program("ray", "ray")
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    port = _free_port()
+    env = {**clean_env(), "RAY_USAGE_STATS_ENABLED": "0"}
+    top = subprocess.Popen([str(program), "start", "--head", f"--port={port}", "--num-cpus=1",
+                            "--include-dashboard=false", f"--temp-dir={temp}", "--block"],
+                           env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    _reap_in_background(top)
+    node = RealRayNode(top.pid, f"127.0.0.1:{port}", python)
+    try:
+        wait_for("the raylet and its agents", lambda: True if (raylet := node.raylet()) and sum(
+            (comm(pid) or "").startswith("ray::") for pid in _children(raylet)) >= 2 else None,
+            START_TIMEOUT * 2, alive=top)
+        yield node
+    finally:
+        _end_job(top, top.pid, [], "the Ray node")
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def real_ray_actor(node: RealRayNode) -> Iterator[tuple[int, subprocess.Popen[str]]]:
+    """A driver that starts a detached actor on `node`: yields the actor's PID and the driver,
+    which `ray.kill`s the actor when a line is written to its stdin, then prints "killed"."""
+    driver = subprocess.Popen([node.python, "-c", RAY_DRIVER, node.address],
+                              env={**clean_env(), "RAY_USAGE_STATS_ENABLED": "0"},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert driver.stdout is not None
+        said = [driver.stdout.readline() for _ in range(1)]
+        while said[-1] and not said[-1].strip().isdigit():  # Ray's own notices come first
+            said.append(driver.stdout.readline())
+        assert said[-1].strip().isdigit(), f"the Ray driver said {said!r}"
+        yield int(said[-1]), driver
+    finally:
+        driver.kill()
+        driver.wait(GONE_TIMEOUT)
 
 
 @contextlib.contextmanager

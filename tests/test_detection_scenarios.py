@@ -27,6 +27,7 @@ from tests.scenarios import (
     GONE_TIMEOUT,
     clean_env,
     ctrl_c,
+    descendants,
     free_pid,
     job_with_processes_in_d_state,
     launcher_as_container_init,
@@ -37,6 +38,9 @@ from tests.scenarios import (
     plain_service,
     process_on_pid,
     raylet_like,
+    real_notebook_server,
+    real_ray_actor,
+    real_ray_node,
     running,
     shell_loop_as_container_init,
     sigkill_launcher,
@@ -218,6 +222,46 @@ def test_5c_a_restarted_notebook_kernel_leaves_the_server_and_its_other_kernels_
         wait_for("the kernel restarted", lambda: server.restarts() == 1 or None, 30)
         restarted = server.children()[0]
         quiet_after_the_grace(watched, gpu_kernel, [server.service, *others, restarted])
+
+
+def test_5b_real_ray_a_killed_detached_actor_leaves_the_raylet_and_its_agents_unflagged(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    """5b with Ray itself (skipped where it is not installed): `ray start --head`, a detached
+    actor holding GPU memory, `ray.kill`ed; nothing of the node is flagged or planned, and the
+    raylet still has its agents."""
+    with real_ray_node(tmp_path) as node, real_ray_actor(node) as (actor, driver):
+        raylet = node.raylet()
+        assert raylet is not None and parent(actor) == raylet
+        watched.node.hold(actor, device=0, used=4 * GIB)
+        watched.holding(actor)
+        assert driver.stdin is not None and driver.stdout is not None
+        driver.stdin.write("kill\n")
+        driver.stdin.flush()
+        assert driver.stdout.readline().strip() == "killed"
+        wait_not_running([actor])
+        kept = [pid for pid in [node.start, *descendants(node.start)] if running(pid)]
+        assert raylet in kept
+        quiet_after_the_grace(watched, actor, kept)
+
+
+def test_5c_real_jupyter_a_restarted_kernel_leaves_the_server_and_its_other_kernels_unflagged(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    """5c with jupyter_server and ipykernel themselves (skipped where not installed): three
+    kernels started through the server's API, the one on the GPU restarted through it."""
+    with real_notebook_server(tmp_path) as server:
+        ids = [server.start_kernel() for _ in range(3)]
+        pids = wait_for("three kernels", lambda: (
+            found if set(ids) <= set(found := server.kernel_pids()) else None), 60)
+        gpu_kernel = pids[ids[0]]
+        watched.node.hold(gpu_kernel, device=0, used=6 * GIB)
+        watched.holding(gpu_kernel)
+        server.restart_kernel(ids[0])
+        restarted = wait_for("the kernel restarted", lambda: (
+            pid if (pid := server.kernel_pids().get(ids[0])) not in (None, gpu_kernel)
+            else None), 60)
+        wait_not_running([gpu_kernel])
+        quiet_after_the_grace(watched, gpu_kernel,
+                              [server.server, pids[ids[1]], pids[ids[2]], restarted])
 
 
 @pytest.mark.parametrize("driver_env", ["plain", "ranked"])

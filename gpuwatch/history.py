@@ -34,6 +34,13 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
 
 from gpuwatch.agent_budget import AgentBudget
+from gpuwatch.launch_env import (
+    RAY_JOB_SOURCE,
+    TORCHELASTIC_DEFAULT_RUN_ID,
+    TORCHELASTIC_RUN_ID_KEY,
+    TORCHRUN_JOB_SOURCE,
+    process_title,
+)
 from gpuwatch.model import (
     NO_DISCOVERY,
     BufferSize,
@@ -250,7 +257,9 @@ class ProcessHistory:
         #: The launching parent, as first seen: if it goes, this process is orphaned.
         self.first_ppid = p.ppid
         self.parent_start = parent.start_time if parent is not None else None
-        self.parent_name = parent.name if parent is not None else None
+        #: As a sentence names it: "torchrun (pt_elastic)" (launch_env.process_title).
+        self.parent_name = (process_title(parent.name, parent.cmdline)
+                            if parent is not None else None)
         #: The job as first seen; kept after reparenting, which is when it matters.
         self.job_key = job_key
         self.first_seen = first_seen
@@ -533,14 +542,14 @@ class History:
                                 root=root)
                 self._jobs[h.job_key] = job
             job.members.add(p.identity)
-            job.label = job.label or p.job
+            job.label = job.label or _tree_label(p, h, job)
             agent = snapshot.agents.get(p.pid)
             done = agent is not None and agent.finished_at is not None
             holds = p.holds_gpu or p.identity in last_trainers.get(job.key, ())
             if holds and p.state != "zombie" and not done:
                 job.trainers.add(p.identity)
                 job.had_trainer = True
-                job.last_trainer = (p.pid, p.name)
+                job.last_trainer = (p.pid, process_title(p.name, p.cmdline))
                 if not job.trainer_env >= p.launch_env.keys():
                     job.trainer_env = job.trainer_env | p.launch_env.keys()
             elif done and p.state != "zombie":
@@ -614,6 +623,22 @@ class History:
             stamped.append(replace(f, since=since, reason=reason, job=job))
         self._open_findings = open_now
         return stamped
+
+
+def _tree_label(p: HostProcess, h: ProcessHistory, job: JobRecord) -> Optional[Job]:
+    """The label a member gives its job tree: its own job, but never a Ray job (one raylet
+    serves many, so the raylet and its idle workers belong to none of them), and for a worker
+    torchrun started without a run id (TORCHELASTIC_RUN_ID=none: `accelerate launch`, torchrun
+    without --rdzv-id) the launcher that started it, the tree's root: `torchrun:<its PID>`.
+    The tree itself is keyed by the launcher's PID and start time, so a PID reused later starts
+    another tree."""
+    if p.job is not None:
+        return p.job if p.job.source != RAY_JOB_SOURCE else None
+    if (h.first_ppid == job.root_pid and job.root_pid != p.pid
+            and p.launch_env.get(TORCHELASTIC_RUN_ID_KEY, "").strip()
+            == TORCHELASTIC_DEFAULT_RUN_ID):
+        return Job(str(job.root_pid), TORCHRUN_JOB_SOURCE)
+    return None
 
 
 def _job_key(pid: int, snapshot: NodeSnapshot) -> Optional[str]:

@@ -10,7 +10,7 @@ and nothing of gpuwatch: the agent may import it as it imports gpuwatch.protocol
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Optional
 
 #: `gpuwatch run`'s grace: how long the job's processes have after a stop signal, or after COMMAND
@@ -31,6 +31,24 @@ RUN_ID_KEY = "GPUWATCH_RUN_ID"
 RUN_SUPERVISOR_KEY = "GPUWATCH_RUN_SUPERVISOR"
 #: Set by torchrun's elastic agent for the workers it starts: names the job as `torchelastic`.
 TORCHELASTIC_RUN_ID_KEY = "TORCHELASTIC_RUN_ID"
+#: The run id torchrun gives its workers without `--rdzv-id` (the default static rendezvous, and
+#: `accelerate launch`, which runs torchrun's agent in its own process): shared by every such run
+#: on every node, so it names no job. Such a tree is named by its launcher instead, as
+#: `torchrun:<launcher PID>` (TORCHRUN_JOB_SOURCE).
+TORCHELASTIC_DEFAULT_RUN_ID = "none"
+TORCHRUN_JOB_SOURCE = "torchrun"
+#: Set by the raylet in every worker it starts for a Ray job: names the worker's job `ray:<id>`.
+RAY_JOB_ID_KEY = "RAY_JOB_ID"
+RAY_JOB_SOURCE = "ray"
+#: Titles launchers give their own process (its kernel name, /proc/PID/comm), and the program
+#: each stands for when the command line does not say: torch.distributed.run names its main
+#: thread, and so the process, `pt_elastic` (torchrun, `python -m torch.distributed.run`,
+#: `accelerate launch`).
+LAUNCHER_TITLES: Mapping[str, str] = {"pt_elastic": "torchrun"}
+# The launcher modules a title stands for, by the name people know them by.
+_TITLED_MODULES = {"torch.distributed.run": "torchrun", "torch.distributed.launch": "torchrun"}
+# A launcher's program name in a sentence, at most (a command line is the user's to choose).
+_PROGRAM_CHARS = 64
 
 #: Variables that only a launcher sets for the processes it starts as ranks of a distributed
 #: program. Allocation-wide ones are absent on purpose: every process in a Slurm allocation has
@@ -165,3 +183,36 @@ def run_supervisor(launch_env: Mapping[str, str]) -> Optional[SupervisorRef]:
 def _env_value(env: Mapping[str, str], key: str) -> str:
     value = env.get(key)
     return value.strip() if isinstance(value, str) else ""
+
+
+def process_title(name: Optional[str], cmdline: Sequence[str]) -> Optional[str]:
+    """How a sentence names a process: its kernel name, and for a launcher that titled itself
+    (LAUNCHER_TITLES) the program it runs as well, so that people find it under the name they
+    started it by: "torchrun (pt_elastic)", "accelerate (pt_elastic)"."""
+    if name is None or name not in LAUNCHER_TITLES:
+        return name
+    return f"{_launcher_program(cmdline) or LAUNCHER_TITLES[name]} ({name})"
+
+
+def _launcher_program(cmdline: Sequence[str]) -> Optional[str]:
+    """`torchrun` of `python3 /usr/bin/torchrun ...`, `accelerate` of `accelerate launch ...`,
+    the module of `python -m torch.distributed.run ...`."""
+    args = list(cmdline[:4])
+    if not args:
+        return None
+    program = _base(args[0])
+    if program.startswith("python"):  # the script or module it runs, after its options
+        for i, arg in enumerate(args[1:], 1):
+            if arg == "-m":
+                module = args[i + 1] if i + 1 < len(args) else ""
+                program = _TITLED_MODULES.get(module, module)
+                break
+            if not arg.startswith("-"):
+                program = _base(arg)
+                break
+    program = program[:_PROGRAM_CHARS]
+    return program if program and program.isprintable() else None
+
+
+def _base(program: str) -> str:
+    return program.rsplit("/", 1)[-1]

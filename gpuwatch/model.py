@@ -154,7 +154,8 @@ class Job:
     """The job a process belongs to, and where that was learnt."""
 
     id: str
-    #: "slurm" | "run" | "torchelastic" | "kubernetes" | "container" | "systemd"
+    #: "slurm" | "run" | "torchelastic" | "torchrun" | "ray" | "kubernetes" | "container" |
+    #: "systemd"
     source: str
 
     def __str__(self) -> str:

@@ -1245,3 +1245,66 @@ def hung_at_exit(env: Mapping[str, str], program: str = HUNG_AT_EXIT_PROGRAM
         proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+# ---- real torchrun -------------------------------------------------------------------------------
+
+#: `accelerate launch` as accelerate runs it: torch.distributed.run's agent in its own process,
+#: from a console script named `accelerate` (accelerate itself is not installed here).
+ACCELERATE_LIKE = """\
+import sys
+from torch.distributed.run import get_args_parser, run
+assert sys.argv[1] == "launch"
+run(get_args_parser().parse_args(sys.argv[2:]))
+"""
+REAL_WORKER = "import time\ntime.sleep(600)\n"
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def real_torchrun(tmp_path: Path, launcher: str = "torchrun") -> Iterator[JobPids]:
+    """torch's real torchrun (`launcher="torchrun"`, the console script) or an `accelerate
+    launch` (`"accelerate"`, ACCELERATE_LIKE) with one worker, started without a run id as both
+    are by default (its workers get TORCHELASTIC_RUN_ID=none), and its agent titled `pt_elastic`
+    as torch titles it. Yields once the worker runs; skips where torch is not installed. Its
+    worker leads a session of its own (torch starts workers so): ended by PID on the way out."""
+    pytest.importorskip("torch.distributed.run")
+    worker_script = _unique(tmp_path, "train", ".py")
+    worker_script.write_text(REAL_WORKER)
+    args = ["--nnodes", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+            "--master-port", str(_free_port()), str(worker_script)]
+    if launcher == "torchrun":
+        program = Path(sys.executable).with_name("torchrun")
+        if not program.exists():
+            pytest.skip(f"no torchrun beside {sys.executable}")
+        argv = [str(program), *args]
+    else:
+        program = _unique(tmp_path, "bin") / "accelerate"
+        program.parent.mkdir()
+        program.write_text(f"#!{sys.executable}\n{ACCELERATE_LIKE}")
+        program.chmod(0o755)
+        argv = [str(program), "launch", *args]
+    proc = subprocess.Popen(argv, env=clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _reap_in_background(proc)
+    workers: list[int] = []
+    try:
+        workers = wait_for(f"{launcher}'s worker", lambda: _children_with(
+            proc.pid, "TORCHELASTIC_RUN_ID") or None if proc.poll() is None else [],
+            START_TIMEOUT)
+        assert workers, f"{launcher} exited with {proc.returncode} before starting its worker"
+        wait_for(f"{launcher}'s title", lambda: True if comm(proc.pid) == "pt_elastic" else None,
+                 START_TIMEOUT)
+        assert environ(workers[0]).get("TORCHELASTIC_RUN_ID") == "none"
+        yield JobPids(launcher=proc.pid, workers=workers, helpers={}, run_id="none",
+                      group=proc.pid, _launcher_proc=proc)
+    finally:
+        for pid in [proc.pid, *workers]:
+            _kill(pid)
+        wait_not_running([proc.pid, *workers])

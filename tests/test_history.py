@@ -181,3 +181,36 @@ def test_discovered_series_follow_the_newest_pass_and_are_capped_least_recent_fi
     steps.add(_point(52, {}))  # a pass that found nothing growing
     assert steps.discovered_latest == frozenset()
     assert len(steps.discovered_items) == MAX_DISCOVERED  # the series stay, nothing is named
+
+
+def _labels(*procs: HostProcess) -> dict[int, Optional[str]]:
+    from gpuwatch.jobtree import job_roots
+
+    snapshot = replace(_snapshot(100.0, *procs), job_roots=MappingProxyType(
+        job_roots({p.pid: p for p in procs})))
+    history = History()
+    history.record(snapshot)
+    return {p.pid: str(label) if (label := history.job_label(p)) else None for p in procs}
+
+
+def test_a_raylet_serving_two_ray_jobs_belongs_to_neither_and_each_worker_to_its_own() -> None:
+    from gpuwatch.model import Job
+
+    raylet = HostProcess(pid=10, ppid=1, start_time=1.0, name="raylet", cmdline=("raylet",))
+    workers = [HostProcess(pid=10 + i, ppid=10, start_time=2.0, name="ray::IDLE",
+                           job=Job(f"0{i}000000", "ray")) for i in (1, 2)]
+    idle = HostProcess(pid=13, ppid=10, start_time=2.0, name="ray::IDLE")
+    assert _labels(raylet, *workers, idle) == {10: None, 11: "ray:01000000",
+                                               12: "ray:02000000", 13: None}
+
+
+def test_a_tree_whose_workers_carry_torchruns_default_run_id_is_named_by_its_launcher() -> None:
+    env = MappingProxyType({"TORCHELASTIC_RUN_ID": "none", "LOCAL_RANK": "0"})
+    launcher = HostProcess(pid=20, ppid=1, start_time=1.0, name="pt_elastic",
+                           cmdline=("python3", "/usr/bin/torchrun", "train.py"))
+    worker = HostProcess(pid=21, ppid=20, start_time=2.0, name="python", launch_env=env)
+    helper = HostProcess(pid=22, ppid=20, start_time=2.0, name="redis-server")
+    assert _labels(launcher, worker, helper) == {20: "torchrun:20", 21: "torchrun:20",
+                                                 22: "torchrun:20"}
+    # First seen under PID 1 (its launcher gone before anyone looked): no launcher to name.
+    assert _labels(replace(worker, ppid=1)) == {21: None}

@@ -10,7 +10,13 @@ from typing import Any, Optional
 
 import pytest
 
-from gpuwatch.launch_env import LAUNCH_ENV_KEYS, WORKER_MARKER_KEYS, SupervisorRef, run_supervisor
+from gpuwatch.launch_env import (
+    LAUNCH_ENV_KEYS,
+    WORKER_MARKER_KEYS,
+    SupervisorRef,
+    process_title,
+    run_supervisor,
+)
 from gpuwatch.model import Job
 from gpuwatch.sources.jobs import (
     CgroupInfo,
@@ -544,6 +550,25 @@ def test_torchruns_default_run_id_none_identifies_nothing() -> None:
     assert attribute_job(None, env) is None
 
 
+def test_a_ray_worker_s_job_is_its_ray_job_id() -> None:
+    env = MappingProxyType({"RAY_JOB_ID": "01000000", "CUDA_VISIBLE_DEVICES": "0"})
+    assert attribute_job(None, env) == Job("01000000", "ray")
+    unit = CgroupInfo(path="/system.slice/ray.service", version=2, systemd_unit="ray.service")
+    assert attribute_job(unit, env) == Job("01000000", "ray")  # finer than the raylet's unit
+
+
+def test_a_pod_or_a_slurm_job_beats_the_ray_job_and_a_torchelastic_run_beats_it() -> None:
+    env = {"RAY_JOB_ID": "02000000"}
+    assert attribute_job(POD_IN_CONTAINER, env) == Job(BURSTABLE_POD, "kubernetes")
+    assert attribute_job(None, {**env, "SLURM_JOB_ID": "77"}) == Job("77", "slurm")
+    assert attribute_job(None, {**env, "TORCHELASTIC_RUN_ID": "r9"}) == Job("r9", "torchelastic")
+
+
+@pytest.mark.parametrize("value", ["", "x", "not-hex!", "0" * 65, "01 00", "../etc"])
+def test_a_ray_job_id_that_is_not_hex_is_ignored(value: str) -> None:
+    assert attribute_job(None, {"RAY_JOB_ID": value}) is None
+
+
 def test_pod_beats_its_container() -> None:
     assert attribute_job(POD_IN_CONTAINER, {}) == Job(BURSTABLE_POD, "kubernetes")
 
@@ -671,3 +696,21 @@ def test_the_supervisor_variable_is_a_pid_and_a_start_time(
 def test_no_supervisor_variable_names_no_supervisor() -> None:
     assert run_supervisor({}) is None
     assert run_supervisor(None) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "cmdline", "title"), [
+    ("pt_elastic", ("/usr/bin/python3", "/usr/local/bin/torchrun", "--nproc-per-node", "8"),
+     "torchrun (pt_elastic)"),
+    ("pt_elastic", ("python", "/opt/conda/bin/accelerate", "launch", "t.py"),
+     "accelerate (pt_elastic)"),
+    ("pt_elastic", ("python", "-m", "torch.distributed.run", "t.py"), "torchrun (pt_elastic)"),
+    ("pt_elastic", (), "torchrun (pt_elastic)"),
+    ("pt_elastic", ("python", "-u", "launch.py"), "launch.py (pt_elastic)"),
+    ("pt_elastic", ("python", "-u"), "python (pt_elastic)"),
+    ("python", ("python", "train.py"), "python"),
+    ("torchrun", ("python3", "/usr/bin/torchrun"), "torchrun"),
+    (None, (), None),
+])
+def test_a_launcher_that_titled_itself_is_named_by_its_program_too(
+        name: Optional[str], cmdline: tuple[str, ...], title: Optional[str]) -> None:
+    assert process_title(name, cmdline) == title

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.launch_env import RUN_ID_KEY, WORKER_MARKER_KEYS, run_supervisor
+from gpuwatch.launch_env import RUN_ID_KEY, WORKER_MARKER_KEYS, process_title, run_supervisor
 from gpuwatch.model import Finding, HostProcess, Job, Kind, NodeSnapshot
 from gpuwatch.units import human_bytes, short_command
 
@@ -64,6 +64,12 @@ def command(p: HostProcess, limit: int = 80) -> str:
 
 def named(pid: Optional[int], name: Optional[str]) -> str:
     return f"{pid} ({name or '?'})"
+
+
+def named_process(p: Optional[HostProcess], pid: Optional[int]) -> str:
+    """'4121 (python)', '4121 (torchrun (pt_elastic))' for a launcher that titled itself
+    (launch_env.process_title), '4121 (?)' for a process not read."""
+    return named(pid, process_title(p.name, p.cmdline) if p is not None else None)
 
 
 def supervisor_gone(p: HostProcess, snapshot: NodeSnapshot) -> Optional[str]:

@@ -31,6 +31,7 @@ from gpuwatch.detectors.common import (
     finding,
     is_protected,
     named,
+    named_process,
     supervisor_gone,
     worker_evidence,
 )
@@ -84,7 +85,7 @@ def _lineage_reason(p: HostProcess, parent_pid: int, parent_start: float | None,
         when = f" before {clock_time(snapshot.wall(unreaped.zombie_since))} (not reaped yet)"
     adopter = snapshot.processes.get(p.ppid) if p.ppid else None
     return (f"parent {named(parent_pid, parent_name)} exited{when}; "
-            f"now under {named(p.ppid, adopter.name if adopter else None)}")
+            f"now under {named_process(adopter, p.ppid)}")
 
 
 def _environment_reason(p: HostProcess, snapshot: NodeSnapshot, config: DetectorConfig
@@ -113,15 +114,15 @@ def _adopter(p: HostProcess, parent: HostProcess) -> str | None:
     if parent.pid == 1:
         return "PID 1"  # the host's init never launches ranks
     if is_supervisor(parent):
-        adopter = named(parent.pid, parent.name)
+        adopter = named_process(parent, parent.pid)
     elif not p.launch_env.keys() & LAUNCHER_SET_KEYS:
         # A container's init or an entrypoint may start ranks itself (a shell loop setting RANK
         # and LOCAL_RANK): only a variable a launcher sets says another process started it.
         return None
     elif is_namespace_init(parent, p):
-        adopter = f"{named(parent.pid, parent.name)}, PID 1 of its PID namespace"
+        adopter = f"{named_process(parent, parent.pid)}, PID 1 of its PID namespace"
     elif p.group_leader_gone and p.pgid is not None and parent.pgid != p.pgid:
-        adopter = (f"{named(parent.pid, parent.name)}; the leader of its process group, "
+        adopter = (f"{named_process(parent, parent.pid)}; the leader of its process group, "
                    f"{p.pgid}, has exited")
     else:
         return None

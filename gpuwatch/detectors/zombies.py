@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import finding, is_protected, named
+from gpuwatch.detectors.common import finding, is_protected, named_process
 from gpuwatch.history import History
 from gpuwatch.model import Finding, Kind, NodeSnapshot
 
@@ -40,6 +40,6 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         else:
             parent = snapshot.processes.get(p.ppid) if p.ppid else None
             severity = "warning"
-            reason = (f"defunct; parent {named(p.ppid, parent.name if parent else None)} "
+            reason = (f"defunct; parent {named_process(parent, p.ppid)} "
                       "has not reaped it")
         yield finding(Kind.ZOMBIE, severity, p, reason)

@@ -15,7 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-from gpuwatch.launch_env import LAUNCH_ENV_KEYS, RUN_ID_KEY, TORCHELASTIC_RUN_ID_KEY
+from gpuwatch.launch_env import (
+    LAUNCH_ENV_KEYS,
+    RAY_JOB_ID_KEY,
+    RAY_JOB_SOURCE,
+    RUN_ID_KEY,
+    TORCHELASTIC_DEFAULT_RUN_ID,
+    TORCHELASTIC_RUN_ID_KEY,
+)
 from gpuwatch.model import Job
 
 
@@ -285,10 +292,9 @@ def parse_environ(raw: bytes) -> dict[str, str]:
 
 # -- attribution -----------------------------------------------------------------------------
 
-# The value torchrun gives TORCHELASTIC_RUN_ID when --rdzv-id is not passed (the default static
-# rendezvous): shared by every such run on every node, so it identifies nothing.
-_DEFAULT_TORCHELASTIC_RUN_ID = "none"
 _SLURM_JOB_ID_VALUE = re.compile(r"[0-9]+")
+# Ray's job ids are hex (`01000000`); anything else in the variable is not one.
+_RAY_JOB_ID_VALUE = re.compile(r"[0-9a-fA-F]{2,64}")
 
 # Units that are never a job. Their processes are either node infrastructure, or were started by a
 # launcher serving many unrelated users and stayed in its cgroup by inheritance (sshd without
@@ -346,10 +352,15 @@ def attribute_job(cgroup: Optional[CgroupInfo], launch_env: Mapping[str, str]) -
        scheduler cleans up by.
     3. TorchElastic run id (TORCHELASTIC_RUN_ID, unless torchrun's default "none"): it names one
        distributed run across nodes and containers, which is finer than the pod that hosts a
-       rank of it and the same on every node.
+       rank of it and the same on every node. (A tree with the default "none" is named by its
+       launcher, from the tree: gpuwatch.history.)
     4. Kubernetes pod UID: the unit the kubelet creates and deletes; its containers are parts.
     5. Container, by the 12-hex short id every runtime CLI shows.
-    6. A systemd unit someone started as a job: `systemd-run --unit=train ...` (train.service),
+    6. Ray job (RAY_JOB_ID, set by the raylet in each worker it starts for a job): one raylet
+       serves many jobs, so the worker's own id is the only one that names its job. A pod's or
+       a container's cgroup wins, as over `gpuwatch run`: that is the id the scheduler cleans
+       up by.
+    7. A systemd unit someone started as a job: `systemd-run --unit=train ...` (train.service),
        a transient run-u87.service, or a named unit, system or per-user. Login sessions, desktop
        app scopes, the user manager, and the daemons in _NOT_JOB_UNITS are not jobs: their
        processes share the unit by inheritance, not by being one piece of work.
@@ -369,14 +380,17 @@ def attribute_job(cgroup: Optional[CgroupInfo], launch_env: Mapping[str, str]) -
         if _SLURM_JOB_ID_VALUE.fullmatch(value):
             return Job(value, "slurm")
     run_id = _env_value(env, TORCHELASTIC_RUN_ID_KEY)
-    if run_id and run_id != _DEFAULT_TORCHELASTIC_RUN_ID:
+    if run_id and run_id != TORCHELASTIC_DEFAULT_RUN_ID:
         return Job(run_id, "torchelastic")
+    if cgroup is not None and cgroup.pod_uid:
+        return Job(cgroup.pod_uid, "kubernetes")
+    if cgroup is not None and cgroup.container_id:
+        return Job(cgroup.container_id[:12], "container")
+    ray_job = _env_value(env, RAY_JOB_ID_KEY)
+    if _RAY_JOB_ID_VALUE.fullmatch(ray_job):
+        return Job(ray_job, RAY_JOB_SOURCE)
     if cgroup is None:
         return None
-    if cgroup.pod_uid:
-        return Job(cgroup.pod_uid, "kubernetes")
-    if cgroup.container_id:
-        return Job(cgroup.container_id[:12], "container")
     if cgroup.systemd_unit and _unit_is_job(cgroup.systemd_unit, cgroup.path):
         return Job(cgroup.systemd_unit, "systemd")
     return None

@@ -1,0 +1,54 @@
+"""Jobs started by real launchers, as they start them by default, judged by a real daemon.
+
+torchrun (torch's own console script) and `accelerate launch` (torch.distributed.run's agent run
+inside the `accelerate` program, as accelerate runs it) give their workers
+TORCHELASTIC_RUN_ID=none, an id every such run shares, and title their own process `pt_elastic`.
+Such a job is named by its launcher (`torchrun:<launcher PID>`), which `reap --job` takes, and a
+reason names the launcher by the program people started as well as by its title.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.simulate.fakenvml import FakeNode
+from tests.daemonproc import WatchedNode, running_daemon
+from tests.realprocs import GIB, gpuwatch
+from tests.scenarios import real_torchrun, sigkill_launcher, wait_not_running
+
+DETECTORS = "[detectors]\nmin_age = 0\n"
+
+
+@pytest.fixture
+def watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path
+            ) -> Iterator[WatchedNode]:
+    with running_daemon(cli_env, tmp_path / "daemon", config=DETECTORS,
+                        args=("--interval", "0.2")) as daemon:
+        yield WatchedNode(fake_node, cli_env, daemon)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_a_job_launched_without_a_run_id_is_named_by_its_launcher_and_reaped_by_that_name(
+        watched: WatchedNode, tmp_path: Path, launcher: str) -> None:
+    with real_torchrun(tmp_path, launcher) as job:
+        (worker,) = job.workers
+        watched.node.hold(worker, device=0, used=4 * GIB)
+        doc = watched.holding(worker)
+        label = {"id": str(job.launcher), "source": "torchrun"}
+        jobs = {p["pid"]: p["job"] for p in doc["processes"]}
+        assert jobs[worker] == label and jobs[job.launcher] == label
+
+        sigkill_launcher(job)
+        orphan = watched.findings_of("orphan", [worker])[worker]
+        assert orphan["job"] == label
+        assert orphan["reason"].startswith(
+            f"parent {job.launcher} ({launcher} (pt_elastic)) exited after "), orphan["reason"]
+
+        reaped = gpuwatch(["reap", "--job", f"torchrun:{job.launcher}", "--yes", "--grace", "5"],
+                          watched.env)
+        assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+        assert "GPU memory released" in reaped.stdout, reaped.stdout
+        wait_not_running([worker])

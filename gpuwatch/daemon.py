@@ -43,7 +43,7 @@ from gpuwatch.runtime_dir import (
     remove_own_daemon_info,
 )
 from gpuwatch.sinks.daemon_metrics import DaemonMetrics
-from gpuwatch.sinks.document import SOURCE_DAEMON, status_document
+from gpuwatch.sinks.document import SOURCE_DAEMON, bounded_json, status_document
 from gpuwatch.sinks.exit_reports import ExitReportLog
 from gpuwatch.sinks.exporter import SERIES_DROPPED_REASONS, ReportCollector, dropped_by_cap
 from gpuwatch.sinks.exposition import RenderedMetrics
@@ -53,6 +53,7 @@ from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sources.agent_socket import AgentReceiver
 from gpuwatch.sources.memory import read_mem_total
 from gpuwatch.sources.nvml import NvmlSource
+from gpuwatch.sources.processes import TRUNCATED_TEXTS
 from gpuwatch.units import plural
 
 log = logging.getLogger("gpuwatch.daemon")
@@ -109,7 +110,8 @@ class Daemon:
         self.metrics = DaemonMetrics(
             self.registry, reap_kinds=REAPABLE_KINDS, reap_outcomes=OUTCOMES,
             trace_request_results=TRACE_REQUEST_RESULTS, trace_statuses=TRACE_STATUSES,
-            search_results=SEARCH_RESULTS, series_dropped_reasons=SERIES_DROPPED_REASONS)
+            search_results=SEARCH_RESULTS, series_dropped_reasons=SERIES_DROPPED_REASONS,
+            truncated_texts=(*TRUNCATED_TEXTS, "document"))
         self.reaping = DaemonReaping(config, self.metrics.count_reaps)
         self.exit_reports = ExitReportLog()
 
@@ -133,7 +135,11 @@ class Daemon:
         with self._document_lock:
             cached_for, body = self._document
             if cached_for is not report:
-                body = json.dumps(status_document(report, source=SOURCE_DAEMON)).encode()
+                # Bounded in bytes: a node of thousands of processes with long texts is served
+                # shortened, saying so, never a document too large for its readers.
+                body, cut = bounded_json(status_document(report, source=SOURCE_DAEMON))
+                if cut is not None:
+                    self.metrics.count_truncated({"document": 1})
                 self._document = (report, body)
             return body
 
@@ -301,6 +307,8 @@ class Daemon:
             self.metrics.poll_raised()
         self.metrics.count_traces(self.trace_requests.counts, self.trace_requests.search_counts,
                                   self.agents.trace_reports)
+        self.metrics.count_truncated(getattr(self.poller.processes, "truncated", {}),
+                                     running_totals=True)
         self.reaping.after_poll(report)
 
     def _log_nvml_transition(self, snapshot: NodeSnapshot) -> None:

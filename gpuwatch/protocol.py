@@ -27,7 +27,9 @@ PRIVATE_SOCKET_DIR = "agent.d"
 # -- reports, agent to daemon ----------------------------------------------------------------
 #: The `kind` of a report.
 REPORT_KINDS = ("step", "finished", "exit", "trace")
-#: A datagram's size, at most.
+#: A datagram's size, at most. It bounds every text a report brings in bytes (docs/security.md,
+#: rule 1); each name is bounded besides, below: buffer and discovered names are ASCII (a
+#: character a byte), a trace file or thread name at most 4 bytes a character.
 MAX_DATAGRAM = 16_384
 #: Figures are integers from 0 to below this (a signed 64-bit integer's range).
 INT_LIMIT = 1 << 63

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
@@ -16,6 +17,7 @@ import pytest
 
 from gpuwatch.model import GpuProcessUsage
 from gpuwatch.simulate.demo import wait_for
+from gpuwatch.sources.kernel_files import read_head
 from gpuwatch.sources.proc_stat import (
     NUM_THREADS,
     PPID,
@@ -24,8 +26,13 @@ from gpuwatch.sources.proc_stat import (
     is_kernel_thread,
     parse_stat,
 )
-from gpuwatch.sources.processes import ProcessSource
-from tests.realprocs import GIB, proc_without_children_files
+from gpuwatch.sources.processes import (
+    CMDLINE_BYTES,
+    CMDLINE_CUT,
+    ENVIRON_BYTES,
+    ProcessSource,
+)
+from tests.realprocs import GIB, MIB, proc_without_children_files
 from tests.scenarios import cmdline, comm, pid_namespaces, state
 
 
@@ -363,3 +370,110 @@ def test_without_children_files_children_come_from_parent_pids(
     assert mirror._by_parent is None
     mirror.children(root)
     assert mirror._by_parent is not None
+
+
+# -- texts another user sizes: read in part (docs/security.md, "Bytes, not entries") ----------
+#: The most a command line can hold: 16 arguments of just under the kernel's 128 KiB each, about
+#: 2 MiB with the environment (ARG_MAX).
+LONG_ARGS = [chr(ord("a") + i) * 128_000 for i in range(16)]
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def _started(argv: list[str], env: Optional[dict[str, str]] = None) -> subprocess.Popen[bytes]:
+    child = subprocess.Popen(argv, env=env)
+    wait_for("the child's arguments", lambda: _arguments_in_place(child.pid) or None, 10)
+    return child
+
+
+def test_the_bounded_reader_reads_at_most_its_limit_and_says_whether_there_was_more(
+        tmp_path: Path) -> None:
+    path = tmp_path / "text"
+    path.write_bytes(b"x" * 10_000)
+    assert read_head(str(path), 4096) == (b"x" * 4096, True)
+    assert read_head(str(path), 10_000) == (b"x" * 10_000, False)
+    path.write_bytes(b"")
+    assert read_head(str(path), 4096) == (b"", False)
+
+
+def test_a_2_mib_command_line_is_read_to_4_kib_and_shown_cut() -> None:
+    child = _started([*SLEEPER, "--password=hunter2", *LONG_ARGS])
+    try:
+        source = ProcessSource()
+        p = source.read([child.pid]).processes[child.pid]
+        assert p.cmdline[:3] == tuple(SLEEPER[1:]) or p.cmdline[1:3] == tuple(SLEEPER[1:])
+        assert p.cmdline[-1] == CMDLINE_CUT
+        assert len("\0".join(p.cmdline[:-1]).encode()) <= CMDLINE_BYTES
+        assert p.cmdline[-2].startswith("aaaa")  # the argument the cut fell in, as far as read
+        # The redaction works on what was read: the secret before the cut is masked.
+        assert "hunter2" not in " ".join(p.cmdline) and "--password=" in " ".join(p.cmdline)
+        assert source.truncated["command_line"] == 1
+        # Read once for the process: the next polls count nothing more.
+        source.read([child.pid])
+        assert source.truncated["command_line"] == 1
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_secret_the_cut_falls_in_is_still_redacted() -> None:
+    # The cut falls 100 bytes into the token's value, well past its name.
+    head = len("\0".join([sys.executable, *SLEEPER[1:]]).encode()) + 1
+    token = "--api-token=" + "S3CRETs3cret" * 1000
+    pad = "p" * (CMDLINE_BYTES - head - len("--api-token=") - 101)
+    child = _started([*SLEEPER, pad, token])
+    try:
+        p = ProcessSource().read([child.pid]).processes[child.pid]
+        assert p.cmdline[-1] == CMDLINE_CUT
+        assert p.cmdline[-2].startswith("--api-token=")
+        assert "S3CRET" not in " ".join(p.cmdline)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_environment_is_read_to_32_kib_and_a_variable_the_cut_falls_in_is_left_out() -> None:
+    # "RANK=3\0PAD=...\0SLURM_JOB_ID=4242\0": the cut falls after "SLURM_JOB_ID=42".
+    pad = ENVIRON_BYTES - len("RANK=3\0PAD=\0SLURM_JOB_ID=42")
+    child = _started(SLEEPER, env={"RANK": "3", "PAD": "x" * pad, "SLURM_JOB_ID": "4242"})
+    try:
+        source = ProcessSource()
+        p = source.read([child.pid]).processes[child.pid]
+        assert p.launch_env.get("RANK") == "3"
+        assert "SLURM_JOB_ID" not in p.launch_env  # not "42": a value cut is not read at all
+        assert p.job is None or p.job.id != "42"
+        assert any("environment cut at 32 KiB" in e for e in p.read_errors)
+        assert source.truncated["environment"] == 1
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_what_processes_with_huge_texts_leave_in_the_source_is_bounded_and_goes_with_them(
+) -> None:
+    """Twenty processes of 2 MiB command lines and 64 KiB environments, each its own: the source
+    never holds more than its caches' bounds of them, and what it holds of the processes
+    themselves goes when they do."""
+    children = []
+    tracemalloc.start()
+    try:
+        for i in range(20):
+            children.append(_started([*SLEEPER, str(i), *LONG_ARGS[:15]],
+                                     env={"RANK": str(i), "PAD": f"{i:02d}" * 32_768}))
+        source = ProcessSource()
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        source.read([c.pid for c in children])
+        held, peak = tracemalloc.get_traced_memory()
+        assert held - base < 8 * MIB, "20 processes' reads kept"
+        assert peak - base < 12 * MIB, "whole texts read"
+        for c in children:
+            c.kill()
+            c.wait()
+        source.forget_others(source.read([os.getpid()]).processes.values())
+        after, _ = tracemalloc.get_traced_memory()
+        assert after - base < 4 * MIB, "the caches are bounded in bytes"
+    finally:
+        tracemalloc.stop()
+        for c in children:
+            c.kill()
+            c.wait()

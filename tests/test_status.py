@@ -7,15 +7,24 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
 from gpuwatch.cli import EXIT_NVML_UNAVAILABLE, EXIT_OK, EXIT_PARTIAL
-from gpuwatch.model import Kind
+from gpuwatch.frozen import evolve
+from gpuwatch.model import Kind, NodeReport
 from gpuwatch.simulate import fakenvml
 from gpuwatch.simulate.fakenvml import FakeNode
-from gpuwatch.sinks.document import from_json, status_document
+from gpuwatch.sinks.document import (
+    DOCUMENT_CUT,
+    MAX_DOCUMENT_BYTES,
+    bounded_json,
+    from_json,
+    status_document,
+)
 from gpuwatch.sinks.status_view import render_status
 from gpuwatch.units import short_command
 from tests import leakreports
@@ -380,6 +389,45 @@ def test_a_wrapped_line_never_parts_a_figure_from_its_unit_at_any_width() -> Non
         if pairs:
             parted[width] = pairs
     assert not parted, "\n".join(f"width {w}: {p}" for w, ps in parted.items() for p in ps)
+
+
+def _crowded_report(processes: int) -> NodeReport:
+    """The leak report with `processes` more processes, each with a command line as long as the
+    read keeps (4 KiB) and three long launch variables, none holding GPU memory."""
+    report = leakreports.leak_report()
+    env = MappingProxyType({key: key[0] * 1024 for key in ("RANK", "MASTER_ADDR", "JOB_NAME")})
+    many = {pid: evolve(leakreports.process(pid), cmdline=("python3", f"{pid}" * 800),
+                        launch_env=env, gpu_usage=())
+            for pid in range(10_000, 10_000 + processes)}
+    snapshot = replace(report.snapshot, processes=MappingProxyType(
+        {**report.snapshot.processes, **many}))
+    return NodeReport(snapshot, report.findings)
+
+
+def test_a_document_over_its_bound_is_served_shortened_and_says_so() -> None:
+    """The daemon serves at most MAX_DOCUMENT_BYTES of status document: texts shortened first,
+    then the processes that matter least left out (never a GPU holder or one a finding names),
+    said in source_detail and as an error; the rest reads back. One within it is as it was."""
+    report = _crowded_report(2500)
+    doc = status_document(report, source="daemon")
+    assert len(json.dumps(doc)) > MAX_DOCUMENT_BYTES
+    named = {f.pid for f in report.findings}
+    for limit, left_out in ((MAX_DOCUMENT_BYTES, False), (2 * MIB, True)):
+        body, cut = bounded_json(doc, limit)
+        assert len(body) <= limit and cut is not None
+        served = json.loads(body)
+        assert served["errors"][-1] == {"source": "document", "message": cut}
+        assert cut in served["source_detail"] and "texts shortened" in cut
+        shown = processes_by_pid(served)
+        assert named <= shown.keys()
+        assert (len(shown) < len(doc["processes"])) == left_out
+        assert ("processes left out" in cut) == left_out
+        crowd = shown[10_001]
+        assert crowd["cmdline"][-1] == DOCUMENT_CUT and len("".join(crowd["cmdline"])) < 300
+        assert all(v.endswith(DOCUMENT_CUT) for v in crowd["launch_env"].values())
+        assert from_json(served).source_detail == served["source_detail"]
+    small = status_document(leakreports.leak_report(), source="daemon")
+    assert bounded_json(small) == (json.dumps(small).encode(), None)
 
 
 def test_a_document_reads_back_into_the_models_types_and_renders_again_byte_for_byte() -> None:

@@ -12,7 +12,10 @@ fails on a daemon that does not hold the rule.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -23,15 +26,17 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlencode, urlsplit
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatch.config import EXIT_CONFIG
+from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
+from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT
 from tests.daemonproc import (
     WAIT,
     RunningDaemon,
@@ -43,7 +48,8 @@ from tests.daemonproc import (
     value,
 )
 from tests.localusers import LocalUser, local_user
-from tests.realprocs import gpuwatch, status_json
+from tests.realprocs import MIB, gpuwatch, status_json
+from tests.scenarios import wait_not_running
 
 
 @pytest.fixture
@@ -65,6 +71,126 @@ def daemon_user() -> LocalUser:
 # Rule 1. Bytes, not entries: every text a user controls is cut at the read; caches and the
 # status document are bounded in bytes; memory comes back when the processes are gone.
 # =================================================================================================
+
+#: An argument of just under the kernel's most (MAX_ARG_STRLEN, 128 KiB); 15 of them and a 64 KiB
+#: environment make a command line as long as ARG_MAX (2 MiB) lets one be.
+_LONG_ARG = "m" * 128_000
+_LONG_ARGS = 15
+#: mallory's processes: BATCHES of PER_BATCH at a time, each batch ended before the next starts.
+BATCHES, PER_BATCH = 4, 50
+#: The daemon's RSS with mallory's processes alive, at most, and how far above its RSS before
+#: them it may stay once they are gone.
+RSS_LIMIT = 128 * MIB
+RSS_BACK_WITHIN = 8 * MIB
+
+
+def _rss(pid: int) -> int:
+    found = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+    assert found is not None
+    return int(found.group(1)) * 1024
+
+
+def _document(runtime: Path) -> bytes:
+    """The status document as the daemon's state socket serves it, byte for byte."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(str(runtime / "state.sock"))
+        s.sendall(b"status\n")
+        chunks = []
+        while chunk := s.recv(1 << 20):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reporting(agent_sock: Path) -> Callable[[], None]:
+    """What mallory's process does before it execs its long command line: one step report to
+    agent.sock, which makes it a process the daemon reads at every poll (gpuwatch/poll.py). The
+    kernel stamps the datagram with the PID it keeps across the exec."""
+    report = json.dumps({"v": 1, "kind": "step", "seq": 0, "step": 0}).encode()
+    path = str(agent_sock)
+
+    def send() -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(report, path)
+    return send
+
+
+def _all_read(runtime: Path, pids: list[int], batch: int
+              ) -> Optional[tuple[bytes, dict[int, Any]]]:
+    """The document and its processes by PID once it shows each of `pids` with what it runs;
+    None until then."""
+    body = _document(runtime)
+    shown = {p["pid"]: p for p in json.loads(body)["processes"]}
+    return (body, shown) if all(
+        pid in shown and shown[pid]["cmdline"][3:4] == [f"flood-{batch}-{i}"]
+        for i, pid in enumerate(pids)) else None
+
+
+@contextlib.contextmanager
+def _long_command_lines(mallory: LocalUser, agent_sock: Path, batch: int
+                        ) -> Iterator[list[int]]:
+    """PER_BATCH processes of mallory's, each a shell with a 2 MiB command line (its own: its
+    first argument names it) and a 64 KiB environment, reporting to agent.sock; ended (with the
+    sleep each waits on) on leaving."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in range(PER_BATCH):
+            procs.append(mallory.popen(
+                ["/bin/sh", "-c", "sleep 600; :", f"flood-{batch}-{i}", *[_LONG_ARG] * _LONG_ARGS],
+                env={"PATH": "/usr/bin:/bin", "PAD": f"{i:02d}" * 32_768, "SLURM_JOB_ID": "77"},
+                preexec_fn=_reporting(agent_sock), start_new_session=True,
+                stdin=subprocess.DEVNULL))
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+        wait_not_running([p.pid for p in procs])
+
+
+def test_2_mib_command_lines_of_mallorys_leave_the_daemon_small_and_are_shown_cut(
+        mallory: LocalUser, fake_nvml_lib: Path) -> None:
+    """mallory starts 200 processes with 2 MiB command lines, 50 at a time, each of them an
+    agent reporter (read at every poll): the daemon reads 4 KiB of each, shows them cut and
+    counts them; its RSS stays under 128 MiB and comes back to within 8 MiB of where it was
+    once they are gone; its status document stays under 8 MiB."""
+    with shared_node(fake_nvml_lib, 0, 0) as (_node, env), \
+            running_daemon(env, Path(env["HOME"]) / "daemon") as daemon:
+        runtime = daemon.runtime_dir
+        agent_sock = runtime / AGENT_SOCKET
+        wait_for("agent.sock", lambda: agent_sock.exists() or None, WAIT, alive=daemon.proc)
+        before = _rss(daemon.proc.pid)
+        largest_document = 0
+        peak = before
+        for batch in range(BATCHES):
+            with _long_command_lines(mallory, agent_sock, batch) as pids:
+                body, shown = wait_for(
+                    f"batch {batch}'s processes read",
+                    functools.partial(_all_read, runtime, pids, batch), WAIT, alive=daemon.proc)
+                peak = max(peak, _rss(daemon.proc.pid))
+                assert peak < RSS_LIMIT, f"daemon RSS {peak / MIB:.0f} MiB"
+                assert len(body) < 8 * MIB, f"status document of {len(body) / MIB:.0f} MiB"
+                largest_document = max(largest_document, len(body))
+                for pid in pids:
+                    p = shown[pid]
+                    assert p["cmdline"][:3] == ["/bin/sh", "-c", "sleep 600; :"]
+                    assert p["cmdline"][-1] == CMDLINE_CUT
+                    assert len("\0".join(p["cmdline"][:-1]).encode()) <= CMDLINE_BYTES
+                    assert "SLURM_JOB_ID" not in p["launch_env"]  # past the 32 KiB read
+                    assert any("environment cut at 32 KiB" in e for e in p["read_errors"])
+            wait_for(f"batch {batch} gone from the document", lambda: None if any(
+                p["pid"] in pids for p in json.loads(_document(runtime))["processes"]) else True,
+                WAIT, alive=daemon.proc)
+        after = wait_for("the daemon's RSS back near where it was", lambda: (
+            rss if (rss := _rss(daemon.proc.pid)) <= before + RSS_BACK_WITHIN else None),
+            WAIT, alive=daemon.proc)
+        assert after <= before + RSS_BACK_WITHIN
+        cut = daemon.wait_for_metrics("the cuts counted", lambda s: (
+            n if (n := value(s, "gpuwatch_text_truncated_total", what="command_line") or 0)
+            >= BATCHES * PER_BATCH else None))
+        assert cut >= BATCHES * PER_BATCH
 
 # (section 1 ends)
 

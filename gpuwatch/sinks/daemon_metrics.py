@@ -29,7 +29,8 @@ class DaemonMetrics(Collector):
     def __init__(self, registry: CollectorRegistry, reap_kinds: Iterable[str],
                  reap_outcomes: Iterable[str], trace_request_results: Iterable[str],
                  trace_statuses: Iterable[str], search_results: Iterable[str],
-                 series_dropped_reasons: Iterable[str] = ()) -> None:
+                 series_dropped_reasons: Iterable[str] = (),
+                 truncated_texts: Iterable[str] = ()) -> None:
         self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=None)
         self.poll_errors = Counter(
             "gpuwatch_poll_errors", "Problems met while polling, by source (nvml, procfs, poll: "
@@ -65,7 +66,13 @@ class DaemonMetrics(Collector):
         self.agent_trace_reports = Counter(
             "gpuwatch_agent_trace_reports", "Trace reports received from instrumented processes, "
             "by status (done, refused, failed).", ["status"], registry=None)
-        # What the three counters above have been given so far of the running totals they mirror.
+        self.text_truncated = Counter(
+            "gpuwatch_text_truncated", "Texts another user sets the size of, cut to a bound "
+            "(docs/security.md): at the read (command_line, environment, cgroup; once per "
+            "process read) or the status document made to fit (document).", ["what"],
+            registry=None)
+        # What the three counters above have been given so far of the running totals they mirror
+        # (and text_truncated of its source's).
         self._trace_counted: dict[tuple[str, str], int] = {}
         self._rss_disagreements_counted = 0
         for reason in series_dropped_reasons:
@@ -80,6 +87,8 @@ class DaemonMetrics(Collector):
             self.agent_trace_reports.labels(status)
         for result in search_results:
             self.agent_search_requests.labels(result)
+        for what in truncated_texts:
+            self.text_truncated.labels(what)
         # Present from the start at 0, so that `increase()` sees the first reap of each outcome.
         outcomes = tuple(reap_outcomes)
         for kind in sorted(reap_kinds):
@@ -88,7 +97,7 @@ class DaemonMetrics(Collector):
         self._metrics = (self.polls, self.poll_errors, self.poll_duration, self.series_dropped,
                          self.agent_rss_disagreements, self.reloads, self.reaped,
                          self.agent_trace_requests, self.agent_search_requests,
-                         self.agent_trace_reports)
+                         self.agent_trace_reports, self.text_truncated)
         registry.register(self)
 
     def describe(self) -> Iterator[Metric]:
@@ -136,3 +145,14 @@ class DaemonMetrics(Collector):
                 if total > before:
                     counter.labels(label).inc(total - before)
                     self._trace_counted[(key, label)] = total
+
+    def count_truncated(self, counts: Mapping[str, int], running_totals: bool = False) -> None:
+        """Count texts cut to a bound, by what: `counts` are new cuts, or with `running_totals`
+        the totals of a source's counter (the process source's), brought up to here."""
+        for what, n in counts.items():
+            if running_totals:
+                before = self._trace_counted.get(("truncated", what), 0)
+                self._trace_counted[("truncated", what)] = max(before, n)
+                n -= before
+            if n > 0:
+                self.text_truncated.labels(what).inc(n)

@@ -7,6 +7,7 @@ every field; bump SCHEMA_VERSION on any incompatible change.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection, Mapping
 from types import MappingProxyType
 from typing import Any, Optional
@@ -46,6 +47,16 @@ SCHEMA_VERSION = 1
 #: Where the document came from: a running daemon's view (with history) or one poll of our own.
 SOURCE_DAEMON = "daemon"
 SOURCE_POLL = "poll"
+
+#: The most the daemon serves of a document, in bytes of JSON (docs/security.md, "Bytes, not
+#: entries"). A document over it is made to fit (bounded_json): its texts shortened first, then
+#: the processes that matter least left out, and it says so.
+MAX_DOCUMENT_BYTES = 8 << 20
+#: What a process's command line, cgroup path and each launch variable keep of themselves in a
+#: document made to fit, in characters.
+_SHORT_TEXT = 256
+#: Ends a text shortened to fit the document.
+DOCUMENT_CUT = "…[cut to fit the document]"
 
 
 def status_document(report: NodeReport, source: Optional[str] = None,
@@ -205,6 +216,71 @@ def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
         "kernel_stack": list(p.kernel_stack),
         "agent": _agent(agent, wall),
     }
+
+
+def bounded_json(doc: StatusDocument, limit: int = MAX_DOCUMENT_BYTES
+                 ) -> tuple[bytes, Optional[str]]:
+    """`doc` as JSON of at most `limit` bytes, and what was cut to fit it (None: nothing).
+
+    Texts are cut at the read already (a command line to 4 KiB), so only a node of thousands of
+    processes with long texts each comes near the limit. Then each process's command line, cgroup
+    path and launch variables are shortened to _SHORT_TEXT characters; if that is not enough,
+    processes that neither hold GPU memory nor are named by a finding are left out, the largest
+    first. What was cut is said in `source_detail` and as an error of source "document", so both
+    `status` and a script reading the JSON see it.
+    """
+    body = json.dumps(doc).encode()
+    if len(body) <= limit:
+        return body, None
+    processes = [_shortened(p) for p in doc["processes"]]
+    cut = f"document over {limit >> 20} MiB: texts shortened"
+    body = _json_with(doc, processes, cut)
+    if len(body) > limit:
+        named = {f["pid"] for f in doc["findings"]}
+        sizes = sorted(((len(json.dumps(p)), i) for i, p in enumerate(processes)
+                        if not p["holds_gpu"] and p["pid"] not in named), reverse=True)
+        over = len(body) - limit + 4096  # room for the note saying so
+        dropped: set[int] = set()
+        for size, i in sizes:
+            if over <= 0:
+                break
+            dropped.add(i)
+            over -= size + 2
+        processes = [p for i, p in enumerate(processes) if i not in dropped]
+        cut += f", {len(dropped)} processes left out"
+        body = _json_with(doc, processes, cut)
+    return body, cut
+
+
+def _json_with(doc: StatusDocument, processes: list[ProcessDoc], cut: str) -> bytes:
+    detail = f"{doc['source_detail']}; {cut}" if doc["source_detail"] else cut
+    return json.dumps({**doc, "source_detail": detail, "processes": processes,
+                       "errors": [*doc["errors"], {"source": "document", "message": cut}]}
+                      ).encode()
+
+
+def _shortened(p: ProcessDoc) -> ProcessDoc:
+    short: ProcessDoc = {**p}
+    short["cmdline"] = _short_args(p["cmdline"])
+    if p["cgroup"] is not None and len(p["cgroup"]) > _SHORT_TEXT:
+        short["cgroup"] = p["cgroup"][:_SHORT_TEXT] + DOCUMENT_CUT
+    short["launch_env"] = {k: v if len(v) <= _SHORT_TEXT else v[:_SHORT_TEXT] + DOCUMENT_CUT
+                           for k, v in p["launch_env"].items()}
+    return short
+
+
+def _short_args(args: list[str]) -> list[str]:
+    """The arguments that fit in _SHORT_TEXT characters, then DOCUMENT_CUT if any did not."""
+    kept: list[str] = []
+    room = _SHORT_TEXT
+    for arg in args:
+        if len(arg) > room:
+            if room > 0:
+                kept.append(arg[:room])
+            return [*kept, DOCUMENT_CUT]
+        kept.append(arg)
+        room -= len(arg) + 1
+    return kept
 
 
 # -- reading a document back -------------------------------------------------------------------

@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 STATE_SOCKET_NAME = "state.sock"
-_MAX_RESPONSE = 64 << 20
+#: The most of an answer read: four times what the daemon serves at most (document.py's
+#: MAX_DOCUMENT_BYTES, 8 MiB; room for a daemon of another version), so that whatever answers
+#: at the socket cannot make `status`, `reap` or an epilog hold more.
+MAX_RESPONSE = 32 << 20
 
 
 class StateUnavailable(Exception):
@@ -34,8 +37,8 @@ def fetch_status(path: Path, timeout: float = 3.0) -> dict[str, Any]:
                 if not chunk:
                     break
                 size += len(chunk)
-                if size > _MAX_RESPONSE:
-                    raise StateUnavailable(f"{path}: answer larger than {_MAX_RESPONSE} bytes")
+                if size > MAX_RESPONSE:
+                    raise StateUnavailable(f"{path}: answer larger than {MAX_RESPONSE} bytes")
                 chunks.append(chunk)
     except FileNotFoundError:
         raise StateUnavailable(f"no daemon socket at {path}") from None

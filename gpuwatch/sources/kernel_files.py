@@ -26,6 +26,27 @@ def read_file(path: str, size: int = READ_CHUNK) -> bytes:
         os.close(fd)
 
 
+def read_head(path: str, limit: int) -> tuple[bytes, bool]:
+    """At most the first `limit` bytes of the file, and whether it holds more: for a file whose
+    size another user sets (a command line, an environment, a cgroup path), which is never read
+    whole. Reads until `limit` + 1 bytes or the end (a /proc file may answer a read with less
+    than asked); raises OSError as os.open and os.read do."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        parts = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(parts)
+    return (data[:limit], True) if size > limit else (data, False)
+
+
 def read_or_none(path: str) -> Optional[bytes]:
     """The whole file; None when it is missing or cannot be read."""
     try:

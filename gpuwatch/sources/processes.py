@@ -11,6 +11,11 @@ read), and a process read at every poll keeps its stat file open: a pread of an 
 skips the path walk, which is most of a read. An open /proc/PID file names the process it was
 opened for, never a later one on the same PID (its reads fail with ESRCH once that process is
 gone), so a kept descriptor cannot confuse a reused PID with its predecessor.
+
+What another user sets the size of is read in part, never whole (docs/security.md, "Bytes, not
+entries"): a command line to CMDLINE_BYTES (the rest shown cut, as `ps` cuts it), an environment
+to ENVIRON_BYTES, a cgroup file to CGROUP_BYTES; each cut is counted (`truncated`). The caches of
+what was made of these texts are bounded by the bytes they keep, not by how many entries.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import NamedTuple, Optional, TypeVar, Union
+from typing import Generic, NamedTuple, Optional, TypeVar, Union
 
 from gpuwatch.frozen import build, evolve
 from gpuwatch.launch_env import WORKER_MARKER_KEYS
@@ -34,7 +39,7 @@ from gpuwatch.sources.jobs import (
     parse_cgroup,
     parse_environ,
 )
-from gpuwatch.sources.kernel_files import read_file, read_or_none
+from gpuwatch.sources.kernel_files import read_file, read_head, read_or_none
 from gpuwatch.sources.proc_stat import (
     ARG_START,
     NUM_THREADS,
@@ -67,9 +72,26 @@ _FS_ERRORS = sys.getfilesystemencodeerrors()
 _UID_LINE = re.compile(rb"Uid:\t(\d+)\t(\d+)\t(\d+)")
 # The kernel keeps at most 15 bytes of a program's name.
 _COMM_LENGTH = 15
+#: The most of a command line read (/proc/PID/cmdline): its owner sets its size, up to the 2 MiB
+#: the kernel allows for arguments. One longer shows its first CMDLINE_BYTES, as arguments, and
+#: then CMDLINE_CUT as one more: `ps` and the kernel's own process name are cut the same way.
+CMDLINE_BYTES = 4096
+CMDLINE_CUT = "…[cut at 4 KiB]"
+#: The most of an environment read (/proc/PID/environ): a job's launch variables are set with the
+#: job and lie well within it; a variable the cut falls in, and any after it, are not read.
+ENVIRON_BYTES = 32768
+#: The most of /proc/PID/cgroup read: a user may nest cgroups of its own below a delegated one.
+#: A line the cut falls in is left out (with it the cgroup, on a unified hierarchy).
+CGROUP_BYTES = 8192
+#: The texts cut at the read, as `truncated` counts them (gpuwatch_text_truncated_total).
+TRUNCATED_TEXTS = ("command_line", "environment", "cgroup")
 # Parsed cgroups, environments and redacted command lines are cached by their raw text: the
 # processes of one job share them, so a newcomer (a dataloader worker) mostly hits the cache.
-_PARSED_CACHE = 1024
+# Each cache holds at most this many bytes of text (its keys, and what was made of them), so
+# what processes long gone left in it stays small whatever their texts were.
+_PARSED_BYTES = 1 << 20
+# What a cached entry costs beyond its texts (the dict slot, the tuple, the objects made).
+_ENTRY_OVERHEAD = 512
 # Kept stat descriptors never take more than this share of the file-descriptor limit: sockets
 # (up to 256 /metrics connections) and the state files need the rest.
 _FD_RESERVE = 512
@@ -117,10 +139,12 @@ class ProcessSource:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         self._fd_budget = (_FD_MAX if soft == resource.RLIM_INFINITY
                            else max(0, min(_FD_MAX, soft - _FD_RESERVE)))
-        self._cgroups: dict[str, Optional[CgroupInfo]] = {}
-        self._environs: dict[bytes, Mapping[str, str]] = {}
-        self._cmdlines: dict[tuple[str, ...], tuple[str, ...]] = {}
-        self._statics: dict[tuple[object, ...], _Static] = {}
+        self._cgroups: _Parsed[str, Optional[CgroupInfo]] = _Parsed(_PARSED_BYTES // 4)
+        self._environs: _Parsed[bytes, Mapping[str, str]] = _Parsed(_PARSED_BYTES)
+        self._cmdlines: _Parsed[tuple[str, ...], tuple[str, ...]] = _Parsed(_PARSED_BYTES)
+        self._statics: _Parsed[tuple[object, ...], _Static] = _Parsed(_PARSED_BYTES)
+        #: Texts cut at the read (TRUNCATED_TEXTS), counted once a read: each process's once.
+        self.truncated: dict[str, int] = dict.fromkeys(TRUNCATED_TEXTS, 0)
         #: Whether the kernel makes /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN; `doctor`
         #: says when it does not). Without them children are found from every process's parent
         #: PID: one scan of /proc per poll for a poller, per call for any other caller.
@@ -442,9 +466,10 @@ class ProcessSource:
         base = f"{self._procfs}/{pid}"
         zombie = state == "zombie"
         cmdline_raw: Optional[bytes] = None
+        cmdline_cut = False
         if not zombie:  # a zombie has no command line left to read
             try:
-                cmdline_raw = read_file(f"{base}/cmdline")
+                cmdline_raw, cmdline_cut = read_head(f"{base}/cmdline", CMDLINE_BYTES)
             except PermissionError:
                 errors.append("command line not readable")
             except OSError:
@@ -463,27 +488,52 @@ class ProcessSource:
             found = _UID_LINE.search(status)
             uid = int(found.group(1)) if found else None
             namespace_pids = _namespace_pids(status)
-        cgroup_raw = read_or_none(f"{base}/cgroup")
-        env_raw = read_or_none(f"{base}/environ")
+        if cmdline_cut:
+            self.truncated["command_line"] += 1
+        cgroup_raw = self._read_cut(f"{base}/cgroup", CGROUP_BYTES, b"\n", "cgroup", errors)
+        env_raw = self._read_cut(f"{base}/environ", ENVIRON_BYTES, b"\0", "environment",
+                                errors)
         if env_raw is None and not zombie:
             errors.append("environment not readable (other user's process; run as root)")
-        texts = (comm, cmdline_raw, uid, namespace_pids, cgroup_raw, env_raw, *errors)
+        texts = (comm, cmdline_raw, cmdline_cut, uid, namespace_pids, cgroup_raw, env_raw,
+                 *errors)
         static = self._statics.get(texts)
         if static is None:
-            static = _cached(self._statics, texts, self._parse_static(
-                comm, cmdline_raw, uid, namespace_pids, cgroup_raw, env_raw, tuple(errors)))
+            cost = sum(len(t) for t in (cmdline_raw, cgroup_raw, env_raw) if t is not None)
+            static = self._statics.put(texts, self._parse_static(
+                comm, cmdline_raw, cmdline_cut, uid, namespace_pids, cgroup_raw, env_raw,
+                tuple(errors)), 2 * cost)
         return static
 
-    def _parse_static(self, comm: bytes, cmdline_raw: Optional[bytes], uid: Optional[int],
-                      namespace_pids: tuple[int, ...], cgroup_raw: Optional[bytes],
-                      env_raw: Optional[bytes], errors: tuple[str, ...]) -> _Static:
+    def _read_cut(self, path: str, limit: int, end: bytes, what: str,
+                  errors: list[str]) -> Optional[bytes]:
+        """At most `limit` bytes of the file, without the entry (ended by `end`) that a cut falls
+        in; a cut is counted and said in `errors`. None when the file cannot be read."""
+        try:
+            raw, cut = read_head(path, limit)
+        except OSError:
+            return None
+        if cut:
+            self.truncated[what] += 1
+            errors.append(f"{what} cut at {limit // 1024} KiB: what follows was not read")
+            raw = raw[:raw.rfind(end) + 1]
+        return raw
+
+    def _parse_static(self, comm: bytes, cmdline_raw: Optional[bytes], cmdline_cut: bool,
+                      uid: Optional[int], namespace_pids: tuple[int, ...],
+                      cgroup_raw: Optional[bytes], env_raw: Optional[bytes],
+                      errors: tuple[str, ...]) -> _Static:
         name = comm.decode(_FS_ENCODING, _FS_ERRORS)
-        args = _split_cmdline(cmdline_raw) if cmdline_raw is not None else []
+        args = _split_cmdline(cmdline_raw, cmdline_cut) if cmdline_raw is not None else []
         cmdline: tuple[str, ...] = ()
         if args:
             key = tuple(args)
-            cmdline = self._cmdlines.get(key) or _cached(self._cmdlines, key,
-                                                         redact_cmdline(args))
+            # Redacted as cut: a secret the cut falls in shows no more of itself than a whole
+            # one would (its flag or name comes before it).
+            cmdline = self._cmdlines.get(key) or self._cmdlines.put(
+                key, redact_cmdline(args), 2 * len(cmdline_raw or b""))
+            if cmdline_cut:
+                cmdline = (*cmdline, CMDLINE_CUT)
             if len(name) >= _COMM_LENGTH:
                 # The kernel cut the name: the program's own, as psutil gives it.
                 extended = os.path.basename(args[0])
@@ -508,12 +558,15 @@ class ProcessSource:
 
     def _cgroup(self, text: str) -> Optional[CgroupInfo]:
         info = self._cgroups.get(text)
-        return info if info is not None else _cached(self._cgroups, text, parse_cgroup(text))
+        return info if info is not None else self._cgroups.put(text, parse_cgroup(text),
+                                                               2 * len(text))
 
     def _environ(self, raw: bytes) -> Mapping[str, str]:
         env = self._environs.get(raw)
         if env is None:
-            env = _cached(self._environs, raw, MappingProxyType(redact_env(parse_environ(raw))))
+            parsed = redact_env(parse_environ(raw))
+            env = self._environs.put(raw, MappingProxyType(parsed),
+                                     len(raw) + sum(map(len, parsed.values())))
         return env
 
     def _user(self, uid: Optional[int]) -> Optional[str]:
@@ -569,9 +622,12 @@ class ProcessSource:
         return False
 
     def _has_worker_markers(self, pid: int) -> bool:
-        raw = self._read_proc_bytes(pid, "environ")
-        if not raw:
+        try:
+            raw, cut = read_head(f"{self._procfs}/{pid}/environ", ENVIRON_BYTES)
+        except OSError:
             return False
+        if cut:
+            raw = raw[:raw.rfind(b"\0") + 1]
         return any(key in WORKER_MARKER_KEYS for key in parse_environ(raw))
 
 
@@ -605,22 +661,39 @@ def _boot_time(procfs: str) -> float:
     raise RuntimeError(f"no btime line in {procfs}/stat")
 
 
-def _split_cmdline(raw: bytes) -> list[str]:
+def _split_cmdline(raw: bytes, cut: bool = False) -> list[str]:
     """/proc/PID/cmdline split as psutil splits it, decoded as psutil decodes it (as text, so
-    with its line endings translated)."""
+    with its line endings translated). `cut`: `raw` is the start of a longer command line, cut
+    wherever the read stopped (in an argument, a character)."""
+    if cut:
+        raw = _without_partial_character(raw)
     data = raw.decode(_FS_ENCODING, _FS_ERRORS)
     if "\r" in data:
         data = data.replace("\r\n", "\n").replace("\r", "\n")
     if not data:
         return []
-    # NUL-separated, or spaces where setproctitle() rewrote the block (psutil issue 1179).
-    sep = "\x00" if data.endswith("\x00") else " "
+    # NUL-separated, or spaces where setproctitle() rewrote the block (psutil issue 1179). Cut,
+    # its end says nothing: any NUL in it says.
+    ends = "\x00" in data if cut else data.endswith("\x00")
+    sep = "\x00" if ends else " "
     if data.endswith(sep):
         data = data[:-1]
     args = data.split(sep)
     if sep == "\x00" and len(args) == 1 and " " in data:
         args = data.split(" ")
     return args
+
+
+def _without_partial_character(data: bytes) -> bytes:
+    """`data` less the UTF-8 sequence a cut left incomplete at its end, if any."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return data  # ASCII: nothing cut
+        if byte >= 0xC0:  # the sequence's first byte says how long it is
+            length = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return data[:-back] if length > back else data
+    return data
 
 
 def _namespace_pids(status: bytes) -> tuple[int, ...]:
@@ -643,8 +716,36 @@ def _namespace_pids(status: bytes) -> tuple[int, ...]:
 K = TypeVar("K")
 
 
-def _cached(cache: dict[K, T], key: K, value: T) -> T:
-    if len(cache) >= _PARSED_CACHE:
-        cache.clear()  # bounded; a node's jobs refill it within a poll
-    cache[key] = value
-    return value
+class _Parsed(Generic[K, T]):
+    """What was made of texts, by the texts, holding at most `budget` bytes: each entry is put
+    with what it costs (its texts' bytes, about), and the oldest go to make room. An entry
+    costing more than the whole budget is not kept."""
+
+    __slots__ = ("_budget", "_entries", "size")
+
+    def __init__(self, budget: int) -> None:
+        self._budget = budget
+        self._entries: dict[K, tuple[T, int]] = {}
+        #: What the entries kept cost, in bytes.
+        self.size = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K) -> Optional[T]:
+        entry = self._entries.get(key)
+        return entry[0] if entry is not None else None
+
+    def put(self, key: K, value: T, cost: int) -> T:
+        cost += _ENTRY_OVERHEAD
+        if cost > self._budget:
+            return value
+        entries = self._entries
+        old = entries.pop(key, None)
+        if old is not None:
+            self.size -= old[1]
+        while entries and self.size + cost > self._budget:
+            self.size -= entries.pop(next(iter(entries)))[1]
+        entries[key] = (value, cost)
+        self.size += cost
+        return value

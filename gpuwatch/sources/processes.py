@@ -49,6 +49,7 @@ from gpuwatch.sources.proc_stat import (
     SID,
     START_TIME,
     STATE,
+    is_kernel_thread,
     parse_stat,
 )
 from gpuwatch.sources.redact import redact_cmdline, redact_env
@@ -285,6 +286,7 @@ class ProcessSource:
         identity = (pid, start_time)
         known = self._static.get(identity)
         # A process that exited has no arguments left: it keeps what it ran.
+        settled = True
         if known is not None and (known[0] == image or state in ("zombie", "dead")):
             static = known[1]
         else:
@@ -293,7 +295,14 @@ class ProcessSource:
                 return HostProcess(pid=pid, in_procfs=False, gpu_usage=usage,
                                    read_errors=("exited while being read",))
             static = read
-            self._static[identity] = (image, static)
+            # An exec sets where the arguments start a moment before it says where they end:
+            # read in between, a process has an empty command line and its final image. It is
+            # read again until it has one (a kernel thread, or a process whose arguments are
+            # gone, never does: each costs a read a poll).
+            settled = (bool(static.cmdline) or state in ("zombie", "dead")
+                       or is_kernel_thread(fields))
+            if settled:
+                self._static[identity] = (image, static)
         record = build(HostProcess, {
             "pid": pid,
             "in_procfs": True,
@@ -318,7 +327,10 @@ class ProcessSource:
             "kernel_stack": stack,
             "group_leader_gone": None,
         })
-        self._records[pid] = (key, record)
+        if settled:
+            self._records[pid] = (key, record)
+        else:
+            self._records.pop(pid, None)  # made afresh at the next read
         return record
 
     def _kernel_wait(self, pid: int) -> tuple[Optional[str], tuple[str, ...]]:

@@ -503,10 +503,7 @@ def test_one_users_flood_neither_grows_the_daemon_nor_hides_another_users_leak(
             os.write(victim_go_w, b"g")
 
             def leak_found(s: Samples) -> Optional[Samples]:
-                # Its RSS leak: the kernel's figure at each poll (every 5 steps here), so its
-                # watched buffer, reported every step, may be named a poll or two before.
-                return s if value(s, "gpuwatch_leak_growth_bytes_per_step", pid=str(victim),
-                                  series="RSS") is not None else None
+                return s if value(s, "gpuwatch_finding", kind="leak", pid=str(victim)) else None
 
             samples = daemon.wait_for_metrics("the second user's leak", leak_found, timeout=20)
             found_after = time.monotonic() - started

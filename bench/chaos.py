@@ -1039,7 +1039,7 @@ class DaemonRunner:
 
 
 _SCRAPED = (b"gpuwatch_polls_total", b"gpuwatch_poll_errors_total", b"gpuwatch_nvml_up",
-            b"gpuwatch_gpu_read_ok", b"gpuwatch_finding_info", b"gpuwatch_agent_step{",
+            b"gpuwatch_gpu_read_ok", b"gpuwatch_finding{", b"gpuwatch_agent_step{",
             b"gpuwatch_agent_reports", b"gpuwatch_process_gpu_memory_bytes",
             b"gpuwatch_last_poll_timestamp_seconds", b"gpuwatch_reaped_total",
             b"gpuwatch_process_series_dropped_total",
@@ -1133,7 +1133,7 @@ class Scraper(threading.Thread):
                 if name == "gpuwatch_agent_reports_rejected_total":
                     key2 = (s.pid, d.get("reason", ""))
                     self.rejected[key2] = max(self.rejected.get(key2, 0.0), value)
-                elif name == "gpuwatch_finding_info" and value:
+                elif name == "gpuwatch_finding" and value:
                     key3 = (d.get("kind", ""), d.get("pid", ""), d.get("name", ""))
                     seen = self.findings.get(key3)
                     if seen is None:

@@ -197,7 +197,7 @@ class Scraper(threading.Thread):
         self.stop = stop
         self.latest: Samples = {}
         self.scheduled = 0
-        #: (kind, pid) -> (monotonic time first seen, a reason as served).
+        #: (kind, pid) -> (monotonic time first seen, the process's name as served).
         self.findings: dict[tuple[str, str], tuple[float, str]] = {}
         #: (kind, pid) -> in how many scrapes it was open.
         self.findings_scrapes: Counter[tuple[str, str]] = Counter()
@@ -217,11 +217,11 @@ class Scraper(threading.Thread):
             return None
         now = time.monotonic()
         for (name, labels), v in samples.items():
-            if name == "gpuwatch_finding_info" and v:
+            if name == "gpuwatch_finding" and v:
                 d = dict(labels)
                 key = (d.get("kind", ""), d.get("pid", ""))
                 self.findings_scrapes[key] += 1
-                self.findings.setdefault(key, (now, d.get("reason", "")))
+                self.findings.setdefault(key, (now, d.get("name", "")))
             elif name == "gpuwatch_process_gpu_memory_bytes":
                 self.holders_seen.add(dict(labels).get("pid", ""))
         self.latest = samples

@@ -217,7 +217,7 @@ def _dashboard(uid: str, title: str, description: str, variables: list[dict[str,
 
 def node_dashboard(settings: Settings) -> dict[str, Any]:
     selector, process = NODE, NODE_PROCESS
-    reason_columns = ["kind", "severity", "pid", "name", "user", "job_id", "gpu"]
+    finding_columns = ["kind", "severity", "pid", "name", "user", "job_id", "gpu"]
     process_columns = ["pid", "name", "user", "job_id", "series", "culprit", "found_by"]
     panels: list[Panel] = [
         row("Node"),
@@ -280,11 +280,13 @@ def node_dashboard(settings: Settings) -> dict[str, Any]:
                            "{{pid}} {{name}}")],
                    "bytes"),
         row("Findings"),
-        table("Open findings", "Every open finding with its evidence. The PID and GPU memory "
-              "are what `gpuwatch reap --dry-run --pid PID` on the node acts on.",
-              [(f"gpuwatch_finding_info{{{selector}}}", "", None),
+        table("Open findings", "Every open finding: what, which process and job, which GPU. "
+              "The PID and GPU memory are what `gpuwatch reap --dry-run --pid PID` on the node "
+              "acts on; `gpuwatch status` there gives each one's evidence (not served on "
+              "/metrics: it quotes command lines).",
+              [(f"gpuwatch_finding{{{selector}}}", "", None),
                (f"gpuwatch_finding_gpu_memory_bytes{{{selector}}}", "GPU memory", "bytes")],
-              order=[*reason_columns, "GPU memory", "reason"], height=9,
+              order=[*finding_columns, "GPU memory"], height=9,
               sort_by="GPU memory"),
         timeseries("Findings by kind", "Open findings over time, one line per kind.",
                    [target(f"gpuwatch_findings{{{selector}}}", "{{kind}}")], "none"),
@@ -312,8 +314,9 @@ def node_dashboard(settings: Settings) -> dict[str, Any]:
         table("Leak culprits", "What explains each leak, and how gpuwatch found it "
               "(`found_by`): a buffer given to `agent.watch()` (`watched`), a growing "
               "container the agent found by itself (`discovered`), or the allocation site a "
-              "trace of the process's allocations names (`traced`, as `file:line`). With the "
-              "culprit's own growth per step, where its bytes are known.",
+              "trace of the process's allocations names (`traced`: the site, a source file and "
+              "line, only in `gpuwatch status` on the node). With the culprit's own growth per "
+              "step, where its bytes are known.",
               [(f"gpuwatch_leak_culprit_bytes_per_step{{{process}}}", "bytes/step", "bytes")],
               order=["pid", "name", "series", "culprit", "found_by"], sort_by="bytes/step"),
         timeseries("Training steps per second", "Step rate reported by the in-process agent; "

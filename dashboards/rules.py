@@ -7,8 +7,10 @@ An alert's labels are what identifies it and nothing else: the scrape job and in
 node's name (joined from `gpuwatch_node_info`), and for the alerts about processes the training
 job (`job_id`, `job_source`). A job's eight orphaned workers raise one alert, not eight; a
 reason that changes, a process that is reaped while others remain, a severity or a GPU list that
-moves do not resolve it and raise it anew. The per-process detail (PIDs, names, GPUs, reasons)
-is fetched into the description with `query`, from `gpuwatch_finding_info`.
+moves do not resolve it and raise it anew. The per-process detail (PIDs, names, users, GPUs) is
+fetched into the description with `query`, from `gpuwatch_finding`. /metrics carries no finding's
+reason (it quotes what a process chose: docs/security.md, rule 5); each description says where it
+is: `gpuwatch status` on the node.
 
 Severity: `critical` where GPU memory is at stake (the next job on the node fails) or a job runs
 out of memory within the hour; `warning` for what needs a look today; `info` for hygiene.
@@ -32,14 +34,17 @@ DEFAULT_RUNBOOK_URL = "https://github.com/gpuwatch/gpuwatch/blob/main/docs/runbo
 JOB_KEYS = "instance, job, job_id, job_source"
 NODE_KEYS = "instance, job"
 GHOST = 'kind="ghost"'
+#: Where a finding's evidence is: /metrics does not carry it.
+EVIDENCE = " The evidence: `gpuwatch status` on the node."
 
 
 #: A leak's culprit in words, as the finding's reason puts it, from the labels of a leak series
 #: (`.`): how it was found decides the wording. A series without `found_by` (an older daemon)
-#: reads as a watched buffer, the only culprit such a daemon names.
+#: reads as a watched buffer, the only culprit such a daemon names. A traced culprit is a source
+#: file and line, which /metrics does not carry.
 _CULPRIT = (
-    "{{ if eq .Labels.found_by \"traced\" }}, allocations at `{{ .Labels.culprit }}` explain it "
-    "(traced)"
+    "{{ if eq .Labels.found_by \"traced\" }}, an allocation site explains it (traced: "
+    "`gpuwatch status` on the node names it)"
     "{{ else if eq .Labels.found_by \"discovered\" }}, `{{ .Labels.culprit }}` explains it "
     "(discovered)"
     "{{ else if .Labels.culprit }}, buffer `{{ .Labels.culprit }}` explains it"
@@ -114,9 +119,9 @@ class Rules:
 
     @staticmethod
     def listing(metric_matchers: str, item: str) -> str:
-        """A template that lists the series of `gpuwatch_finding_info{metric_matchers}` for the
+        """A template that lists the series of `gpuwatch_finding{metric_matchers}` for the
         alert's job on its node, one `item` each, sorted by PID."""
-        query = ('gpuwatch_finding_info{job=%q, instance=%q, job_id=%q, '
+        query = ('gpuwatch_finding{job=%q, instance=%q, job_id=%q, '
                  + metric_matchers + '}')
         return ("{{ range printf `" + query + "` $labels.job $labels.instance $labels.job_id"
                 " | query | sortByLabel \"pid\" }} " + item + "{{ end }}")
@@ -146,9 +151,9 @@ class Rules:
                   + " of GPU memory although " + _agreeing("its", "their") + " launcher has "
                   "exited; the next job on these GPUs will run out of memory."
                   + self.listing('kind="orphan", gpu!=""',
-                                 "PID " + process + ", GPU {{ .Labels.gpu }}): "
-                                 "{{ .Labels.reason }}.")
-                  + " On the node: `gpuwatch reap --dry-run --job {{ $labels.job_id }}`."),
+                                 "PID " + process + ", GPU {{ .Labels.gpu }}).")
+                  + " On the node: `gpuwatch status` for the evidence, `gpuwatch reap --dry-run "
+                  "--job {{ $labels.job_id }}` for the plan."),
             Alert("GpuwatchLeftoversHoldGpuMemory",
                   self.per_job('kind="leftover", gpu!=""'),
                   "5m", "critical",
@@ -157,9 +162,9 @@ class Rules:
                   + _agreeing("holds", "hold") + " " + self.memory('kind="leftover"')
                   + " of GPU memory after the job's trainer finished."
                   + self.listing('kind="leftover", gpu!=""',
-                                 "PID " + process + ", GPU {{ .Labels.gpu }}): "
-                                 "{{ .Labels.reason }}.")
-                  + " On the node: `gpuwatch reap --dry-run --job {{ $labels.job_id }}`."),
+                                 "PID " + process + ", GPU {{ .Labels.gpu }}).")
+                  + " On the node: `gpuwatch status` for the evidence, `gpuwatch reap --dry-run "
+                  "--job {{ $labels.job_id }}` for the plan."),
             Alert("GpuwatchLeftoverProcesses",
                   self.per_job('kind="leftover", gpu=""'),
                   "1h", "info",
@@ -168,7 +173,8 @@ class Rules:
                   + _agreeing("has", "have") + " outlived the job's trainer for over an hour, "
                   "holding host memory and ports."
                   + self.listing('kind="leftover", gpu=""',
-                                 "PID " + process + "): {{ .Labels.reason }}.")),
+                                 "PID " + process + ").")
+                  + EVIDENCE),
             Alert("GpuwatchZombiesHoldGpuMemory",
                   self.per_job('kind="zombie", severity="critical"'),
                   "2m", "critical",
@@ -179,8 +185,8 @@ class Rules:
                   + self.memory('kind="zombie", severity="critical"')
                   + " of GPU memory; only killing " + _agreeing("it", "them") + " frees it."
                   + self.listing('kind="zombie", severity="critical"',
-                                 "PID " + process + ", GPU {{ .Labels.gpu }}): "
-                                 "{{ .Labels.reason }}.")),
+                                 "PID " + process + ", GPU {{ .Labels.gpu }}).")
+                  + EVIDENCE),
             Alert("GpuwatchGhostGpuMemory",
                   self.with_node(f"sum by ({NODE_KEYS}) "
                                  f"({self.m('gpuwatch_finding_gpu_memory_bytes', GHOST)}) > 0"),
@@ -188,10 +194,12 @@ class Rules:
                   f"GPU memory on {node} is held by no live process.",
                   "{{ $value | humanize1024 }}B of GPU memory on " + node + " is held by no "
                   "process gpuwatch can see:"
-                  "{{ range printf `gpuwatch_finding_info{job=%q, instance=%q, kind=\"ghost\"}` "
-                  "$labels.job $labels.instance | query | sortByLabel \"gpu\" }} "
-                  "GPU {{ .Labels.gpu }}{{ with .Labels.pid }} (NVML lists PID {{ . }}){{ end }}:"
-                  " {{ .Labels.reason }}.{{ end }}"),
+                  "{{ range printf `gpuwatch_finding_gpu_memory_bytes{job=%q, instance=%q, "
+                  "kind=\"ghost\"}` $labels.job $labels.instance | query | sortByLabel \"gpu\" }}"
+                  " GPU {{ .Labels.gpu }}: {{ .Value | humanize1024 }}B"
+                  "{{ with .Labels.pid }} (NVML lists PID {{ . }}, which /proc does not have)"
+                  "{{ end }}."
+                  "{{ end }}" + EVIDENCE),
             Alert("GpuwatchMemoryLeakOutOfMemorySoon",
                   self._leak_expr(6 * 3600), "5m", "warning",
                   f"A process of {job} on {node} leaks memory and runs out within 6 hours.",
@@ -206,7 +214,8 @@ class Rules:
                   f"Training of {job} on {node} stopped taking steps while holding GPU memory.",
                   f"{_count('instrumented process', 'instrumented processes')} of {job} on "
                   f"{node} " + _agreeing("has", "have") + " not advanced a step:"
-                  + self.listing('kind="stalled"', "PID " + process + "): {{ .Labels.reason }}.")),
+                  + self.listing('kind="stalled"', "PID " + process + ").")
+                  + EVIDENCE),
             Alert("GpuwatchUnkillableGpuProcess",
                   self.per_job('kind="unkillable", severity="critical"'),
                   "10m", "critical",
@@ -216,7 +225,8 @@ class Rules:
                   + _agreeing("is", "are") + " in uninterruptible sleep holding GPU memory or "
                   "waiting in the NVIDIA driver:"
                   + self.listing('kind="unkillable", severity="critical"',
-                                 "PID " + process + "): {{ .Labels.reason }}.")
+                                 "PID " + process + ").")
+                  + EVIDENCE
                   + " Drain the node; it needs a GPU reset or a reboot."),
             Alert("GpuwatchUnkillableProcess",
                   self.per_job('kind="unkillable", severity="warning"'),
@@ -228,7 +238,8 @@ class Rules:
                   "holding no GPU memory and not in the GPU driver (a hung network file "
                   "system, a dead disk):"
                   + self.listing('kind="unkillable", severity="warning"',
-                                 "PID " + process + "): {{ .Labels.reason }}.")
+                                 "PID " + process + ").")
+                  + EVIDENCE
                   + " The GPUs are not affected; the job will not end until the wait does."),
         ]
 

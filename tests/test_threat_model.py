@@ -39,6 +39,7 @@ from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT
 from tests.daemonproc import (
     WAIT,
+    DaemonReader,
     RunningDaemon,
     Samples,
     by_pid,
@@ -387,6 +388,112 @@ def test_one_user_s_flood_of_fake_leaks_never_removes_another_user_s_gpu_series(
 # =================================================================================================
 # Rule 5. /metrics discloses identity, not private text.
 # =================================================================================================
+
+# alice's job: a launcher (`torchrun`, a script) starting a trainer (rank 0) and a helper whose
+# command line carries an API key; it writes their PIDs to argv[1] and waits for its children.
+_ALICE_LAUNCHER = r"""
+import json, os, subprocess, sys
+out, helper = sys.argv[1], sys.argv[2]
+rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                           env={**os.environ, **rank})
+aux = subprocess.Popen([sys.executable, helper, "--api-key=argv-s3cr3t-9f27c1"])
+with open(out + ".tmp", "w") as f:
+    json.dump({"launcher": os.getpid(), "trainer": trainer.pid, "helper": aux.pid}, f)
+os.rename(out + ".tmp", out)
+trainer.wait()
+aux.wait()
+"""
+# An orphaned rank: forked, in a session of its own, from a parent that exits at once.
+_ALICE_ORPHAN = r"""
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.execv(sys.executable, [sys.executable, sys.argv[1], "--token=argv-s3cr3t-44d0be"])
+print(pid, flush=True)
+"""
+_ALICE_ENV = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "424242",
+              "AWS_SECRET_ACCESS_KEY": "env-s3cr3t-7b1e0a", "MASTER_ADDR": "10.98.76.54",
+              "MASTER_PORT": "29517"}
+
+
+def _scrape_as(user: LocalUser, url: str) -> str:
+    """/metrics as `user` fetches it, with the system's python3 and nothing of gpuwatch."""
+    done = user.run(["/usr/bin/python3", "-c", "import sys, urllib.request; sys.stdout.write("
+                     "urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())", url])
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_scraper_learns_alices_identity_never_her_command_lines_environment_or_paths(
+        alice: LocalUser, mallory: LocalUser, fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """alice runs a job whose environment holds a secret and whose helper's command line holds
+    an API key; its trainer ends (the helper is a leftover), and another rank of hers is
+    orphaned (its reason names launch variables). mallory scrapes /metrics: alice's PIDs, user
+    and job id are there, as `ps` would show them; none of her command lines, environment values
+    (the job id aside) or source paths are."""
+    config = "[detectors]\nleftover_grace = 0.5\nmin_age = 0\n"
+    with _watched_shared_node(fake_nvml_lib, tmp_path, config) as (node, env, daemon):
+        home = Path(env["HOME"])
+        launcher_script, helper_script = home / "torchrun", home / "helper.py"
+        orphan_script, started = home / "rank3.py", home / "job.json"
+        launcher_script.write_text(_ALICE_LAUNCHER)
+        for script in (helper_script, orphan_script):
+            script.write_text("import time\ntime.sleep(600)\n")
+        os.chown(home, alice.uid, alice.gid)  # where alice's launcher writes its PIDs
+        launcher = alice.popen(["/usr/bin/python3", str(launcher_script), str(started),
+                                str(helper_script)], env=_ALICE_ENV, start_new_session=True)
+        orphan: Optional[int] = None
+        try:
+            job = wait_for("alice's job", lambda: json.loads(started.read_text())
+                           if started.exists() else None, WAIT, alive=launcher)
+            forked = alice.run(["/usr/bin/python3", "-c", _ALICE_ORPHAN, str(orphan_script)],
+                               env={**_ALICE_ENV, "RANK": "3", "LOCAL_RANK": "3",
+                                    "WORLD_SIZE": "4"})
+            assert forked.returncode == 0, forked.stderr
+            orphan = int(forked.stdout)
+            node.hold(job["trainer"], device=0, used=8 << 30)
+            node.hold(orphan, device=1, used=6 << 30)
+            reader = DaemonReader()
+            reader.env, reader.daemon = env, daemon
+            reader.doc_when("the trainer and the rank holding GPU memory", lambda d: {
+                job["trainer"], orphan} <= {p["pid"] for p in d["processes"] if p["holds_gpu"]})
+            os.kill(job["trainer"], signal.SIGKILL)
+            doc = reader.doc_when("the helper a leftover and the rank an orphan", lambda d:
+                                  job["helper"] in by_pid(d, "leftover")
+                                  and orphan in by_pid(d, "orphan"))
+            # The evidence in words quotes her command line and launch variables: it is on the
+            # state socket (the daemon's group), as it should be.
+            # (secret-looking values in it masked: tests/test_redact.py)
+            assert "helper.py --api-key=" in by_pid(doc, "leftover")[job["helper"]]["reason"]
+            assert "LOCAL_RANK=3" in by_pid(doc, "orphan")[orphan]["reason"]
+
+            body = _scrape_as(mallory, daemon.metrics_url)
+            # Identity, as ps shows it: PIDs, user, job id.
+            for pid in (job["helper"], orphan):
+                assert f'pid="{pid}"' in body
+            assert f'user="{alice.name}"' in body and 'job_id="424242"' in body
+            # Never private text.
+            leaks = [text for text in (
+                "s3cr3t", "--api-key", "--token", "import time", "sleep(600)", str(home),
+                "helper.py", "rank3.py", "torchrun\"", "10.98.76.54", "29517",
+                *(f"{k}={v}" for k, v in _ALICE_ENV.items()),
+                "RANK=0", "RANK=3", "WORLD_SIZE=4") if text in body]
+            assert not leaks, (leaks, [line for line in body.splitlines()
+                                       if any(text in line for text in leaks)][:5])
+        finally:
+            for pid in (orphan, *(job.values() if "job" in locals() else ())):
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            launcher.wait(30)
+            if orphan is not None:
+                wait_for(f"alice's orphan {orphan} to end",
+                         lambda: None if _running(orphan) else True, WAIT)
 
 # (section 5 ends)
 

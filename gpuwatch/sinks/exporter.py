@@ -3,6 +3,13 @@
 Metrics are built fresh from the snapshot each time, so a process that exited leaves no stale
 series behind, and a scrape never polls: it only reads what the daemon's last poll produced.
 docs/metrics.md lists every metric; names and labels are an interface for dashboards and alerts.
+
+What a scraper learns is identity, as `ps` shows it on a node without hidepid: PIDs, `comm`,
+users, the job (the one value read from a process's environment), figures (memory, steps, sizes)
+and the names a program gives what it watches. Never private text: no command line, no other
+environment value, no finding's reason (words that quote command lines and launch variables),
+no source path (a traced culprit's `file:line`). Those stay on the state socket, which only the
+daemon's group reads (docs/security.md, rule 5).
 """
 
 from __future__ import annotations
@@ -47,14 +54,19 @@ def process_labels(pid: Optional[int], name: Optional[str], user: Optional[str],
     ]
 
 
-#: The longest culprit label value. A culprit is a qualified name or a traced `file:line`;
-#: cutting from the front keeps the line number and the innermost names, which tell it apart.
+#: The longest culprit label value. A culprit is a watched buffer's name or a discovered
+#: container's qualified name; cutting from the front keeps the innermost names, which tell it
+#: apart.
 CULPRIT_LABEL_MAX = 128
+#: How a culprit found by tracing is found: its name is a source file and line, which the label
+#: does not carry.
+TRACED = "traced"
 
 
-def culprit_label(culprit: object) -> str:
-    """The `culprit` label value: empty when none, else at most CULPRIT_LABEL_MAX characters."""
-    text = str(culprit) if culprit else ""
+def culprit_label(culprit: object, found_by: object = None) -> str:
+    """The `culprit` label value: empty when none, or when it was traced (a `file:line`: a path
+    in the program's sources), else at most CULPRIT_LABEL_MAX characters."""
+    text = str(culprit) if culprit and found_by != TRACED else ""
     if len(text) <= CULPRIT_LABEL_MAX:
         return text
     return "..." + text[-(CULPRIT_LABEL_MAX - 3):]
@@ -409,7 +421,8 @@ class ReportCollector(Collector):
             if f.kind != Kind.LEAK:
                 continue
             d = f.details
-            culprit = culprit_label(d.get("culprit"))
+            culprit = culprit_label(d.get("culprit"), d.get("found_by"))
+            named = bool(d.get("culprit"))
             key = [*process_labels(f.pid, f.name, f.user, f.job), str(d.get("series", "")),
                    culprit, str(d.get("found_by") or "")]
             if "growth_bytes_per_step" in d:
@@ -421,9 +434,9 @@ class ReportCollector(Collector):
             if "projected_oom_in_seconds" in d:
                 oom_at.append((key, report.snapshot.wall(report.snapshot.taken_at)
                                + d["projected_oom_in_seconds"]))
-            if culprit and d.get("culprit_bytes_per_step") is not None:
+            if named and d.get("culprit_bytes_per_step") is not None:
                 culprit_bytes.append((key, float(d["culprit_bytes_per_step"])))
-            if culprit and d.get("culprit_items_per_step") is not None:
+            if named and d.get("culprit_items_per_step") is not None:
                 culprit_items.append((key, float(d["culprit_items_per_step"])))
         yield _gauge("gpuwatch_leak_growth_bytes_per_step",
                      "Growth per training step of a leaking figure (RSS, GPU memory, a buffer).",
@@ -446,28 +459,24 @@ class ReportCollector(Collector):
                      "where it is counted.", labels, culprit_items)
 
     def _findings(self, findings: tuple[Finding, ...]) -> Iterator[Metric]:
-        """The findings, with no free text among the labels of the series alerts are built on.
+        """The findings, by what identifies them (kind, process, job, GPU) and their severity.
 
-        `gpuwatch_finding` and `gpuwatch_finding_gpu_memory_bytes` carry what identifies a
-        finding (kind, process, job, GPU) and its severity; the reason, which is words, is only
-        on `gpuwatch_finding_info`, for tables and alert annotations.
-        """
+        A finding's reason is not served: it is words that quote what the process chose (its
+        command line, launch variables), and /metrics shows identity only. `gpuwatch status`
+        (the state socket) has it."""
         labels = ["kind", "severity", *PROCESS_LABELS, "gpu"]
-        open_, memory, info = [], [], []
+        open_, memory = [], []
         counts = dict.fromkeys(KINDS, 0)
         for f in findings:
             counts[f.kind] = counts.get(f.kind, 0) + 1
             key = [f.kind, f.severity, *process_labels(f.pid, f.name, f.user, f.job),
                    ",".join(map(str, f.gpus))]
             open_.append((key, 1.0))
-            info.append(([*key, f.reason], 1.0))
             if f.gpu_memory_bytes is not None:
                 memory.append((key, float(f.gpu_memory_bytes)))
         yield _gauge("gpuwatch_finding",
-                     "1 for each open finding; the labels say what and where.", labels, open_)
-        yield _gauge("gpuwatch_finding_info",
-                     "1 for each open finding, with its reason in words: for tables and alert "
-                     "annotations, never for an alert's labels.", [*labels, "reason"], info)
+                     "1 for each open finding; the labels say what and where (its evidence: "
+                     "gpuwatch status on the node).", labels, open_)
         yield _gauge("gpuwatch_findings", "Open findings by kind.", ["kind"],
                      [([kind], float(n)) for kind, n in counts.items()])
         yield _gauge("gpuwatch_finding_gpu_memory_bytes",

@@ -271,7 +271,10 @@ class ExporterConfig:
 
 @frozen_dataclass
 class HistoryConfig:
-    samples: int = _setting(300, _positive_int, "samples kept per process")
+    samples: int = _setting(
+        300, _positive_int, "samples kept per process, spread over 1.5 x "
+        "detectors.leak_min_span_seconds whatever the interval (every poll's where that is "
+        "longer)")
     max_processes: int = _setting(4096, _positive_int,
                                   "processes with history; the oldest-seen are forgotten first")
 
@@ -398,6 +401,22 @@ class Config:
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
     reaper: ReaperConfig = field(default_factory=ReaperConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+
+
+#: The samples history keeps of a process span this many times detectors.leak_min_span_seconds,
+#: so that the time-based leak test has its span with room for a window that slides.
+SPAN_COVER = 1.5
+
+
+def sample_spacing(config: Config) -> float:
+    """The least seconds between two samples history keeps of a process: history.samples of
+    them span SPAN_COVER x detectors.leak_min_span_seconds, whatever daemon.interval is. At an
+    interval longer than this, every poll's sample is kept (and they span more); at a shorter
+    one, some polls' are not (the leak test reads a window of leak_window points spread over
+    them anyway). Without it, 300 samples at a 1 s interval would span 299 s, and a leak
+    needing 600 s could never be called."""
+    return (config.detectors.leak_min_span_seconds * SPAN_COVER
+            / max(1, config.history.samples - 1))
 
 
 def _sections() -> dict[str, type]:

@@ -27,7 +27,14 @@ from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
 from gpuwatch.actions.trace_requests import SEARCH_RESULTS, TraceRequests
 from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.app.reaping import DaemonReaping
-from gpuwatch.config import EXIT_CONFIG, Config, ConfigError, load_config, split_listen
+from gpuwatch.config import (
+    EXIT_CONFIG,
+    Config,
+    ConfigError,
+    load_config,
+    sample_spacing,
+    split_listen,
+)
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
 from gpuwatch.logs import setup_logging
@@ -83,7 +90,7 @@ class Daemon:
         self._mem_total = read_mem_total()
         self.trace_requests = TraceRequests(self.agents, config.agent)
         self.history = History(config.history.samples, config.history.max_processes,
-                               budget=self.agents.budget)
+                               budget=self.agents.budget, sample_spacing=sample_spacing(config))
         self._latest: Optional[NodeReport] = None
         self._document: tuple[Optional[NodeReport], Optional[bytes]] = (None, None)
         self._document_lock = threading.Lock()
@@ -372,7 +379,8 @@ class Daemon:
         self.collector.max_agent_series = new.agent.max_series_per_user
         self.agents.configure(new.agent.max_processes, new.agent.memory_budget,
                               new.agent.max_reports_per_second)
-        self.history.resize(new.history.samples, new.history.max_processes)
+        self.history.resize(new.history.samples, new.history.max_processes,
+                            sample_spacing(new))
         nvml = self.poller.nvml
         nvml.retry_max = new.daemon.nvml_retry_max
         setup_logging(new.daemon.log_format, new.daemon.log_level)

@@ -281,13 +281,18 @@ class ProcessHistory:
     def identity(self) -> Identity:
         return (self.pid, self.start_time)
 
-    def observe(self, p: HostProcess, taken_at: float) -> None:
+    def observe(self, p: HostProcess, taken_at: float, spacing: float = 0.0) -> None:
+        """Record what one poll saw; its figures are kept as a sample when at least `spacing`
+        seconds have passed since the last sample kept (History.sample_spacing)."""
         self.last_seen = taken_at
         if self.reparented_at is None and p.ppid != self.first_ppid:
             self.reparented_at = taken_at
         self.zombie_since = _since(self.zombie_since, p.state == "zombie", taken_at)
         self.disk_sleep_since = _since(self.disk_sleep_since, p.state == "disk-sleep", taken_at)
         self.held_gpu = self.held_gpu or p.holds_gpu
+        # (A hundredth of the spacing spares a sample a poll that came a rounding error early.)
+        if len(self.times) and taken_at - self.times[-1] < 0.99 * spacing:
+            return
         for series, value in ((self.times, taken_at), (self.rss, p.rss_bytes),
                               (self.gpu_memory, p.gpu_memory_bytes)):
             series.append(_NAN if value is None else float(value))
@@ -340,9 +345,14 @@ class JobRecord:
 
 
 class History:
+    """`sample_spacing`: the least seconds between two samples kept of a process (0: every
+    poll's), so that `samples` of them span a stretch of time whatever the poll interval
+    (gpuwatch.config.sample_spacing: what the time-based leak test needs)."""
+
     def __init__(self, samples: int = 300, max_processes: int = 4096,
-                 budget: Optional[AgentBudget] = None) -> None:
+                 budget: Optional[AgentBudget] = None, sample_spacing: float = 0.0) -> None:
         self.samples = samples
+        self.sample_spacing = sample_spacing
         self.max_processes = max_processes
         self.polls = 0
         #: Where step histories are charged; shared with the agent receiver in the daemon.
@@ -429,7 +439,7 @@ class History:
                 h = ProcessHistory(p, procs.get(p.ppid) if p.ppid else None,
                                    _job_key(p.pid, snapshot), now, self.samples)
                 self._by_identity[key] = h
-            h.observe(p, now)
+            h.observe(p, now, self.sample_spacing)
             self._by_identity.move_to_end(key)
         for key in [k for k in self._by_identity if k not in seen]:
             gone = self._by_identity.pop(key)
@@ -567,8 +577,11 @@ class History:
             _, h = self._by_identity.popitem(last=False)
             self._drop_steps(h)
 
-    def resize(self, samples: int, max_processes: int) -> None:
+    def resize(self, samples: int, max_processes: int,
+               sample_spacing: Optional[float] = None) -> None:
         """Apply a reloaded configuration without losing what fits."""
+        if sample_spacing is not None:
+            self.sample_spacing = sample_spacing
         if samples != self.samples:
             for h in self._by_identity.values():
                 h.resize(samples)

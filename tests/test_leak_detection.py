@@ -9,7 +9,9 @@ import random
 from types import MappingProxyType
 from typing import Any, Optional
 
-from gpuwatch.config import DetectorConfig
+import pytest
+
+from gpuwatch.config import Config, DetectorConfig, HistoryConfig, sample_spacing
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
 from gpuwatch.jobtree import job_roots
@@ -183,6 +185,60 @@ def test_without_an_agent_steady_growth_over_time_is_a_leak_per_second() -> None
     (f,) = leaks(report)
     assert f.details["unit"] == "second" and f.reason.startswith("RSS grows steadily (no agent)")
     assert math.isclose(f.details["growth_bytes_per_second"], MIB, rel_tol=0.01)
+
+
+def _worker_job(t: float, worker_rss: int, cmdline: tuple[str, ...] = ()
+                ) -> dict[int, HostProcess]:
+    """A trainer holding GPU memory under init, and a data worker it forked (no GPU)."""
+    trainer = HostProcess(pid=10, ppid=1, start_time=900.0, name="python", state="running",
+                          rss_bytes=3 * GIB, gpu_usage=(GpuProcessUsage(0, "GPU-0", 10, GIB),))
+    worker = HostProcess(pid=11, ppid=10, start_time=901.0, name="python", state="sleeping",
+                         rss_bytes=worker_rss, cmdline=cmdline)
+    return {1: INIT, 10: trainer, 11: worker}
+
+
+def _snapshot(t: float, procs: dict[int, HostProcess]) -> NodeSnapshot:
+    return NodeSnapshot(taken_at=t, hostname="n", nvml=NvmlStatus(available=True), gpus=(),
+                        processes=MappingProxyType(procs), mem_available_bytes=64 * GIB,
+                        job_roots=MappingProxyType(job_roots(procs)))
+
+
+@pytest.mark.parametrize("interval", [0.1, 0.5, 1.0, 2.0, 5.0, 30.0])
+def test_with_the_default_settings_a_worker_growing_steadily_is_a_leak_at_any_interval(
+        interval: float) -> None:
+    """The default span (600 s) is within what the default history (300 samples) keeps at
+    every poll interval: at 1 s, 300 samples of every poll would span 299 s and the leak could
+    never be called. A data worker holding no GPU memory is judged as its trainer is."""
+    config = Config(history=HistoryConfig())
+    detectors = config.detectors
+    history = History(config.history.samples, sample_spacing=sample_spacing(config))
+    start = 1000.0
+    deadline = detectors.leak_warmup_seconds + 1.25 * detectors.leak_min_span_seconds + 60
+    t, found = start, None
+    while t - start <= deadline and found is None:
+        procs = _worker_job(t, GIB + int((t - start) * MIB))
+        report = assess(_snapshot(t, procs), history, detectors)
+        found = next((f for f in leaks(report)), None)
+        t += interval
+    assert found is not None, f"no leak within {deadline:.0f} s at a {interval} s interval"
+    assert found.pid == 11 and found.reason.startswith("RSS grows steadily (no agent)")
+    assert math.isclose(found.details["growth_bytes_per_second"], MIB, rel_tol=0.05)
+    # What that costs: a bounded number of samples, whatever the interval.
+    h = history.get((11, 901.0))
+    assert h is not None and len(h) <= config.history.samples
+
+
+def test_a_process_outside_any_gpu_job_is_not_judged_however_it_grows() -> None:
+    history = History(sample_spacing=0.0)
+    config = DetectorConfig(leak_warmup_seconds=0, leak_min_span_seconds=20)
+    for i in range(100):
+        t = 1000.0 + i
+        procs = _worker_job(t, GIB)
+        # An editor under init, growing: no GPU job's member.
+        procs[20] = HostProcess(pid=20, ppid=1, start_time=950.0, name="emacs",
+                                state="sleeping", rss_bytes=GIB + i * 8 * MIB)
+        report = assess(_snapshot(t, procs), history, config)
+        assert leaks(report) == []
 
 
 def test_a_stalled_step_is_flagged_after_the_threshold_and_cleared_when_steps_resume() -> None:

@@ -35,6 +35,7 @@ class StatusSource:
         return self._own_poll(why)
 
     def _own_poll(self, why: str) -> dict[str, Any]:
+        from gpuwatch.config import sample_spacing
         from gpuwatch.detectors import assess
         from gpuwatch.history import History
         from gpuwatch.poll import Poller
@@ -42,7 +43,8 @@ class StatusSource:
 
         if self._poller is None:
             self._poller = Poller(hostname=self.cfg.daemon.node_name or None)
-            self._history = History(self.cfg.history.samples, self.cfg.history.max_processes)
+            self._history = History(self.cfg.history.samples, self.cfg.history.max_processes,
+                                    sample_spacing=sample_spacing(self.cfg))
         snapshot = self._poller.poll(watch=self._history.watch_pids())
         detectors = self.cfg.detectors
         if self.one_shot:

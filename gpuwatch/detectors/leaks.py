@@ -19,7 +19,9 @@ It also names the culprit when it can, the first of:
 The reason says which ("buffer `x` explains it (watched)"); `details` carry the culprit, how it
 was found and, while a trace is asked for or once one came, the trace.
 
-Without an agent the same test runs on the poll samples, per second.
+Without an agent the same test runs on the poll samples, per second: for GPU holders, and for
+every other member of a GPU job (a data loader's worker, a launcher, a helper), whose RSS counts
+as much as the trainer's.
 """
 
 from __future__ import annotations
@@ -61,12 +63,20 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             continue
         if h.steps is not None:
             found = _by_step(p, h.steps, snapshot, history, config)
-        elif p.holds_gpu:
+        elif p.holds_gpu or _in_gpu_job(p, history):
             found = _by_time(p, h, snapshot, config)
         else:
             found = None
         if found is not None:
             yield found
+
+
+def _in_gpu_job(p: HostProcess, history: History) -> bool:
+    """Whether `p` is a member of a job that has had a trainer (a GPU holder): a data loader's
+    worker, a launcher, a helper. Their memory counts as much as the trainer's; processes
+    outside GPU jobs are none of the detector's business."""
+    job = history.job_of(p)
+    return job is not None and job.had_trainer
 
 
 def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history: History,
@@ -326,7 +336,9 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
         return None  # runs every poll for every GPU holder: leave early while nothing can show
     # Every poll's sample is kept, but a window of leak_window points spread over all of them
     # answers the question as well at a fraction of the cost.
-    stride = max(1, len(h.times) // config.leak_window)
+    # (Rounded up, so that the window's points spread over every sample kept: rounded down, the
+    # newest leak_window of them could cover half the samples, and less than the span.)
+    stride = max(1, -(-len(h.times) // config.leak_window))
     times = h.times[::stride]
     for what, ys, limit_of in (("RSS", h.rss, host_limit), ("GPU memory", h.gpu_memory, None)):
         sampled = ys[::stride]

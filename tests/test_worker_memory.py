@@ -1,0 +1,114 @@
+"""The memory of a GPU job's workers that hold no GPU memory (a data loader's, forked from the
+trainer): real processes under a real daemon polling every 0.2 s. A worker whose RSS climbs is a
+leak; workers whose private memory climbs while their RSS stays flat are copy-on-write after the
+fork, and the finding says so; `status` lists them under their trainer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.simulate.fakenvml import FakeNode
+from tests.daemonproc import WatchedNode, by_pid, running_daemon
+from tests.scenarios import clean_env, wait_not_running
+
+GIB = 1 << 30
+MIB = 1 << 20
+INTERVAL = 0.2
+#: Short windows: no warm-up, a few seconds of growth make a leak.
+DETECTORS = """
+[detectors]
+leak_warmup_seconds = 0
+leak_min_span_seconds = 3
+leftover_grace = 600
+"""
+
+#: A trainer that forks two data workers, as a DataLoader with the fork start method does, and
+#: prints its PID and theirs. "leak": worker 1 appends 4 MiB a second to a list (worker 0
+#: idles). "cow": the trainer first builds a 192 MiB dataset (touched once), then each worker
+#: writes a byte in every one of its pages, 4 MiB of them a second: the pages are copied, so
+#: their private memory grows while their RSS (shared pages counted) stays where it was.
+TRAINER = r"""
+import os, sys, time
+mode = sys.argv[1]
+data = bytearray(b"\x01") * (192 << 20) if mode == "cow" else bytearray()
+workers = []
+for i in range(2):
+    pid = os.fork()
+    if pid == 0:
+        end = time.monotonic() + 120
+        if mode == "leak" and i == 1:
+            kept = []
+            while time.monotonic() < end:
+                kept.append(b"x" * (1 << 20))
+                time.sleep(0.25)
+        elif mode == "cow":
+            chunk = 1 << 20
+            for start in range(0, len(data), chunk):
+                for offset in range(start, start + chunk, 4096):
+                    data[offset] = 2
+                time.sleep(0.25)
+        time.sleep(600)
+        os._exit(0)
+    workers.append(pid)
+print(os.getpid(), *workers, flush=True)
+time.sleep(600)
+"""
+
+#: The job's launcher: the trainer's parent, so that the job's tree is the launcher's.
+LAUNCHER = r"""
+import subprocess, sys, time
+trainer = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+trainer.wait()
+"""
+
+
+@contextlib.contextmanager
+def data_loader_job(mode: str) -> Iterator[tuple[int, int, int]]:
+    """(trainer, worker 0, worker 1) of a running job; everything ended after."""
+    read, write = os.pipe()
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, TRAINER, mode], stdout=write, env=clean_env(),
+        start_new_session=True)
+    os.close(write)
+    pids: list[int] = []
+    try:
+        with os.fdopen(read) as out:
+            line = out.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 3, f"the job printed {line!r}"
+        yield pids[0], pids[1], pids[2]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        wait_not_running(pids)
+
+
+@pytest.fixture
+def watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path
+            ) -> Iterator[WatchedNode]:
+    with running_daemon(cli_env, tmp_path, config=DETECTORS,
+                        args=("--interval", str(INTERVAL))) as daemon:
+        yield WatchedNode(fake_node, cli_env, daemon)
+
+
+def test_a_data_worker_whose_rss_climbs_steadily_is_a_leak_though_it_holds_no_gpu_memory(
+        watched: WatchedNode) -> None:
+    with data_loader_job("leak") as (trainer, idle, leaking):
+        watched.node.hold(trainer, device=0, used=2 * GIB)
+        watched.holding(trainer)
+        found = watched.findings_of("leak", [leaking])[leaking]
+        assert found["reason"].startswith("RSS grows steadily (no agent)"), found
+        assert found["details"]["growth_bytes_per_second"] > MIB, found
+        doc = watched.doc()
+        assert not {idle, trainer} & set(by_pid(doc, "leak")), doc["findings"]
+
+

@@ -702,6 +702,58 @@ def test_what_a_sigkilled_supervisor_leaves_keeps_running_and_the_daemon_flags_i
         assert all(found[w]["severity"] == "critical" for w in workers)
 
 
+def test_reaping_what_a_sigkilled_supervisor_left_removes_the_job_s_emptied_cgroup(
+        tmp_path: Path, fake_node: FakeNode, cli_env: dict[str, str]) -> None:
+    """The job of a SIGKILLed `gpuwatch run`, orphaned, is reaped by `gpuwatch reap --job`: its
+    processes end, and the cgroup the supervisor made for it, empty now, goes with them."""
+    if (why := supported_here()) is not None:
+        pytest.skip(f"no job cgroup can be made here: {why}")
+    ready = job_json(tmp_path)
+    command = launcher(ready, "--workers", "2")
+    with running_daemon(cli_env, tmp_path / "daemon") as daemon, \
+            supervised(tmp_path, cli_env, command, "--grace", "1") as run:
+        node = WatchedNode(fake_node, cli_env, daemon)
+        info = wait_for("the job to start", lambda: read_json(ready), START, alive=run.proc)
+        the_launcher, workers = int(info["launcher"]), [int(p) for p in info["workers"]]
+        run.others += [the_launcher, *workers]
+        (cgroup,) = cgroups_made_by(run.pid)
+        assert job_cgroup_of(the_launcher) is not None
+        for rank, pid in enumerate(workers):
+            fake_node.hold(pid, device=rank, used=2 * GIB)
+        node.holding(*workers)
+        os.kill(run.pid, signal.SIGKILL)
+        assert run.proc.wait(GONE) == -signal.SIGKILL
+        node.findings_of("orphan", [the_launcher, *workers], timeout=START)
+        assert cgroup.is_dir(), "the cgroup stays while its processes run"
+
+        reaped = gpuwatch(["reap", "--job", f"run:{run.job}", "--yes", "--grace", "2"], cli_env)
+        assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+        wait_not_running([the_launcher, *workers])
+        assert not cgroup.exists(), f"{cgroup} is left behind"
+        assert cgroups_made_by(run.pid) == []
+
+
+def test_the_job_cgroups_of_a_process_are_read_from_its_proc_cgroup(tmp_path: Path) -> None:
+    from gpuwatch.actions.cgroup import job_cgroups_of
+
+    root, proc = tmp_path / "cgroup", tmp_path / "proc"
+    (root / "unified").mkdir(parents=True)
+    (root / "unified" / "cgroup.controllers").write_text("")
+
+    def of(text: str) -> list[tuple[str, Path]]:
+        (proc / "42").mkdir(parents=True, exist_ok=True)
+        (proc / "42" / "cgroup").write_text(text)
+        return [(c.mode, c.path) for c in job_cgroups_of(42, root, proc)]
+
+    job = "gpuwatch-run-train-7"
+    assert of(f"0::/user.slice/{job}/ranks\n4:pids:/gpuwatch/{job}\n3:memory:/{job}\n") == [
+        ("cgroup v2", root / "unified" / "user.slice" / job),
+        ("cgroup v1", root / "pids" / "gpuwatch" / job)]
+    assert of("0::/user.slice/session-3.scope\n4:pids:/user.slice\n") == []
+    assert of(f"0::/x/../{job}\n4:pids:/elsewhere/{job}\n0::{job}\n") == []
+    assert job_cgroups_of(43, root, proc) == []  # exited
+
+
 # ---- 7. exit codes --------------------------------------------------------------------------
 
 

@@ -27,6 +27,12 @@ from typing import Optional
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _V1_HIERARCHY = "pids"
+#: Where cgroup v1 job cgroups go, in the pids hierarchy.
+_V1_PARENT = "gpuwatch"
+#: How every job cgroup's name starts: gpuwatch-run-<job id>-<supervisor PID>.
+JOB_CGROUP_PREFIX = "gpuwatch-run-"
+# /proc/PID/cgroup, read at most (a line per hierarchy; paths are bounded by PATH_MAX).
+_PROC_CGROUP_BYTES = 64 << 10
 
 
 class CgroupUnavailable(Exception):
@@ -99,6 +105,8 @@ class JobCgroup:
                 return True
             except FileNotFoundError:
                 return True
+            except PermissionError:
+                return False  # not ours to remove: waiting changes nothing
             except OSError:
                 if time.monotonic() >= deadline:
                     return False
@@ -123,8 +131,42 @@ def _candidates(lines: list[str], root: Path) -> list[tuple[str, Path]]:
         if _V1_HIERARCHY in controllers.split(","):
             v1 = root / _V1_HIERARCHY
             if (v1 / "cgroup.procs").exists() and not (v1 / "cgroup.controllers").exists():
-                out.append(("cgroup v1", v1 / "gpuwatch"))
+                out.append(("cgroup v1", v1 / _V1_PARENT))
     return out
+
+
+def job_cgroups_of(pid: int, root: Path = _CGROUP_ROOT, proc: Path = Path("/proc")
+                   ) -> list[JobCgroup]:
+    """The `gpuwatch run` job cgroups `pid` is in, from /proc/PID/cgroup: its v2 one, and its v1
+    one in the pids hierarchy, where JobCgroup.create puts them (a cgroup the job made below
+    its own counts as its job's). None where it is in none, or has exited."""
+    try:
+        with open(proc / str(pid) / "cgroup", "rb") as f:
+            text = f.read(_PROC_CGROUP_BYTES).decode(errors="replace")
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        parts = path.split("/")[1:]
+        if not path.startswith("/") or any(part in ("", ".", "..") for part in parts):
+            continue
+        at = next((i for i, part in enumerate(parts) if part.startswith(JOB_CGROUP_PREFIX)),
+                  None)
+        if at is None:
+            continue
+        if hierarchy == "0" and controllers == "":
+            mount = next((m for m in (root, root / "unified")
+                          if (m / "cgroup.controllers").exists()), None)
+            mode = "cgroup v2"
+        elif _V1_HIERARCHY in controllers.split(",") and at == 1 and parts[0] == _V1_PARENT:
+            mount, mode = root / _V1_HIERARCHY, "cgroup v1"
+        else:
+            continue
+        if mount is not None:
+            found.append(JobCgroup(mount.joinpath(*parts[:at + 1]), mode))
+    return found
 
 
 def supported_here() -> Optional[str]:

@@ -14,7 +14,9 @@ so `reap --dry-run` shows exactly what the daemon sees. Safety, in order of prec
   first signal, its result the moment it is known, and, for a process still there at the first
   look after a signal, a "signalled" line then; one line per write(), so a reaper killed in
   the middle leaves every result and signal it had, and `AuditFollower` (the daemon) finds the
-  actions such a reaper left without a result and records what became of their processes.
+  actions such a reaper left without a result and records what became of their processes;
+- a `gpuwatch run` job cgroup that the processes it ended leave empty (its supervisor was
+  killed, or its helpers kept) is removed, as the supervisor removes it when it ends the job.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from gpuwatch.actions.cgroup import job_cgroups_of
 from gpuwatch.actions.signals import (
     GONE,
     OTHER,
@@ -55,6 +58,9 @@ AUDIT_NAME = "reap.jsonl"
 #: to a process still there at the first look after it (no result yet), the result of carrying
 #: it out, and the result found later for an action whose reaper stopped first.
 PLANNED, SIGNALLED, EXECUTED, RECOVERED = "planned", "signalled", "executed", "recovered"
+#: How long an emptied `gpuwatch run` job cgroup is given to let its last process go before it
+#: is removed (a process leaves its cgroup a moment after it exits).
+CGROUP_SETTLE = 2.0
 #: How much of the audit log's end the daemon reads when it starts: actions left without a result
 #: are the last ones written.
 AUDIT_TAIL_BYTES = 4 << 20
@@ -316,6 +322,11 @@ class Reaper:
                                a.refused or ""))
             elif a.action == TERMINATE:
                 terminating.append(i)
+        # Read while they run: a `gpuwatch run` job whose last processes this ends (its
+        # supervisor gone, or its helpers kept) would leave its cgroup behind, empty.
+        cgroups = {c.path: c for i, a in enumerate(actions)
+                   if a.action in (TERMINATE, VIA_PARENT)
+                   for c in job_cgroups_of(a.target if a.action == TERMINATE else a.pid)}
         if terminating:
             refs = []
             for i in terminating:
@@ -331,6 +342,14 @@ class Reaper:
             if a.action == VIA_PARENT:
                 done(i, self._reap_via_parent(a, functools.partial(record, i,
                                                                    phase=SIGNALLED)))
+        if cgroups:
+            ended = {r.action.target if r.action.action == TERMINATE else r.action.pid
+                     for r in results if r is not None and r.freed}
+            for cgroup in cgroups.values():
+                # Removed once nothing but what just ended is in it; the last of those may
+                # take a moment to leave it.
+                if not cgroup.pids() - ended:
+                    cgroup.remove(timeout=CGROUP_SETTLE)
         if unwritten:
             raise unwritten[0]
         return [r for r in results if r is not None]

@@ -314,7 +314,7 @@ class Daemon:
             self.metrics.poll_raised()
         self.metrics.count_traces(self.trace_requests.counts, self.trace_requests.search_counts,
                                   self.agents.trace_reports)
-        self.metrics.count_truncated(getattr(self.poller.processes, "truncated", {}),
+        self.metrics.count_truncated(self.poller.truncated,
                                      running_totals=True)
         self.reaping.after_poll(report)
 

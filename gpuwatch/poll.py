@@ -92,6 +92,12 @@ class Poller:
         self._unlisted: set[int] = set()
         self._walk: Optional[_Walk] = None
 
+    @property
+    def truncated(self) -> Mapping[str, int]:
+        """The texts the process source cut at the read so far, by what
+        (gpuwatch_text_truncated_total)."""
+        return self.processes.truncated
+
     def poll(self, watch: Iterable[int] = ()) -> NodeSnapshot:
         started = time.perf_counter()
         taken_at = self.clock()

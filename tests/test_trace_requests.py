@@ -7,7 +7,7 @@ test runs it inside the daemon's poll, with its counters in the daemon's registr
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -380,6 +380,8 @@ def test_a_reloaded_configuration_applies_to_the_next_request(
 
 class LeakingNode(Poller):
     """One instrumented process whose RSS grows 4 MiB a step, a step a poll."""
+
+    truncated: Mapping[str, int] = MappingProxyType({})  # no /proc read: nothing cut
 
     def __init__(self) -> None:  # no NVML, no /proc: only what poll() makes up
         self.agents = None

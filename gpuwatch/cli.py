@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
@@ -327,7 +327,8 @@ Exit codes:
   {EXIT_USAGE}  bad usage, or no --yes where there is no terminal to confirm on
   {EXIT_NOTHING_TO_DO}  nothing to do
   {EXIT_NOT_ALL_REAPED}  GPU memory the plan named is still held (a process not ended holds it,
-     or NVML still lists an ended one's; NVML unreadable and a process not ended)
+     or NVML still lists an ended one's; NVML unreadable and a process not ended), or a
+     process that --job or --pid names holds GPU memory and is protected (never signalled)
   {EXIT_NO_PERMISSION} the audit log cannot be written (not root, nor the daemon's user): nothing
      was signalled (a --dry-run still prints its plan, unrecorded, and exits 0)
   {EXIT_CONFIG} bad configuration
@@ -360,8 +361,9 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     """Free GPU memory held by processes of jobs that are gone, safely.
 
     Plans from the running daemon's findings (or one poll), never signals PID 1, the daemon,
-    kernel threads, protected names or users, and checks each process's identity right before
-    every signal. Every action goes to the audit log (reap.jsonl in the state directory).
+    kernel threads or protected processes (by uid, system unit or root's executable, never by
+    name), and checks each process's identity right before every signal. Every action goes to
+    the audit log (reap.jsonl in the state directory).
     """
     from gpuwatch.actions.reaper import AuditRefused, Filters, audit_refusal
     from gpuwatch.app.reaping import Reap
@@ -384,11 +386,14 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     filters = Filters(kinds=frozenset(kinds) if kinds else REAPABLE_KINDS, job=job,
                       pids=frozenset(pids or ()), user=user, older_than=older_than)
     actions = reaper.plan(report, filters, dry_run=dry_run, grace=grace)
+    # Protected GPU holders the --job or --pid names: never signalled, their memory stays held.
+    spared = reaper.spared(report, filters)
     if not actions:
-        _print_reap(as_json, report, [], dry_run, render_reap)
-        sys.exit(EXIT_NOTHING_TO_DO)
+        _print_reap(as_json, report, [], dry_run, render_reap, spared=spared)
+        sys.exit(EXIT_NOT_ALL_REAPED if spared else EXIT_NOTHING_TO_DO)
     if dry_run:
-        _print_reap(as_json, report, [(a, "planned", "") for a in actions], True, render_reap)
+        _print_reap(as_json, report, [(a, "planned", "") for a in actions], True, render_reap,
+                    spared=spared)
         if reaper.unrecorded:
             click.echo(f"gpuwatch reap: the plan is not recorded: {reaper.unrecorded}", err=True)
         sys.exit(EXIT_OK)
@@ -411,8 +416,8 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     except PermissionError as exc:  # taken away between the check and the plans' write
         click.echo(f"gpuwatch reap: {audit_refusal(reaper.audit_path, exc)}", err=True)
         sys.exit(EXIT_NO_PERMISSION)
-    held = done.held
-    _print_reap(as_json, report, done.rows, False, render_reap, held)
+    held = sorted({*done.held, *(s.pid for s in spared)})
+    _print_reap(as_json, report, done.rows, False, render_reap, held, spared)
     # What an epilog decides on: whether the next job would find GPU memory taken, not whether
     # every line of the plan was carried out (a PID reused before the signal freed nothing, but
     # what it was planned for holds nothing either).
@@ -420,16 +425,21 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
 
 
 def _print_reap(as_json: bool, report: Any, rows: list[Any], dry_run: bool,
-                render: Any, held: Optional[list[int]] = None) -> None:
+                render: Any, held: Optional[list[int]] = None,
+                spared: Sequence[Any] = ()) -> None:
     if as_json:
+        still = sorted({*(held or ()), *(s.pid for s in spared)})
         json.dump({"schema": 1, "source": report.source, "dry_run": dry_run,
                    "actions": [{**a.as_json(), "result": result, "detail": detail}
                                for a, result, detail in rows],
-                   "still_held": None if dry_run else sorted(held or ())},
+                   "protected": [s.as_json() for s in spared],
+                   "still_held": None if dry_run else still},
                   sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render(report, rows, dry_run, held, **_fitted()))
+        if not dry_run and spared:
+            held = sorted({*(held or ()), *(s.pid for s in spared)})
+        sys.stdout.write(render(report, rows, dry_run, held, spared=spared, **_fitted()))
 
 
 def _fitted() -> dict[str, Any]:

@@ -194,6 +194,20 @@ def _names(v: Any) -> tuple[str, ...]:
     return tuple(i.strip() for i in items if i.strip())
 
 
+def _absolute_paths(v: Any) -> tuple[str, ...]:
+    paths = _names(v)
+    if not all(p.startswith("/") and "\0" not in p for p in paths):
+        raise ValueError("a list of absolute paths")
+    return tuple(os.path.normpath(p) for p in paths)
+
+
+def _unit_names(v: Any) -> tuple[str, ...]:
+    units = _names(v)
+    if not all(u.endswith((".service", ".scope")) and "/" not in u for u in units):
+        raise ValueError('a list of systemd unit names ("nvidia-persistenced.service")')
+    return units
+
+
 def _bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
@@ -302,9 +316,20 @@ class DetectorConfig:
     protected_names: tuple[str, ...] = _setting(
         ("nvidia-persistenced", "nv-hostengine", "nvidia-fabricmanager", "dcgm-exporter",
          "Xorg", "Xwayland", "gnome-shell", "gpuwatch"), _names,
-        "process names never reported (nor reaped)")
+        "file names of programs never reported (nor reaped): a process is protected when the "
+        "file it runs (/proc/PID/exe) has this name and is root's (it and every directory "
+        "above it owned by root, writable by no one else); its comm and command line never "
+        "count")
+    protected_executables: tuple[str, ...] = _setting(
+        (), _absolute_paths,
+        "absolute paths of programs never reported (nor reaped): a process is protected when "
+        "it runs the file at this path and that file is root's (as for protected_names)")
+    protected_units: tuple[str, ...] = _setting(
+        (), _unit_names,
+        "systemd system units whose processes are never reported (nor reaped), from their "
+        "cgroup (\"nvidia-persistenced.service\"); a user's own units never count")
     protected_users: tuple[str, ...] = _setting(
-        (), _names, "users whose processes are never reported (nor reaped)")
+        (), _names, "users whose processes are never reported (nor reaped), by real uid")
     stall_after: float = _setting(
         600.0, _positive_seconds,
         "seconds an instrumented process holding GPU memory may stay on one step")

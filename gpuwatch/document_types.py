@@ -14,6 +14,7 @@ from typing import Any, Optional, TypedDict
 __all__ = [
     "AgentDoc",
     "BufferDoc",
+    "ExecutableDoc",
     "FindingDoc",
     "GpuDoc",
     "GpuErrorDoc",
@@ -98,6 +99,15 @@ class AgentDoc(TypedDict):
     exit: Optional[dict[str, Any]]
 
 
+class ExecutableDoc(TypedDict):
+    #: As /proc/PID/exe names it (" (deleted)" at the end once that path no longer does).
+    path: str
+    owner_uid: int
+    #: The file at `path` is the one the process runs, and it and every directory above it are
+    #: root's alone (docs/security.md, rule 2).
+    root_controlled: bool
+
+
 class ProcessDoc(TypedDict):
     pid: int
     ppid: Optional[int]
@@ -117,6 +127,10 @@ class ProcessDoc(TypedDict):
     holds_gpu: Optional[bool]
     job: Optional[JobDoc]
     cgroup: Optional[str]
+    #: The unit systemd's system manager started it in; None where its cgroup names none.
+    system_unit: Optional[str]
+    #: The file it runs; None where /proc/PID/exe could not be read.
+    exe: Optional[ExecutableDoc]
     launch_env: dict[str, str]
     cmdline: list[str]
     in_procfs: bool

@@ -163,6 +163,24 @@ class Job:
 
 
 @_frozen
+class Executable:
+    """The file a process runs, from /proc/PID/exe: facts its user cannot set (its `comm` and
+    command line they can). Read when the process is first seen, and again after each exec."""
+
+    #: Where the file was when the process executed it, as the kernel gives it (symbolic links
+    #: resolved; " (deleted)" at the end when that path no longer names the file).
+    path: str
+    #: The owner of the very file the process runs (stat through the link, not through the path).
+    owner_uid: int
+    #: Whether root alone could have put this file at `path`: the path names the very file the
+    #: process runs in gpuwatch's own view of the file system (same device and inode), and the
+    #: file and every directory above it are owned by root and writable by neither group nor
+    #: others. A user's own copy, a hard link in /tmp, a file bind-mounted in a user's own mount
+    #: namespace, or a file deleted since it was executed: False.
+    root_controlled: bool
+
+
+@_frozen
 class HostProcess:
     """One process as /proc described it in one poll."""
 
@@ -186,6 +204,14 @@ class HostProcess:
     rss_bytes: Optional[int] = None
     num_threads: Optional[int] = None
     cgroup: Optional[str] = None
+    #: The unit systemd's system manager started it in ("nvidia-persistenced.service",
+    #: "session-3.scope"): the first unit of its cgroup path below slices only, which only root
+    #: creates. A user's own units (under user@UID.service) are never this. None when the
+    #: cgroup path names no such unit (a Slurm job's, a container's, or no systemd).
+    system_unit: Optional[str] = None
+    #: The file it runs; None where /proc/PID/exe could not be read (another user's process
+    #: without CAP_SYS_PTRACE, a kernel thread, a zombie).
+    exe: Optional[Executable] = None
     job: Optional[Job] = None
     #: Distributed-launch variables from the environment (LOCAL_RANK, RANK, SLURM_PROCID, ...):
     #: evidence that this is a training worker. Nothing else of the environment is kept.

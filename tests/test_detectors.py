@@ -8,13 +8,14 @@ from types import MappingProxyType
 from typing import Any, Optional
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors import DETECTORS, assess
+from gpuwatch.detectors import DETECTORS, assess, protected_by
 from gpuwatch.history import History
 from gpuwatch.jobtree import is_service, job_roots
 from gpuwatch.model import (
     KINDS,
     REAPABLE_KINDS,
     AgentReading,
+    Executable,
     GpuDevice,
     GpuProcessUsage,
     HostProcess,
@@ -261,15 +262,65 @@ def test_without_history_a_young_worker_waits_for_min_age_and_a_plain_service_ne
     assert kinds(run(History(), snapshot(106.0, young, service))) == [("orphan", 60)]
 
 
-def test_protected_names_and_users_raise_nothing() -> None:
-    env = MappingProxyType({"LOCAL_RANK": "0"})
-    config = DetectorConfig(min_age=0.0, protected_names=("guarded",),
+# -- protection: from what a user cannot set (docs/security.md, rule 2) ---------------------------
+ROOTS_XORG = Executable("/usr/lib/xorg/Xorg", owner_uid=0, root_controlled=True)
+WORKER_ENV = MappingProxyType({"LOCAL_RANK": "0"})
+PROTECTING = DetectorConfig(min_age=0.0, protected_names=("Xorg", "gpuwatch"),
+                            protected_executables=("/opt/vendor/bin/gpu-agent",),
+                            protected_units=("nvidia-persistenced.service",),
                             protected_users=("svc",))
-    by_name = proc(70, 1, gpu=GIB, launch_env=env, name="guarded", start=0.0)
-    by_user = proc(71, 1, gpu=GIB, launch_env=env, user="svc", start=0.0)
-    other = proc(72, 1, gpu=GIB, launch_env=env, start=0.0)
-    assert kinds(run(History(), snapshot(100.0, by_name, by_user, other), config)) == [
-        ("orphan", 72)]
+
+
+def worker(pid: int, **kw: Any) -> HostProcess:
+    """An orphaned rank holding GPU memory: an orphan unless something protects it."""
+    return proc(pid, 1, gpu=GIB, launch_env=WORKER_ENV, start=0.0, **kw)
+
+
+def orphans_of(*procs: HostProcess) -> list[Optional[int]]:
+    return [pid for kind, pid in kinds(run(History(), snapshot(100.0, *procs), PROTECTING))
+            if kind == "orphan"]
+
+
+def test_a_process_that_names_itself_xorg_or_gpuwatch_is_judged_like_any_other() -> None:
+    # comm and argv are the process's own to set (prctl(PR_SET_NAME), a link named Xorg).
+    by_comm = worker(70, name="Xorg", cmdline=("Xorg", ":0"),
+                     exe=Executable("/usr/bin/python3.11", owner_uid=0, root_controlled=True))
+    own_copy = worker(71, name="Xorg",
+                      exe=Executable("/home/mallory/Xorg", owner_uid=994, root_controlled=False))
+    # A root-owned file named Xorg that root alone does not hold (a hard link left in /tmp).
+    linked = worker(72, name="Xorg",
+                    exe=Executable("/tmp/x/Xorg", owner_uid=0, root_controlled=False))
+    unknown = worker(73, name="gpuwatch", exe=None)
+    assert orphans_of(by_comm, own_copy, linked, unknown) == [70, 71, 72, 73]
+    for p in (by_comm, own_copy, linked, unknown):
+        assert protected_by(p, PROTECTING) is None
+
+
+def test_a_protected_name_protects_the_process_running_roots_file_of_that_name() -> None:
+    # Xorg run as the desktop's user (rootless Xorg): the file is root's, the uid is not.
+    xorg = worker(74, name="Xorg", user="alice", exe=ROOTS_XORG)
+    renamed = worker(75, name="X", user="alice", exe=ROOTS_XORG)  # comm does not matter
+    assert orphans_of(xorg, renamed) == []
+    assert protected_by(xorg, PROTECTING) == (
+        "it runs /usr/lib/xorg/Xorg, root's Xorg (detectors.protected_names)")
+
+
+def test_a_protected_executable_is_its_path_and_only_while_root_holds_the_file() -> None:
+    agent = Executable("/opt/vendor/bin/gpu-agent", owner_uid=0, root_controlled=True)
+    loose = Executable("/opt/vendor/bin/gpu-agent", owner_uid=0, root_controlled=False)
+    assert orphans_of(worker(76, exe=agent), worker(77, exe=loose)) == [77]
+    assert protected_by(worker(76, exe=agent), PROTECTING) == (
+        "it runs /opt/vendor/bin/gpu-agent (detectors.protected_executables)")
+
+
+def test_a_protected_unit_or_user_protects_whatever_the_process_runs_or_reads() -> None:
+    in_unit = worker(78, system_unit="nvidia-persistenced.service")
+    by_user = worker(79, user="svc", exe=None)  # its executable unreadable: the uid still counts
+    other_unit = worker(80, system_unit="user@994.service", name="nvidia-persistenced")
+    assert orphans_of(in_unit, by_user, other_unit) == [80]
+    assert protected_by(in_unit, PROTECTING) == (
+        "it runs in the system unit nvidia-persistenced.service (detectors.protected_units)")
+    assert protected_by(by_user, PROTECTING) == "its user svc is in detectors.protected_users"
 
 
 def test_a_zombie_is_reported_only_after_its_grace_period() -> None:

@@ -27,10 +27,12 @@ from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.simulate.job import launch_env
 from gpuwatch.units import human_bytes
 from tests.daemonproc import WatchedNode, running_daemon, setpriv_or_skip, shared_node, value
+from tests.protected import roots_own_program
 from tests.realprocs import GIB, processes_by_pid, status_json
 from tests.scenarios import (
     _orphan,
     clean_env,
+    comm,
     free_pid,
     orphaned_worker_under_pid1,
     plain_service,
@@ -509,8 +511,12 @@ def test_pid_1_the_daemon_kernel_threads_and_protected_processes_are_refused_wit
     config_path.write_text('[detectors]\nprotected_names = ["reap-guarded"]\n'
                            'protected_users = ["nobody"]\n')
     kthread = _kernel_thread()
-    with plain_service(tmp_path, name="reap-guarded") as guarded, \
-            plain_service(tmp_path, name="reap-unguarded") as unguarded, \
+    # Protected by the file it runs (root's, where only root may write), not by its name: a
+    # service that merely calls itself reap-guarded (its comm) is reaped like any other.
+    with roots_own_program("reap-guarded") as program, \
+            _orphan([str(program), "600"], clean_env(), "root's reap-guarded",
+                    lambda pid: comm(pid) == "reap-guarded") as guarded, \
+            plain_service(tmp_path, name="reap-guarded") as unguarded, \
             process_of_nobody() as nobodys, \
             watching(fake_node, cli_env, tmp_path) as w:
         why = {1: "pid 1", w.daemon.proc.pid: "daemon", guarded: "protected",

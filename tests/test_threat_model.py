@@ -24,7 +24,8 @@ import ssl
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlencode, urlsplit
@@ -36,12 +37,14 @@ from gpuwatch.config import EXIT_CONFIG
 from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
+from gpuwatch.simulate.job import launch_env
 from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT
 from tests.daemonproc import (
     WAIT,
     DaemonReader,
     RunningDaemon,
     Samples,
+    WatchedNode,
     by_pid,
     pids_with_series,
     running_daemon,
@@ -49,8 +52,9 @@ from tests.daemonproc import (
     value,
 )
 from tests.localusers import LocalUser, local_user
-from tests.realprocs import MIB, gpuwatch, status_json
-from tests.scenarios import wait_not_running
+from tests.protected import SYSTEM_PYTHON, WORKER, roots_own_program, users_directory, users_orphan
+from tests.realprocs import GIB, MIB, gpuwatch, status_json
+from tests.scenarios import START_TIMEOUT, _orphan, clean_env, comm, running, wait_not_running
 
 
 @pytest.fixture
@@ -200,6 +204,136 @@ def test_2_mib_command_lines_of_mallorys_leave_the_daemon_small_and_are_shown_cu
 # Rule 2. Authority from what users cannot set: a protected process is known by its executable,
 # its uid or its unit, never by comm or argv.
 # =================================================================================================
+
+RULE2_DETECTORS = """
+[detectors]
+min_age = 0
+"""
+
+
+def _reap(args: Sequence[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+    """`gpuwatch reap ARGS` as an epilog runs it: as root, no terminal."""
+    return subprocess.run([sys.executable, "-m", "gpuwatch", "reap", "--grace", "1", *args],
+                          env=dict(env), stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _named(pid: int, name: str) -> None:
+    wait_for(f"PID {pid} to name itself {name}",
+             lambda: True if comm(pid) == name[:15] else None, START_TIMEOUT)
+
+
+@contextlib.contextmanager
+def _watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path,
+             config: str = "") -> Iterator[tuple[WatchedNode, dict[str, str]]]:
+    """A daemon (as root) on the fake node, and the CLI's environment reading its config file,
+    as `reap` in an epilog reads /etc/gpuwatch/gpuwatch.toml."""
+    with running_daemon(cli_env, tmp_path / "daemon", config=RULE2_DETECTORS + config) as daemon:
+        env = {**cli_env, "GPUWATCH_CONFIG": str(daemon.config_path)}
+        yield WatchedNode(fake_node, env, daemon), env
+
+
+def test_a_users_orphans_named_xorg_nvidia_persistenced_and_gpuwatch_are_reported_and_reaped(
+        mallory: LocalUser, fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    # Three ranks of mallory's job, orphaned, each holding GPU memory under a protected name:
+    # Xorg by prctl(PR_SET_NAME), nvidia-persistenced by a link of that name to the system's
+    # Python, gpuwatch by her own copy of it (a file named gpuwatch, hers).
+    run_id = f"rule2-{uuid.uuid4().hex[:8]}"
+    with users_directory(mallory) as home:
+        made = mallory.run(["sh", "-c", f"ln -s {SYSTEM_PYTHON} {home}/nvidia-persistenced && "
+                                        f"cp {os.path.realpath(SYSTEM_PYTHON)} {home}/gpuwatch"],
+                           cwd="/")
+        assert made.returncode == 0, made.stderr
+        ranks = [([SYSTEM_PYTHON, "-c", WORKER, "Xorg"], "Xorg"),
+                 ([f"{home}/nvidia-persistenced", "-c", WORKER], "nvidia-persistenced"),
+                 ([f"{home}/gpuwatch", "-c", WORKER], "gpuwatch")]
+        with contextlib.ExitStack() as stack:
+            pids = []
+            for rank, (argv, name) in enumerate(ranks):
+                env = launch_env(rank, len(ranks), run_id, base=clean_env())
+                pid = stack.enter_context(users_orphan(mallory, argv, env, f"mallory's {name}"))
+                _named(pid, name)
+                fake_node.hold(pid, device=0, used=2 * GIB)
+                pids.append(pid)
+            with _watched(fake_node, cli_env, tmp_path) as (watched, env):
+                orphans = watched.findings_of("orphan", pids)
+                assert {orphans[pid]["name"] for pid in pids} == {
+                    "Xorg", "nvidia-persistenced", "gpuwatch"}
+                result = _reap(["--job", run_id, "--yes"], env)
+                assert result.returncode == 0, result.stdout + result.stderr
+                wait_not_running(pids, what="mallory's ranks to end")
+                assert result.stdout.count("GPU memory released") == 3, result.stdout
+                assert "no GPU memory the plan named is still held" in result.stdout
+
+
+def test_reap_pid_ends_a_users_orphan_named_xorg_and_refuses_roots_xorg_saying_so(
+        mallory: LocalUser, fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    run_id = f"rule2-{uuid.uuid4().hex[:8]}"
+    with roots_own_program("Xorg") as xorg, contextlib.ExitStack() as stack:
+        env = launch_env(0, 2, run_id, base=clean_env())
+        fake = stack.enter_context(users_orphan(mallory, [SYSTEM_PYTHON, "-c", WORKER, "Xorg"],
+                                                env, "mallory's Xorg"))
+        _named(fake, "Xorg")
+        # Root's Xorg: the file is root's where only root may write, whatever it does.
+        real = stack.enter_context(_orphan([str(xorg), "600"], launch_env(1, 2, run_id,
+                                                                          base=clean_env()),
+                                           "root's Xorg", lambda pid: comm(pid) == "Xorg"))
+        for pid in (fake, real):
+            fake_node.hold(pid, device=0, used=2 * GIB)
+        with _watched(fake_node, cli_env, tmp_path) as (watched, cli):
+            watched.findings_of("orphan", [fake])
+            assert real not in by_pid(watched.holding(real), "orphan")
+
+            ended = _reap(["--pid", str(fake), "--yes"], cli)
+            assert ended.returncode == 0, ended.stdout + ended.stderr
+            wait_not_running([fake], what="mallory's Xorg to end")
+            assert "GPU memory released" in ended.stdout
+
+            refused = _reap(["--pid", str(real), "--yes"], cli)
+            assert refused.returncode == 4, refused.stdout + refused.stderr
+            assert f"PID {real}" in refused.stdout and "protected" in refused.stdout
+            assert f"GPU memory still held by PID {real}" in refused.stdout
+            assert running(real)
+
+
+def test_reap_job_names_the_roots_programs_it_leaves_holding_gpu_memory_and_exits_4(
+        mallory: LocalUser, fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    # The incident: a reap of the job that leaves GPU memory held must not read "nothing held".
+    run_id = f"rule2-{uuid.uuid4().hex[:8]}"
+    with roots_own_program("Xorg") as xorg, roots_own_program("gpu-agent") as agent, \
+            contextlib.ExitStack() as stack:
+        fake = stack.enter_context(users_orphan(
+            mallory, [SYSTEM_PYTHON, "-c", WORKER, "Xorg"],
+            launch_env(0, 3, run_id, base=clean_env()), "mallory's Xorg"))
+        _named(fake, "Xorg")
+        roots = [stack.enter_context(_orphan([str(program), "600"],
+                                             launch_env(rank, 3, run_id, base=clean_env()),
+                                             f"root's {program.name}",
+                                             lambda pid, n=program.name: comm(pid) == n))
+                 for rank, program in ((1, xorg), (2, agent))]
+        for pid in (fake, *roots):
+            fake_node.hold(pid, device=0, used=2 * GIB)
+        listed = f"protected_executables = [{json.dumps(str(agent))}]\n"
+        with _watched(fake_node, cli_env, tmp_path, listed) as (watched, cli):
+            watched.findings_of("orphan", [fake])
+            doc = watched.holding(*roots)
+            assert not set(roots) & set(by_pid(doc, "orphan"))
+
+            result = _reap(["--job", run_id, "--yes"], cli)
+            assert result.returncode == 4, result.stdout + result.stderr
+            wait_not_running([fake], what="mallory's Xorg to end")
+            for pid, why in zip(roots, ("root's Xorg (detectors.protected_names)",
+                                        "(detectors.protected_executables)")):
+                line = next(ln for ln in result.stdout.splitlines() if f"PID {pid}" in ln)
+                assert "protected" in line and why in line, result.stdout
+                assert running(pid)
+            assert "GPU memory still held by PID " + ", ".join(map(str, sorted(roots))) in (
+                result.stdout)
+
+            as_json = json.loads(_reap(["--job", run_id, "--yes", "--json"], cli).stdout)
+            assert sorted(s["pid"] for s in as_json["protected"]) == sorted(roots)
+            assert as_json["still_held"] == sorted(roots)
+
 
 # (section 2 ends)
 

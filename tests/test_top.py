@@ -64,7 +64,8 @@ def proc(pid: int, ppid: int, *, job: Optional[str] = None, user: str = "alice",
                                              "compute_instance_id": None}],
             "holds_gpu": gpu is not None,
             "job": {"id": job, "source": "slurm"} if job else None, "cgroup": "/",
-            "launch_env": {}, "cmdline": cmd or ["python", "-u", "train.py"],
+            "system_unit": None, "exe": None, "launch_env": {},
+            "cmdline": cmd or ["python", "-u", "train.py"],
             "in_procfs": True, "read_errors": [], "wchan": None, "kernel_stack": [],
             "agent": None}
 

@@ -4,8 +4,11 @@ It plans from a report (the daemon's view, read back from its status document, o
 so `reap --dry-run` shows exactly what the daemon sees. Safety, in order of precedence:
 - only findings of reapable kinds are candidates; what signals cannot end (unkillable) or where
   there is no process (a ghost) is reported, never signalled;
-- never PID 1, the daemon itself, kernel threads, protected names or users; another user's process
-  only with CAP_KILL (what the kernel asks, not uid 0) and only where the policy allows it;
+- never PID 1, the daemon itself (by PID, whatever it is named), kernel threads, or a protected
+  process (gpuwatch.detectors.protected_by: its uid, system unit or root's executable, never its
+  name); another user's process only with CAP_KILL (what the kernel asks, not uid 0) and only
+  where the policy allows it; a protected GPU holder that a reap's --job or --pid names is said
+  (`Spared`), so that its caller knows the memory stays held;
 - the identity (PID and start time) is checked right before every signal, so a PID reused by a
   new process is never signalled (gpuwatch.actions.signals, the one signalling path);
 - SIGTERM to every candidate first, one grace period for all, then SIGKILL to those left; a
@@ -49,6 +52,7 @@ from gpuwatch.actions.signals import (
     may_signal_other_users,
 )
 from gpuwatch.config import Config
+from gpuwatch.detectors import protected_by
 from gpuwatch.model import KINDS, REAPABLE_KINDS, Finding, HostProcess, Job, Kind, NodeReport
 from gpuwatch.sources.processes import ProcessSource
 from gpuwatch.units import plural
@@ -132,6 +136,30 @@ class Action:
 
 
 @dataclass(frozen=True)
+class Spared:
+    """A process holding GPU memory that a reap's --job or --pid names, left alone because it
+    is protected: no detector reports it, so no action is planned for it, and its memory stays
+    held. Said so that the reap's caller (an epilog) does not read "nothing held"."""
+
+    pid: int
+    start_time: Optional[float]
+    name: Optional[str]
+    user: Optional[str]
+    job: Optional[Job]
+    gpu_memory_bytes: Optional[int]
+    gpus: tuple[int, ...]
+    #: Why it is protected (protected_by's words).
+    protected: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "start_time": self.start_time, "name": self.name,
+                "user": self.user,
+                "job": {"id": self.job.id, "source": self.job.source} if self.job else None,
+                "gpu_memory_bytes": self.gpu_memory_bytes, "gpus": list(self.gpus),
+                "protected": self.protected}
+
+
+@dataclass(frozen=True)
 class Result:
     action: Action
     #: "planned", or one of OUTCOMES
@@ -202,6 +230,32 @@ class Reaper:
                 self.unrecorded = audit_refusal(self.audit_path, exc)
         return actions
 
+    def spared(self, report: NodeReport, filters: Filters) -> list[Spared]:
+        """The protected processes holding GPU memory that `filters` name by --job or --pid and
+        no planned action is about: the memory a reap of that job or PID leaves held. Empty
+        without --job and --pid (a node's own daemons, protected, are no reap's business)."""
+        if filters.job is None and not filters.pids:
+            return []
+        snapshot = report.snapshot
+        planned = {f.pid for f in report.findings if self._selected(f, report, filters)}
+        spared = []
+        for pid, p in sorted(snapshot.processes.items()):
+            job = report.jobs.get(pid) or p.job
+            if (pid in planned or not p.in_procfs or not p.holds_gpu
+                    or (filters.pids and pid not in filters.pids)
+                    or (filters.job is not None and not _job_matches(job, filters.job))
+                    or (filters.user is not None and p.user != filters.user)):
+                continue
+            why = protected_by(p, self.config.detectors)
+            if why is not None:
+                wall = snapshot.wall
+                spared.append(Spared(
+                    pid=pid, start_time=(round(wall(p.start_time), 2)
+                                         if p.start_time is not None else None),
+                    name=p.name, user=p.user, job=job, gpu_memory_bytes=p.gpu_memory_bytes,
+                    gpus=tuple(sorted({u.gpu_index for u in p.gpu_usage})), protected=why))
+        return spared
+
     def check_audit_writable(self) -> None:
         """Raise AuditRefused when the audit log cannot be appended to: a reap is recorded
         before its first signal, so one that cannot be recorded must not start."""
@@ -262,17 +316,17 @@ class Reaper:
                       signals=("SIGTERM", f"SIGKILL after {grace:g} s"))
 
     def _refusal(self, proc: HostProcess) -> Optional[str]:
-        pid, name, user = proc.pid, proc.name or "", proc.user or ""
+        pid, user = proc.pid, proc.user or ""
         if pid <= 1:
             return "PID 1"
+        # By PID, never by name: the daemon runs as `python3 -m gpuwatch.daemon`.
         if pid == self.daemon_pid or pid == os.getpid():
             return "the gpuwatch daemon itself" if pid == self.daemon_pid else "gpuwatch itself"
         if pid == 2 or proc.ppid == 2:
             return "a kernel thread"
-        if name in self.config.detectors.protected_names:
-            return f"a protected name ({name})"
-        if user in self.config.detectors.protected_users:
-            return f"a protected user's process ({user})"
+        protected = protected_by(proc, self.config.detectors)
+        if protected is not None:
+            return f"protected: {protected}"
         if proc.uid is not None and proc.uid != self.euid:
             if not self.may_signal_others:
                 return (f"another user's process ({user}): signalling it needs CAP_KILL, "

@@ -31,6 +31,7 @@ from gpuwatch.actions.reaper import (
     Filters,
     Reaper,
     Result,
+    Spared,
 )
 from gpuwatch.config import Config
 from gpuwatch.model import NodeReport
@@ -72,6 +73,11 @@ class Reap:
     def unrecorded(self) -> Optional[str]:
         """Why a dry run's plan could not be recorded (None: it was, or none was made)."""
         return self.reaper.unrecorded
+
+    def spared(self, report: NodeReport, filters: Filters) -> list[Spared]:
+        """The protected GPU holders `filters` name by --job or --pid: never signalled, their
+        memory stays held (Reaper.spared)."""
+        return self.reaper.spared(report, filters)
 
     def check_audit_writable(self) -> None:
         """Raises AuditRefused when a plan carried out could not be recorded: checked before

@@ -21,7 +21,7 @@ from gpuwatch.detectors import (
     unkillable,
     zombies,
 )
-from gpuwatch.detectors.common import is_protected
+from gpuwatch.detectors.common import is_protected, protected_by
 from gpuwatch.history import History
 from gpuwatch.model import KINDS, Finding, NodeReport, NodeSnapshot
 
@@ -29,7 +29,7 @@ from gpuwatch.model import KINDS, Finding, NodeReport, NodeSnapshot
 #: (tests/test_detectors.py ties the two, and runs each over scenarios to check its EMITS).
 DETECTORS = (orphans, zombies, leftovers, ghosts, unkillable, leaks, stalled)
 
-__all__ = ["DETECTORS", "KINDS", "assess", "detect", "is_protected"]
+__all__ = ["DETECTORS", "KINDS", "assess", "detect", "is_protected", "protected_by"]
 
 
 def assess(snapshot: NodeSnapshot, history: History, config: DetectorConfig) -> NodeReport:

@@ -17,8 +17,32 @@ _MAX_DEPTH = 64
 _BOOT_TIME_STEPS = 2
 
 
+def protected_by(p: HostProcess, config: DetectorConfig) -> Optional[str]:
+    """Why `p` is protected (never reported, never reaped), in words; None when it is not.
+
+    Only from what its user cannot set (docs/security.md, rule 2): its real uid
+    (`protected_users`), the system unit systemd started it in (`protected_units`), or the file
+    it runs when that file is root's (`protected_executables` by path, `protected_names` by the
+    file's name). Never its comm or command line: any process names itself `Xorg`. The detectors
+    and the reaper's refusal both ask here.
+    """
+    if p.user is not None and p.user in config.protected_users:
+        return f"its user {p.user} is in detectors.protected_users"
+    if p.system_unit is not None and p.system_unit in config.protected_units:
+        return f"it runs in the system unit {p.system_unit} (detectors.protected_units)"
+    exe = p.exe
+    if exe is None or not exe.root_controlled:
+        return None
+    if exe.path in config.protected_executables:
+        return f"it runs {exe.path} (detectors.protected_executables)"
+    if exe.path.rpartition("/")[2] in config.protected_names:
+        return (f"it runs {exe.path}, root's {exe.path.rpartition('/')[2]} "
+                "(detectors.protected_names)")
+    return None
+
+
 def is_protected(p: HostProcess, config: DetectorConfig) -> bool:
-    return (p.name or "") in config.protected_names or (p.user or "") in config.protected_users
+    return protected_by(p, config) is not None
 
 
 def finding(kind: Kind, severity: str, p: HostProcess, reason: str) -> Finding:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from gpuwatch import __version__
 from gpuwatch.document_types import (
     AgentDoc,
+    ExecutableDoc,
     FindingDoc,
     GpuDoc,
     GpuUsageDoc,
@@ -25,6 +26,7 @@ from gpuwatch.document_types import (
 from gpuwatch.model import (
     AgentReading,
     BufferSize,
+    Executable,
     Finding,
     GpuDevice,
     GpuProcessUsage,
@@ -208,6 +210,8 @@ def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
         "holds_gpu": holds_gpu(p, blind),
         "job": _job(job),
         "cgroup": p.cgroup,
+        "system_unit": p.system_unit,
+        "exe": _exe(p.exe),
         "launch_env": dict(p.launch_env),
         "cmdline": list(p.cmdline),
         "in_procfs": p.in_procfs,
@@ -266,6 +270,10 @@ def _shortened(p: ProcessDoc) -> ProcessDoc:
         short["cgroup"] = p["cgroup"][:_SHORT_TEXT] + DOCUMENT_CUT
     short["launch_env"] = {k: v if len(v) <= _SHORT_TEXT else v[:_SHORT_TEXT] + DOCUMENT_CUT
                            for k, v in p["launch_env"].items()}
+    exe = p["exe"]
+    # A path a user chose (not root's: nothing is protected by it) is cut as their texts are.
+    if exe is not None and not exe["root_controlled"] and len(exe["path"]) > _SHORT_TEXT:
+        short["exe"] = {**exe, "path": exe["path"][:_SHORT_TEXT] + DOCUMENT_CUT}
     return short
 
 
@@ -281,6 +289,12 @@ def _short_args(args: list[str]) -> list[str]:
         kept.append(arg)
         room -= len(arg) + 1
     return kept
+
+
+def _exe(exe: Optional[Executable]) -> Optional[ExecutableDoc]:
+    if exe is None:
+        return None
+    return {"path": exe.path, "owner_uid": exe.owner_uid, "root_controlled": exe.root_controlled}
 
 
 # -- reading a document back -------------------------------------------------------------------
@@ -350,10 +364,19 @@ def _process_of(p: ProcessDoc, usage: tuple[GpuProcessUsage, ...]) -> HostProces
         pid=p["pid"], in_procfs=p["in_procfs"], ppid=p["ppid"], pgid=p["pgid"], sid=p["sid"],
         start_time=p["start_time"], name=p["name"], cmdline=tuple(p["cmdline"]),
         user=p["user"], uid=p["uid"], state=p["state"], rss_bytes=p["rss_bytes"],
-        num_threads=p["num_threads"], cgroup=p["cgroup"], job=_job_of(p["job"]),
+        num_threads=p["num_threads"], cgroup=p["cgroup"],
+        # .get: a daemon of an earlier version does not say; nothing is protected by them then.
+        system_unit=p.get("system_unit"), exe=_exe_of(p.get("exe")), job=_job_of(p["job"]),
         launch_env=MappingProxyType(dict(p["launch_env"])), gpu_usage=usage,
         read_errors=tuple(p["read_errors"]), wchan=p["wchan"],
         kernel_stack=tuple(p["kernel_stack"]))
+
+
+def _exe_of(exe: Optional[ExecutableDoc]) -> Optional[Executable]:
+    if not isinstance(exe, dict):
+        return None
+    return Executable(path=str(exe["path"]), owner_uid=int(exe["owner_uid"]),
+                      root_controlled=exe["root_controlled"] is True)
 
 
 def _agent_of(pid: int, uid: Optional[int], a: AgentDoc) -> AgentReading:

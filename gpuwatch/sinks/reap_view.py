@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from gpuwatch.model import NodeReport
@@ -30,17 +31,27 @@ _MIN_WHY = 24
 
 def render_reap(report: NodeReport, rows: list[tuple[Any, str, str]], dry_run: bool,
                 held: Optional[list[int]] = None, width: int = 0,
-                glyphs: Glyphs = UNICODE) -> str:
+                glyphs: Glyphs = UNICODE, spared: Sequence[Any] = ()) -> str:
     """The plan (`dry_run`) or its results; `held`: the PIDs whose GPU memory the plan named is
-    still held after acting (release.still_held). Fitted to `width` as `status` is (0: lines in
-    full); every text a process chose is cleaned."""
+    still held after acting (release.still_held). `spared`: the protected GPU holders the reap's
+    --job or --pid names (reaper.Spared), said after the table: never signalled, still held.
+    Fitted to `width` as `status` is (0: lines in full); every text a process chose is
+    cleaned."""
     snapshot = report.snapshot
     when = _dt.datetime.fromtimestamp(snapshot.wall(snapshot.taken_at), tz=_dt.timezone.utc)
     via = "from the running daemon" if report.source == "daemon" else "one poll"
     head = clean(f"gpuwatch reap · node {snapshot.hostname} · findings of {when:%H:%M:%S}Z, {via}"
                  + (" · dry run: nothing is sent" if dry_run else ""))
+    protected = [_spared_line(s) for s in spared]
+    if width > 0:
+        protected = [line for text in protected
+                     for line in wrap_text(text, width, subsequent_indent="  ")]
     if not rows:
-        return f"{head}\nnothing to do\n"
+        if not protected:
+            return f"{head}\nnothing to do\n"
+        still = ("" if dry_run else "\nGPU memory still held by PID "
+                 + ", ".join(str(s.pid) for s in spared) + "\n")
+        return "\n".join([head, "", *protected]) + "\n" + still
     table: list[tuple[str, ...]] = [("PID", "NAME", "USER", "JOB", "KIND", "GPU MEMORY",
                                      "ACTION", "SIGNALS" if dry_run else "RESULT", "WHY")]
     for a, result, detail in rows:
@@ -61,8 +72,15 @@ def render_reap(report: NodeReport, rows: list[tuple[Any, str, str]], dry_run: b
         # Narrower than what every step above leaves (PID, name, kind, action): cut.
         rows_text = [line[:width] for line in rows_text]
     lines = [*(wrap_text(head, width, subsequent_indent="  ") if width > 0 else [head]),
-             "", *rows_text, "", f"{verb} up to {human_bytes(freed)} of GPU memory"]
+             "", *rows_text, "", *protected, f"{verb} up to {human_bytes(freed)} of GPU memory"]
     if not dry_run:
         lines.append("GPU memory still held by PID " + ", ".join(map(str, sorted(held)))
                      if held else "no GPU memory the plan named is still held")
     return "\n".join(lines) + "\n"
+
+
+def _spared_line(s: Any) -> str:
+    memory = human_bytes(s.gpu_memory_bytes) if s.gpu_memory_bytes is not None else "GPU memory"
+    job = f", job {s.job}" if s.job else ""
+    return clean(f"not signalled: PID {s.pid} ({s.name or '?'}, {s.user or '?'}{job}) holds "
+                 f"{memory} and is protected: {s.protected}")

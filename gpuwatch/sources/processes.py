@@ -32,7 +32,15 @@ from typing import Generic, NamedTuple, Optional, TypeVar, Union
 
 from gpuwatch.frozen import build, evolve
 from gpuwatch.launch_env import WORKER_MARKER_KEYS
-from gpuwatch.model import GpuProcessUsage, HostProcess, Job, ProcessReading, SourceError
+from gpuwatch.model import (
+    Executable,
+    GpuProcessUsage,
+    HostProcess,
+    Job,
+    ProcessReading,
+    SourceError,
+)
+from gpuwatch.sources.authority import read_executable, system_unit
 from gpuwatch.sources.jobs import (
     CgroupInfo,
     attribute_job,
@@ -116,6 +124,8 @@ class _Static:
     uid: Optional[int]
     user: Optional[str]
     cgroup: Optional[str]
+    system_unit: Optional[str]
+    exe: Optional[Executable]
     job: Optional[Job]
     launch_env: Mapping[str, str]
     namespace_pids: tuple[int, ...]
@@ -318,6 +328,8 @@ class ProcessSource:
             "rss_bytes": int(fields[RSS]) * _PAGE_SIZE,
             "num_threads": int(fields[NUM_THREADS]),
             "cgroup": static.cgroup,
+            "system_unit": static.system_unit,
+            "exe": static.exe,
             "job": static.job,
             "launch_env": static.launch_env,
             "namespace_pids": static.namespace_pids,
@@ -507,13 +519,19 @@ class ProcessSource:
                                 errors)
         if env_raw is None and not zombie:
             errors.append("environment not readable (other user's process; run as root)")
-        texts = (comm, cmdline_raw, cmdline_cut, uid, namespace_pids, cgroup_raw, env_raw,
+        # What it runs, from the kernel's link (a zombie has none left): what protects it, where
+        # its comm and command line say nothing (gpuwatch.sources.authority).
+        exe, exe_error = read_executable(self._procfs, pid) if not zombie else (None, None)
+        if exe_error is not None:
+            errors.append(exe_error)
+        texts = (comm, cmdline_raw, cmdline_cut, uid, namespace_pids, cgroup_raw, env_raw, exe,
                  *errors)
         static = self._statics.get(texts)
         if static is None:
             cost = sum(len(t) for t in (cmdline_raw, cgroup_raw, env_raw) if t is not None)
+            cost += len(exe.path) if exe is not None else 0
             static = self._statics.put(texts, self._parse_static(
-                comm, cmdline_raw, cmdline_cut, uid, namespace_pids, cgroup_raw, env_raw,
+                comm, cmdline_raw, cmdline_cut, uid, namespace_pids, cgroup_raw, env_raw, exe,
                 tuple(errors)), 2 * cost)
         return static
 
@@ -534,7 +552,7 @@ class ProcessSource:
     def _parse_static(self, comm: bytes, cmdline_raw: Optional[bytes], cmdline_cut: bool,
                       uid: Optional[int], namespace_pids: tuple[int, ...],
                       cgroup_raw: Optional[bytes], env_raw: Optional[bytes],
-                      errors: tuple[str, ...]) -> _Static:
+                      exe: Optional[Executable], errors: tuple[str, ...]) -> _Static:
         name = comm.decode(_FS_ENCODING, _FS_ERRORS)
         args = _split_cmdline(cmdline_raw, cmdline_cut) if cmdline_raw is not None else []
         cmdline: tuple[str, ...] = ()
@@ -562,6 +580,8 @@ class ProcessSource:
             uid=uid,
             user=self._user(uid),
             cgroup=cgroup.path if cgroup is not None else None,
+            system_unit=system_unit(cgroup_raw) if cgroup_raw is not None else None,
+            exe=exe,
             job=attribute_job(cgroup, launch_env),
             launch_env=launch_env,
             namespace_pids=namespace_pids,

@@ -64,6 +64,8 @@ STEP_POINTS = 512
 #: The leak test reads at most the newest 2 x detectors.leak_window points of a series (128 at
 #: the default window of 64); these are most of what a process with many buffers costs.
 SERIES_POINTS = 160
+#: Guards a climb up the process tree against a corrupt or cyclic parent chain.
+_MAX_CLIMB = 64
 #: Unattributed-memory readings kept per GPU: enough to cover a ghost grace at a fast interval.
 GPU_READINGS = 64
 
@@ -335,13 +337,23 @@ class JobRecord:
     #: When the last trainer was found gone (None while one lives, or if none ever did).
     finished_at: Optional[float] = None
     last_trainer: Optional[tuple[int, Optional[str]]] = None
-    #: The root as first seen: whether it was a launcher still shows once it has exited.
+    #: The root as first seen.
     root: Optional[HostProcess] = None
-    #: The launch variables (launch_env.LAUNCH_ENV_KEYS, names only) its trainers carried:
-    #: what shows a launcher started them as ranks, after they are gone.
+    #: The launch variables (launch_env.LAUNCH_ENV_KEYS, names only) its trainers carried.
     trainer_env: frozenset[str] = frozenset()
+    #: Of those, the ones a trainer's parent did not carry: its parent set them, as a
+    #: launcher's agent does for each rank it starts (inherited ones say nothing of who).
+    launcher_set_env: frozenset[str] = frozenset()
     #: A trainer told the agent it finished (agent.finished()).
     agent_finished: bool = False
+    #: The processes that started its trainers (each trainer's parent, where that is a member
+    #: of the job), as first seen: whether one was a launcher still shows once it has exited.
+    launchers: dict[Identity, HostProcess] = field(default_factory=dict)
+    #: Members seen under a trainer or a trainer's launcher, while that one ran: the nearest
+    #: such ancestor. Kept after they are reparented. Only these can be the job's leftovers:
+    #: what else shares the tree (a login shell's editor in a Slurm allocation) was started
+    #: by something else.
+    launched_by: dict[Identity, Identity] = field(default_factory=dict)
 
 
 class History:
@@ -540,6 +552,7 @@ class History:
                 last_trainers[job.key] = set(job.trainers)
             job.members.clear()
             job.trainers.clear()
+        trainers: list[tuple[JobRecord, HostProcess]] = []
         for p in snapshot.processes.values():
             h = self._by_identity.get(p.identity)
             if h is None or h.job_key is None:
@@ -560,17 +573,36 @@ class History:
                 job.trainers.add(p.identity)
                 job.had_trainer = True
                 job.last_trainer = (p.pid, process_title(p.name, p.cmdline))
-                if not job.trainer_env >= p.launch_env.keys():
-                    job.trainer_env = job.trainer_env | p.launch_env.keys()
+                trainers.append((job, p))
             elif done and p.state != "zombie":
                 job.agent_finished = True
+        for job, p in trainers:  # once every member is known, its parent included
+            self._note_trainer(job, p, snapshot)
         for key in [k for k, job in self._jobs.items() if not job.members]:
             del self._jobs[key]
+        for job in self._jobs.values():
+            if job.had_trainer:
+                _mark_launched(job, snapshot)
         for job in self._jobs.values():
             if job.trainers:
                 job.finished_at = None
             elif job.had_trainer and job.finished_at is None:
                 job.finished_at = now
+
+    @staticmethod
+    def _note_trainer(job: JobRecord, p: HostProcess, snapshot: NodeSnapshot) -> None:
+        """What a live trainer shows of the job: its launch variables, those its parent lacks,
+        and its parent as the job's launcher where that is a member of the job."""
+        keys = p.launch_env.keys()
+        if not job.trainer_env >= keys:
+            job.trainer_env = job.trainer_env | keys
+        parent = snapshot.processes.get(p.ppid) if p.ppid else None
+        parent_keys = parent.launch_env.keys() if parent is not None else frozenset()
+        if not job.launcher_set_env >= keys - parent_keys:
+            job.launcher_set_env = job.launcher_set_env | (keys - parent_keys)
+        if (parent is not None and parent.identity in job.members
+                and parent.identity not in job.launchers):
+            job.launchers[parent.identity] = parent
 
     def _trim(self) -> None:
         while len(self._by_identity) > self.max_processes:
@@ -652,6 +684,31 @@ def _tree_label(p: HostProcess, h: ProcessHistory, job: JobRecord) -> Optional[J
             == TORCHELASTIC_DEFAULT_RUN_ID):
         return Job(str(job.root_pid), TORCHRUN_JOB_SOURCE)
     return None
+
+
+def _mark_launched(job: JobRecord, snapshot: NodeSnapshot) -> None:
+    """Mark the members now under one of the job's live trainers or launchers (the nearest one
+    above each), and forget the marks of members gone."""
+    procs = snapshot.processes
+    anchors = {i for i in (*job.trainers, *job.launchers)
+               if (a := procs.get(i[0])) is not None and a.identity == i}
+    launched = job.launched_by
+    for identity in [i for i in launched if i not in job.members]:
+        del launched[identity]
+    if not anchors:
+        return
+    for identity in job.members:
+        if identity in launched:
+            continue
+        p = procs.get(identity[0])
+        for _ in range(_MAX_CLIMB):
+            up = procs.get(p.ppid) if p is not None and p.ppid else None
+            if up is None or up.identity not in job.members:
+                break
+            if up.identity in anchors:
+                launched[identity] = up.identity
+                break
+            p = up
 
 
 def _job_key(pid: int, snapshot: NodeSnapshot) -> Optional[str]:

@@ -461,6 +461,44 @@ def test_a_tree_that_holds_a_service_never_has_leftovers_whatever_its_evidence()
     assert ended(History(), stepd, cell, script, in_job, redis) == []
 
 
+def test_in_an_interactive_slurm_allocation_only_what_the_launcher_started_is_left_over() -> None:
+    """`srun --pty bash`, then torchrun in it: the shell, its editor and torchrun share the
+    Slurm job's tree with the workers, but only torchrun's helper was started by the job."""
+    job = Job("4242", "slurm")
+    stepd = proc(30, 1, name="slurmstepd", job=job)
+    shell = proc(31, 30, name="bash", sid=31, pgid=31, job=job)
+    editor = proc(32, 31, name="vim", sid=31, pgid=32, job=job, cmdline=("vim", "train.py"))
+    torchrun = proc(33, 31, name="torchrun", sid=31, pgid=33, job=job)
+    worker = proc(34, 33, gpu=GIB, sid=31, pgid=33, job=job, launch_env=RANK_0)
+    helper = proc(35, 33, sid=31, pgid=33, job=job, cmdline=("redis-server",))
+    assert ended(History(), stepd, worker, shell, editor, torchrun, helper) == [
+        ("leftover", 35)]
+    # A trainer run straight from that shell, which told the agent it finished: the shell's
+    # other children are still the user's.
+    history = History()
+    trainer = proc(36, 31, gpu=GIB, sid=31, pgid=36, job=job)
+    done = AgentReading(pid=36, uid=1000, first_seen=0.5, last_seen=1.5, step=9,
+                        step_changed_at=1.5, finished_at=1.5, exit_report=None, points=(),
+                        latest=None)
+    lingering = replace(trainer, gpu_usage=())
+    run(history, snapshot(1.0, stepd, shell, editor, trainer))
+    run(history, replace(snapshot(2.0, stepd, shell, editor, lingering),
+                         agents=MappingProxyType({36: done})))
+    report = run(history, replace(snapshot(30.0, stepd, shell, editor, lingering),
+                                  agents=MappingProxyType({36: done})))
+    assert kinds(report) == []
+
+
+def test_launcher_variables_a_trainer_inherited_from_its_parent_are_no_evidence() -> None:
+    """`srun --mpi=pmi2` gives PMI_RANK to the task and all it starts: a service or a script
+    under it passes the variable on; only a variable the parent lacks was set by it."""
+    pmi = MappingProxyType({"PMI_RANK": "0"})
+    server = proc(10, 1, pgid=10, cmdline=("python", "serve.py"), launch_env=pmi)
+    worker = proc(11, 10, gpu=GIB, pgid=10, cmdline=("python", "serve.py"), launch_env=pmi)
+    other = proc(12, 10, pgid=10, cmdline=("python", "serve.py"), launch_env=pmi)
+    assert ended(History(), server, worker, other) == []
+
+
 def test_the_process_that_took_the_snapshot_is_never_a_leftover() -> None:
     """The daemon started by a harness that also ran a launcher-started driver."""
     harness = proc(10, 1, pgid=10, cmdline=("python", "-m", "pytest"))

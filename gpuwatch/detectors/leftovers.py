@@ -10,10 +10,12 @@ not reported twice.
 A common parent is not enough: a notebook server, a cluster manager or a test harness is the
 parent of its GPU holder as a launcher is of its workers, and outlives it with other children
 that are live work. So a tree's members are leftovers only where the tree shows that it was one
-job (`job_evidence`): its root is a distributed launcher, its trainers were started as ranks by
-one (a variable only a launcher's agent sets) or under `gpuwatch run`, or a trainer told the
-agent it finished. And never where the tree still holds a service (jobtree.is_service: a raylet,
-a notebook server, a kernel), nor the process that took the snapshot, the daemon itself.
+job (`job_evidence`): its trainers were started by a distributed launcher, as ranks by one (a
+variable only a launcher's agent sets, which their parent lacks) or under `gpuwatch run`, or a
+trainer told the agent it finished. Only what the job started counts (seen under a trainer or
+their launcher, not a login shell's other children). And never where the tree still holds a
+service (jobtree.is_service: a raylet, a notebook server, a kernel), nor the process that took
+the snapshot, the daemon itself.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Optional
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import command, finding, is_protected, named, supervisor_gone
 from gpuwatch.history import History, JobRecord
-from gpuwatch.jobtree import is_launcher, is_service
+from gpuwatch.jobtree import is_launcher, is_login_shell, is_service
 from gpuwatch.launch_env import LAUNCHER_SET_KEYS, RUN_ID_KEY
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
@@ -47,6 +49,8 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             p = snapshot.processes.get(identity[0])
             if p is None or p.identity != identity or p.pid == job.root_pid:
                 continue
+            if identity in job.launchers or not _launched_by_the_job(job, identity):
+                continue
             if p.state == "zombie" or is_protected(p, config):
                 continue  # a zombie is reported as one, whatever its job
             if _under_observer(p, snapshot):
@@ -67,10 +71,11 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
 def job_evidence(job: JobRecord) -> Optional[str]:
     """What shows that the tree was one job that has finished, not a long-lived parent's
     children, in words; None where nothing does (its members are then never leftovers)."""
-    root = job.root
-    if root is not None and is_launcher(root) and not is_service(root):
-        return f"its root {named(root.pid, root.name)} is a distributed launcher"
-    started_by_launcher = sorted(job.trainer_env & LAUNCHER_SET_KEYS)
+    for launcher in job.launchers.values():
+        if is_launcher(launcher) and not is_service(launcher):
+            return (f"its trainers were started by {named(launcher.pid, launcher.name)}, a "
+                    "distributed launcher")
+    started_by_launcher = sorted(job.launcher_set_env & LAUNCHER_SET_KEYS)
     if started_by_launcher:
         return f"its trainers were started as ranks by a launcher ({started_by_launcher[0]})"
     if RUN_ID_KEY in job.trainer_env:
@@ -78,6 +83,17 @@ def job_evidence(job: JobRecord) -> Optional[str]:
     if job.agent_finished:
         return "a trainer told the agent it finished"
     return None
+
+
+def _launched_by_the_job(job: JobRecord, identity: tuple[int, Optional[float]]) -> bool:
+    """Whether the member was started under one of the job's trainers, or under the process
+    that started them, other than a login shell (whose other children are the user's: an
+    editor in an interactive Slurm allocation shares the job's tree)."""
+    anchor = job.launched_by.get(identity)
+    if anchor is None:
+        return False
+    launcher = job.launchers.get(anchor)
+    return launcher is None or not is_login_shell(launcher)
 
 
 def _hosts_a_service(job: JobRecord, snapshot: NodeSnapshot) -> bool:

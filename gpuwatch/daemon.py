@@ -77,6 +77,8 @@ class Daemon:
         self.poller = poller or Poller(nvml=NvmlSource(retry_initial=1.0,
                                                        retry_max=d.nvml_retry_max),
                                        hostname=d.node_name or None)
+        # Private memory is read for a process as often as the history keeps its samples.
+        self.poller.private_memory.every = sample_spacing(config)
         # One memory budget for what agent reports create, the receiver's and the history's;
         # one clock for the times of polls and reports, which detectors compare.
         self.agents = AgentReceiver(d.runtime_dir / AGENT_SOCKET_NAME,
@@ -381,6 +383,7 @@ class Daemon:
                               new.agent.max_reports_per_second)
         self.history.resize(new.history.samples, new.history.max_processes,
                             sample_spacing(new))
+        self.poller.private_memory.every = sample_spacing(new)
         nvml = self.poller.nvml
         nvml.retry_max = new.daemon.nvml_retry_max
         setup_logging(new.daemon.log_format, new.daemon.log_level)

@@ -120,6 +120,9 @@ class ProcessDoc(TypedDict):
     uid: Optional[int]
     state: Optional[str]
     rss_bytes: Optional[int]
+    #: Private memory (smaps_rollup), read for the forked workers of GPU jobs only.
+    uss_bytes: Optional[int]
+    pss_bytes: Optional[int]
     num_threads: Optional[int]
     gpu_memory_bytes: Optional[int]
     gpus: list[GpuUsageDoc]

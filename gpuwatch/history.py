@@ -249,7 +249,7 @@ class ProcessHistory:
     __slots__ = ("capacity", "disk_sleep_since", "first_ppid", "first_seen", "gpu_memory",
                  "held_gpu", "job_key", "last_seen", "name", "parent_name", "parent_start", "pid",
                  "reparented_at", "rss", "start_time", "steps", "steps_refused", "times",
-                 "zombie_since")
+                 "uss", "zombie_since")
 
     def __init__(self, p: HostProcess, parent: Optional[HostProcess], job_key: Optional[str],
                  first_seen: float, capacity: int) -> None:
@@ -278,6 +278,9 @@ class ProcessHistory:
         self.times = array("d")
         self.rss = array("d")
         self.gpu_memory = array("d")
+        #: USS at each sample (NaN where unknown), once the poll has read one for the process
+        #: (forked workers of GPU jobs): None until then, so other processes pay nothing for it.
+        self.uss: Optional[array[float]] = None
 
     @property
     def identity(self) -> Identity:
@@ -300,10 +303,16 @@ class ProcessHistory:
             series.append(_NAN if value is None else float(value))
             if len(series) > self.capacity:
                 del series[0]
+        if self.uss is None and p.uss_bytes is not None:
+            self.uss = array("d", [_NAN]) * (len(self.times) - 1)
+        if self.uss is not None:
+            self.uss.append(_NAN if p.uss_bytes is None else float(p.uss_bytes))
+            if len(self.uss) > self.capacity:
+                del self.uss[0]
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
-        for series in (self.times, self.rss, self.gpu_memory):
+        for series in (self.times, self.rss, self.gpu_memory, self.uss or array("d")):
             if len(series) > capacity:
                 del series[: len(series) - capacity]
 

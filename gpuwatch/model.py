@@ -231,6 +231,12 @@ class HostProcess:
     #: (no such PID, or a zombie). The group outlives its leader, so this shows a launcher that
     #: led its workers' group is gone, without any history. None where not read.
     group_leader_gone: Optional[bool] = None
+    #: Private memory from /proc/PID/smaps_rollup: USS (Private_Clean + Private_Dirty, the
+    #: pages no other process maps) and PSS. Read only for the forked workers of GPU jobs (a
+    #: DataLoader's), where copy-on-write hides behind a flat RSS; None elsewhere, and where it
+    #: could not be read.
+    uss_bytes: Optional[int] = None
+    pss_bytes: Optional[int] = None
 
     @property
     def holds_gpu(self) -> bool:

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import NamedTuple, Optional, Protocol
 
 from gpuwatch.clock import SteadyClock
+from gpuwatch.frozen import evolve
 from gpuwatch.jobtree import job_root, job_roots
 from gpuwatch.launch_env import run_supervisor
 from gpuwatch.model import (
@@ -31,9 +32,11 @@ from gpuwatch.model import (
     HostProcess,
     NodeSnapshot,
     ProcessReading,
+    SourceError,
 )
 from gpuwatch.sources.memory import CgroupMemory, read_mem_available
 from gpuwatch.sources.nvml import NvmlSource
+from gpuwatch.sources.private_memory import PrivateMemorySource
 from gpuwatch.sources.processes import ProcessSource
 
 
@@ -79,9 +82,13 @@ class Poller:
                  processes: Optional[ProcessSource] = None,
                  hostname: Optional[str] = None,
                  clock: Optional[SteadyClock] = None,
-                 agents: Optional[AgentSource] = None) -> None:
+                 agents: Optional[AgentSource] = None,
+                 private_memory: Optional[PrivateMemorySource] = None) -> None:
         self.nvml = nvml or NvmlSource()
         self.processes = processes or ProcessSource()
+        #: USS and PSS of the job trees' members (the daemon reads each at most once per
+        #: history sample: gpuwatch.config.sample_spacing).
+        self.private_memory = private_memory or PrivateMemorySource()
         self.agents = agents
         self.cgroup_memory = CgroupMemory()
         self.hostname = hostname or socket.gethostname()
@@ -120,6 +127,8 @@ class Poller:
                                   gpu_usage, host.processes)
         processes = more.processes
         self.processes.forget_others(processes.values())
+        processes, private_errors = self._with_private_memory(
+            processes, {root for root in roots if root is not None} | set(watch), taken_at)
         agents = self._live_agents(agents, processes)
         limited = {p.cgroup for pid, p in processes.items()
                    if p.cgroup and (p.holds_gpu or pid in agents)}
@@ -131,7 +140,7 @@ class Poller:
             nvml=reading.status,
             gpus=gpus,
             processes=processes,
-            errors=reading.errors + host.errors + more.errors,
+            errors=reading.errors + host.errors + more.errors + private_errors,
             poll_duration_seconds=time.perf_counter() - started,
             job_roots=MappingProxyType(job_roots(processes)),
             agents=MappingProxyType(agents),
@@ -146,6 +155,40 @@ class Poller:
         without `own_pid` knows none)."""
         own_pid = getattr(self.processes, "own_pid", None)
         return own_pid() if own_pid is not None else None
+
+    def _with_private_memory(self, processes: Mapping[int, HostProcess], roots: set[int],
+                             now: float
+                             ) -> tuple[Mapping[int, HostProcess], tuple[SourceError, ...]]:
+        """`processes` with the USS and PSS of the job trees' forked workers: members (under
+        the roots, or asked to be watched) that hold no GPU memory and run what their parent
+        runs (forked without an exec, as a DataLoader's workers are), where copy-on-write can
+        grow the node's memory behind a flat RSS. Not the trainers, whose private memory
+        decides nothing RSS does not, and whose page tables are the largest to walk."""
+        children: dict[int, list[int]] = defaultdict(list)
+        for pid, p in processes.items():
+            if p.ppid:
+                children[p.ppid].append(pid)
+        members: list[HostProcess] = []
+        todo, seen = sorted(roots & processes.keys()), set(roots)
+        while todo:
+            pid = todo.pop()
+            p = processes[pid]
+            parent = processes.get(p.ppid) if p.ppid else None
+            if (parent is not None and not p.holds_gpu and p.cmdline
+                    and p.cmdline == parent.cmdline):
+                members.append(p)
+            for child in children.get(pid, ()):
+                if child not in seen:
+                    seen.add(child)
+                    todo.append(child)
+        found, errors = self.private_memory.read(members, now)
+        if not found:
+            return processes, tuple(errors)
+        with_private = dict(processes)
+        for pid, figures in found.items():
+            with_private[pid] = evolve(processes[pid], uss_bytes=figures.uss_bytes,
+                                       pss_bytes=figures.pss_bytes)
+        return MappingProxyType(with_private), tuple(errors)
 
     def _without_exited(self, gpus: tuple[GpuDevice, ...],
                         carried: Mapping[int, frozenset[int]]) -> tuple[GpuDevice, ...]:

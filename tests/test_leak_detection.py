@@ -241,6 +241,57 @@ def test_a_process_outside_any_gpu_job_is_not_judged_however_it_grows() -> None:
         assert leaks(report) == []
 
 
+def _forked_job(t: float, uss: list[int], rss: list[int]) -> dict[int, HostProcess]:
+    """A trainer holding GPU memory and the workers it forked (its command line), with their
+    USS and RSS."""
+    argv = ("python", "train.py")
+    trainer = HostProcess(pid=10, ppid=1, start_time=900.0, name="python", state="running",
+                          cmdline=argv, rss_bytes=3 * GIB, uss_bytes=3 * GIB,
+                          gpu_usage=(GpuProcessUsage(0, "GPU-0", 10, GIB),))
+    procs = {1: INIT, 10: trainer}
+    for i, (u, r) in enumerate(zip(uss, rss)):
+        procs[11 + i] = HostProcess(pid=11 + i, ppid=10, start_time=901.0, name="python",
+                                    state="sleeping", cmdline=argv, rss_bytes=r, uss_bytes=u)
+    return procs
+
+
+COW_CONFIG = DetectorConfig(leak_warmup_seconds=0, leak_min_span_seconds=20)
+
+
+def test_forked_workers_private_memory_growing_with_rss_flat_is_explained_as_copy_on_write(
+        ) -> None:
+    history = History()
+    for i in range(60):
+        t = 1000.0 + i
+        procs = _forked_job(t, uss=[9 * MIB + i * MIB, 9 * MIB + i * 2 * MIB, 9 * MIB],
+                            rss=[400 * MIB, 400 * MIB + (i % 2) * 4096, 400 * MIB])
+        report = assess(_snapshot(t, procs), history, COW_CONFIG)
+    (f,) = leaks(report)
+    assert f.pid == 10  # the parent: it holds the data, the fix is there
+    assert f.reason == (
+        "private memory of 2 forked workers grows while their RSS stays flat: copy-on-write "
+        "after fork: touch-once data in a Dataset; workers' private memory grows as they touch "
+        "the parent's pages")
+    d = f.details
+    assert (d["cause"], d["series"], d["workers"], d["worker_pids"]) == (
+        "copy-on-write", "USS", 2, [11, 12])
+    assert math.isclose(d["growth_bytes_per_second"], 3 * MIB, rel_tol=0.05)
+    # Over the window: 1 and 2 MiB a second, for most of the 60 s.
+    assert 120 * MIB <= d["private_growth_bytes"] <= 3 * 60 * MIB
+    assert d["uss_bytes_to"] > d["uss_bytes_from"] >= 9 * MIB
+
+
+def test_a_forked_worker_whose_rss_grows_with_its_uss_is_its_own_leak_not_copy_on_write() -> None:
+    history = History()
+    for i in range(60):
+        t = 1000.0 + i
+        grown = 9 * MIB + i * MIB
+        procs = _forked_job(t, uss=[grown, 9 * MIB], rss=[400 * MIB + i * MIB, 400 * MIB])
+        report = assess(_snapshot(t, procs), history, COW_CONFIG)
+    (f,) = leaks(report)
+    assert f.pid == 11 and f.reason.startswith("RSS grows steadily (no agent)")
+
+
 def test_a_stalled_step_is_flagged_after_the_threshold_and_cleared_when_steps_resume() -> None:
     run = Run()
     for step in range(5):

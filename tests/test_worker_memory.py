@@ -62,6 +62,31 @@ print(os.getpid(), *workers, flush=True)
 time.sleep(600)
 """
 
+#: A real PyTorch DataLoader (the fork start method, 2 workers) over a Dataset that is a list of a
+#: million small Python objects built in the trainer: each item a worker reads has its reference
+#: count written, so its page is copied for that worker. Paced, so that an epoch lasts minutes.
+TORCH_TRAINER = r"""
+import os, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+class Touched(Dataset):
+    def __init__(self):
+        self.items = [b"%0100d" % i for i in range(1_000_000)]
+    def __len__(self):
+        return len(self.items)
+    def __getitem__(self, i):
+        return len(self.items[i])
+
+loader = DataLoader(Touched(), batch_size=64, num_workers=2, multiprocessing_context="fork")
+batches = iter(loader)
+next(batches)
+print(os.getpid(), *sorted(w.pid for w in batches._workers), flush=True)
+for batch in batches:
+    time.sleep(0.01)
+time.sleep(600)
+"""
+
 #: The job's launcher: the trainer's parent, so that the job's tree is the launcher's.
 LAUNCHER = r"""
 import subprocess, sys, time
@@ -71,11 +96,11 @@ trainer.wait()
 
 
 @contextlib.contextmanager
-def data_loader_job(mode: str) -> Iterator[tuple[int, int, int]]:
+def data_loader_job(mode: str, trainer: str = TRAINER) -> Iterator[tuple[int, int, int]]:
     """(trainer, worker 0, worker 1) of a running job; everything ended after."""
     read, write = os.pipe()
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, TRAINER, mode], stdout=write, env=clean_env(),
+        [sys.executable, "-c", LAUNCHER, trainer, mode], stdout=write, env=clean_env(),
         start_new_session=True)
     os.close(write)
     pids: list[int] = []
@@ -112,3 +137,71 @@ def test_a_data_worker_whose_rss_climbs_steadily_is_a_leak_though_it_holds_no_gp
         assert not {idle, trainer} & set(by_pid(doc, "leak")), doc["findings"]
 
 
+
+
+def test_forked_workers_copying_their_trainers_pages_are_explained_as_copy_on_write(
+        watched: WatchedNode) -> None:
+    from gpuwatch.sinks.document import from_json
+    from gpuwatch.sinks.status_view import render_status
+
+    with data_loader_job("cow") as (trainer, first, second):
+        watched.node.hold(trainer, device=0, used=2 * GIB)
+        watched.holding(trainer)
+        doc = watched.doc_when("the copy-on-write finding on the trainer", lambda d: (
+            by_pid(d, "leak").get(trainer, {}).get("details", {}).get("workers") == 2))
+        found = by_pid(doc, "leak")[trainer]
+        assert found["reason"] == (
+            "private memory of 2 forked workers grows while their RSS stays flat: "
+            "copy-on-write after fork: touch-once data in a Dataset; workers' private memory "
+            "grows as they touch the parent's pages"), found
+        details = found["details"]
+        assert details["cause"] == "copy-on-write" and details["worker_pids"] == [first, second]
+        assert details["private_growth_bytes"] >= 4 * MIB, details
+        # Neither worker is a leak of its own: their RSS holds the trainer's pages already.
+        assert not {first, second} & set(by_pid(doc, "leak")), doc["findings"]
+        processes = {p["pid"]: p for p in doc["processes"]}
+        for pid in (first, second):
+            assert processes[pid]["rss_bytes"] > 192 * MIB  # the shared pages count in RSS
+            assert processes[pid]["uss_bytes"] < processes[pid]["rss_bytes"]
+            assert processes[pid]["pss_bytes"] is not None
+        # `status` says it in words, with the node's growth across the workers (rendered from
+        # this document: the finding closes once the workers have copied everything).
+        text = " ".join(render_status(from_json(doc)).split())
+        assert "copy-on-write after fork" in text and "across 2 workers" in text, text
+
+
+def test_status_lists_a_jobs_workers_without_gpu_memory_under_their_trainer(
+        watched: WatchedNode) -> None:
+    from gpuwatch.sinks.document import from_json
+    from gpuwatch.sinks.status_view import render_status
+
+    with data_loader_job("idle") as (trainer, first, second):
+        watched.node.hold(trainer, device=0, used=2 * GIB)
+        doc = watched.holding(trainer)
+        assert {first, second} <= {p["pid"] for p in doc["processes"]}  # the document has them
+        rows = watched.status_text().splitlines()
+        at = next(i for i, r in enumerate(rows) if f" {trainer} " in f" {r} ")
+        below = rows[at + 1:at + 3]
+        assert [r.split()[:2] for r in below] == [["├─", str(first)], ["└─", str(second)]], rows
+        # A narrow terminal keeps them, each with its program's name.
+        for width in (40, 60):
+            lines = render_status(from_json(doc), width=width).splitlines()
+            assert all(len(line) <= width for line in lines), lines
+            for pid in (first, second):
+                (row,) = [r for r in lines if f"─ {pid}" in r or f"─{pid}" in r]
+                assert "python" in row, lines
+
+
+def test_a_real_torch_data_loaders_workers_copying_a_list_dataset_are_copy_on_write(
+        watched: WatchedNode) -> None:
+    pytest.importorskip("torch")
+    with data_loader_job("torch", TORCH_TRAINER) as (trainer, first, second):
+        watched.node.hold(trainer, device=0, used=2 * GIB)
+        watched.holding(trainer)
+        doc = watched.doc_when("the copy-on-write finding on the trainer", lambda d: (
+            by_pid(d, "leak").get(trainer, {}).get("details", {}).get("cause")
+            == "copy-on-write"))
+        found = by_pid(doc, "leak")[trainer]
+        assert "copy-on-write after fork" in found["reason"], found
+        assert set(found["details"]["worker_pids"]) <= {first, second}, found
+        assert not {first, second} & set(by_pid(doc, "leak")), doc["findings"]

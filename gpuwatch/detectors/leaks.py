@@ -55,6 +55,7 @@ _TRACE_SITES_SHOWN = 5
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
+    flagged: set[int] = set()
     for p in snapshot.processes.values():
         if not p.in_procfs or p.state == "zombie" or is_protected(p, config):
             continue
@@ -68,7 +69,9 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         else:
             found = None
         if found is not None:
+            flagged.add(p.pid)
             yield found
+    yield from _copy_on_write(snapshot, history, config, flagged)
 
 
 def _in_gpu_job(p: HostProcess, history: History) -> bool:
@@ -364,6 +367,88 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
         return _with_details(finding(Kind.LEAK, severity, p,
                                      f"{what} grows steadily (no agent){against}"), details)
     return None
+
+
+#: The words of a copy-on-write finding's reason, after how many workers it is about.
+COPY_ON_WRITE = ("copy-on-write after fork: touch-once data in a Dataset; workers' private "
+                 "memory grows as they touch the parent's pages")
+
+
+def _copy_on_write(snapshot: NodeSnapshot, history: History, config: DetectorConfig,
+                   flagged: set[int]) -> Iterator[Finding]:
+    """Workers forked from one parent (a DataLoader's, with the fork start method) whose private
+    memory (USS) grows steadily while their RSS stays flat: the parent's pages they write to,
+    Python objects whose reference counts they touch as they read a Dataset, are copied for
+    each of them. One `leak` finding on the parent, which holds the data and where the fix is
+    (arrays rather than lists of objects, or less in the parent before the fork), saying by how
+    much the node's private memory grew across how many workers; none where the parent has a
+    leak of its own (that one is reported), nor for a worker whose RSS grows as fast (its own
+    leak, judged on RSS)."""
+    procs = snapshot.processes
+    forked: dict[int, list[HostProcess]] = {}
+    for p in procs.values():
+        parent = procs.get(p.ppid) if p.ppid else None
+        if (parent is None or p.uss_bytes is None or not p.in_procfs or p.state == "zombie"
+                or p.pid in flagged or is_protected(p, config)):
+            continue
+        # Forked without an exec: it runs what its parent runs (a spawned worker execs anew
+        # and shares nothing).
+        if p.cmdline and p.cmdline == parent.cmdline and _in_gpu_job(p, history):
+            forked.setdefault(parent.pid, []).append(p)
+    for parent_pid, workers in forked.items():
+        parent = procs[parent_pid]
+        if parent_pid in flagged or is_protected(parent, config):
+            continue
+        growing: list[tuple[HostProcess, Growth, float]] = []
+        for p in workers:
+            h = history.get(p.identity)
+            uss = _over_time(h, "uss", config) if h is not None else None
+            if uss is None:
+                continue
+            g, first = uss
+            rss = _over_time(h, "rss", config) if h is not None else None
+            if rss is not None and rss[0].slope >= 0.5 * g.slope:
+                continue  # RSS grows as much: its own leak, not pages copied
+            growing.append((p, g, first))
+        if not growing:
+            continue
+        grown = sum(max(0.0, g.last_y - first) for _, g, first in growing)
+        details: dict[str, Any] = {
+            "series": "USS", "unit": "second", "cause": "copy-on-write",
+            "growth_bytes_per_second": round(sum(g.slope for _, g, _ in growing)),
+            "workers": len(growing),
+            "worker_pids": [p.pid for p, _, _ in sorted(growing, key=lambda w: w[0].pid)],
+            "private_growth_bytes": round(grown),
+            "uss_bytes_from": round(min(first for _, _, first in growing)),
+            "uss_bytes_to": round(max(g.last_y for _, g, _ in growing)),
+        }
+        n = len(growing)
+        reason = (f"private memory of {n} forked worker{'s' if n != 1 else ''} grows while "
+                  f"their RSS stays flat: {COPY_ON_WRITE}")
+        yield _with_details(finding(Kind.LEAK, "warning", parent, reason), details)
+
+
+def _over_time(h: ProcessHistory, what: str, config: DetectorConfig
+               ) -> Optional[tuple[Growth, float]]:
+    """The time-based leak test (as _by_time runs it) on the history's `what` series ("rss",
+    "uss"): its growth when growing, with the first point of its window."""
+    ys = getattr(h, what)
+    after = h.first_seen + config.leak_warmup_seconds
+    if ys is None or not len(h.times) or (
+            h.times[-1] - max(after, h.times[0]) < config.leak_min_span_seconds):
+        return None
+    stride = max(1, -(-len(h.times) // config.leak_window))
+    times, sampled = h.times[::stride], ys[::stride]
+    if not may_grow(times, sampled, config.leak_window, config.leak_min_bytes_per_second):
+        return None
+    g = growth(times, sampled, after, config.leak_window, config.leak_min_points)
+    if g is None or g.last_x - g.first_x < config.leak_min_span_seconds:
+        return None
+    if not is_growing(g, config.leak_min_bytes_per_second, 0.0):
+        return None
+    first = next((y for x, y in zip(times, sampled) if x >= g.first_x and not math.isnan(y)),
+                 g.last_y)
+    return g, first
 
 
 def host_limit(p: HostProcess, snapshot: NodeSnapshot, config: DetectorConfig

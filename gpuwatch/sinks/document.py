@@ -204,6 +204,8 @@ def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
         "uid": p.uid,
         "state": p.state,
         "rss_bytes": p.rss_bytes,
+        "uss_bytes": p.uss_bytes,
+        "pss_bytes": p.pss_bytes,
         "num_threads": p.num_threads,
         "gpu_memory_bytes": gpu_memory(p, blind),
         "gpus": [_usage(u) for u in p.gpu_usage],
@@ -369,7 +371,9 @@ def _process_of(p: ProcessDoc, usage: tuple[GpuProcessUsage, ...]) -> HostProces
         system_unit=p.get("system_unit"), exe=_exe_of(p.get("exe")), job=_job_of(p["job"]),
         launch_env=MappingProxyType(dict(p["launch_env"])), gpu_usage=usage,
         read_errors=tuple(p["read_errors"]), wchan=p["wchan"],
-        kernel_stack=tuple(p["kernel_stack"]))
+        kernel_stack=tuple(p["kernel_stack"]),
+        # (Absent from documents written before they were read.)
+        uss_bytes=p.get("uss_bytes"), pss_bytes=p.get("pss_bytes"))
 
 
 def _exe_of(exe: Optional[ExecutableDoc]) -> Optional[Executable]:

@@ -224,6 +224,11 @@ def finding_figures(d: Mapping[str, Any]) -> str:
     """A leak's figures, appended to its reason: growth and projected OOM (the culprit's share is
     on a line of its own, see leak_notes)."""
     parts = []
+    if d.get("cause") == "copy-on-write" and "private_growth_bytes" in d:
+        parts.append(f"node's private memory +{human_bytes(d['private_growth_bytes'])} across "
+                     f"{plural(d.get('workers', 0), 'worker')}, USS "
+                     f"{human_bytes(d.get('uss_bytes_from'))} -> "
+                     f"{human_bytes(d.get('uss_bytes_to'))}")
     if "growth_bytes_per_step" in d:
         parts.append(f"+{human_bytes(d['growth_bytes_per_step'])}/step")
     if "growth_bytes_per_second" in d:
@@ -396,7 +401,8 @@ def no_holders_sentence(report: NodeReport) -> str:
 
 
 def shown_pids(report: NodeReport, flagged: set[int]) -> set[int]:
-    """Each GPU holder (and each process with a finding) with its chain up to its job root.
+    """Each GPU holder (and each process with a finding) with its chain up to its job root, and
+    every process the report holds under these (the job trees' members without GPU memory).
 
     Without NVML the report holds look-alike GPU workers instead of holders: processes whose
     environment carries distributed-worker variables.
@@ -419,6 +425,19 @@ def shown_pids(report: NodeReport, flagged: set[int]) -> set[int]:
             if current.pid == 1:
                 break
             shown.add(current.pid)
+    # And everything under them: the job trees' other members (a data loader's workers, a
+    # helper, a launcher's other children) hold no GPU memory, yet their memory is the job's
+    # and they are judged with it. The report holds them because the poll reads the job trees.
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        if p.ppid and p.pid != 1:
+            children.setdefault(p.ppid, []).append(p.pid)
+    todo = list(shown)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in shown:
+                shown.add(child)
+                todo.append(child)
     return shown
 
 

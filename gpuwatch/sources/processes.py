@@ -338,6 +338,8 @@ class ProcessSource:
             "wchan": wchan,
             "kernel_stack": stack,
             "group_leader_gone": None,
+            "uss_bytes": None,
+            "pss_bytes": None,
         })
         if settled:
             self._records[pid] = (key, record)

@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "equal_work", "oneshot", "daemon_rss",
            "agent_step", "culprit_torch", "agent_ingest", "run_overhead", "top_cpu", "daemon_poll",
-           "agent_flood", "agent_junk_flood", "web_auth_flood", "chaos"]
+           "agent_flood", "agent_junk_flood", "argv_flood", "web_auth_flood", "chaos"]
 #: Benches that run a script under another name, with arguments of their own (a --quick run
 #: still gives way to the script's quick sizes where these name none).
 SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
@@ -405,6 +405,26 @@ def agent_junk_rows(f: Figures) -> list[Row]:
     ]
 
 
+def argv_flood_rows(f: Figures) -> list[Row]:
+    """docs/security.md, "Bytes, not entries": one user's long command lines leave the daemon
+    under 128 MiB, back within 8 MiB of where it was once they are gone, its document < 8 MiB."""
+    who = (f"{f['processes']:,} processes of one user with 2 MiB command lines, "
+           f"{f['processes'] // f['batch']} batches")
+    before, peak, after = f["rss_before_mib"], f["rss_peak_mib"], f["rss_after_mib"]
+    return [
+        Row(f"{who}: daemon RSS unloaded -> peak -> after they exit",
+            f"{before:.0f} -> {peak:.0f} -> {after:.0f} MiB",
+            "peak < 128 MiB, after <= unloaded + 8 MiB", peak < 128 and after <= before + 8),
+        Row(f"{who}: status document unloaded -> largest",
+            f"{f['document_unloaded_kib']:.0f} KiB -> {f['document_largest_mib']:.2f} MiB",
+            "< 8 MiB", f["document_largest_mib"] < 8),
+        Row(f"{who}: poll unloaded / with a batch alive",
+            f"{_ms(f['poll_unloaded_ms'])} / {_ms(f['poll_loaded_ms'])}"),
+        Row(f"{who}: command lines shown cut at 4 KiB",
+            f"{f['cut_shown']:,} of {f['processes']:,}", "all", f["cut_shown"] == f["processes"]),
+    ]
+
+
 def web_auth_rows(f: Figures) -> list[Row]:
     """docs/web.md: good scrapes answered, all in under 1 s, under a wrong-password flood."""
     flood = f"{f['connections']} wrong-password connections"
@@ -443,7 +463,8 @@ ROWS: dict[str, Callable[[Figures], list[Row]]] = {
     "culprit_torch": culprit_rows,
     "agent_ingest": ingest_rows,
     "run_overhead": run_overhead_rows, "top_cpu": top_rows, "agent_flood": agent_flood_rows,
-    "agent_junk_flood": agent_junk_rows, "web_auth_flood": web_auth_rows,
+    "agent_junk_flood": agent_junk_rows, "argv_flood": argv_flood_rows,
+    "web_auth_flood": web_auth_rows,
     "chaos": chaos_rows, "daemon_poll": daemon_poll_rows,
 }
 

@@ -24,6 +24,7 @@ def test_quick_benchmark_run_prints_the_summary_table(tmp_path: Path) -> None:
                    "`agent.step()` / bare `sendto`", "daemon ingest",
                    "`gpuwatch run -- true` - `true`", "`gpuwatch run` supervisor CPU",
                    "`gpuwatch top` CPU", "agent flood, ", "chaos: ",
+                   "processes of one user with 2 MiB command lines",
                    "flooding agent.sock with junk: a second user's leak found",
                    "/metrics over HTTPS + basic auth, good scrapes under",
                    "daemon process CPU per poll / its poll after an idle interval"):

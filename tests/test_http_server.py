@@ -29,8 +29,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
+from gpuwatch.sinks.document import MAX_DOCUMENT_BYTES
 from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
 from gpuwatch.sinks.listener import ConnectionStats
+from gpuwatch.sinks.state_client import MAX_RESPONSE
 from gpuwatch.sinks.state_socket import StateServer, StateUnavailable, fetch_status
 from tests.daemonproc import running_daemon, value
 
@@ -196,6 +198,18 @@ def test_a_client_that_stops_reading_the_state_socket_is_closed_quietly(
         assert "Traceback" not in caplog.text and "TimeoutError" not in caplog.text
         (line,) = [r.getMessage() for r in caplog.records if "timed out" in r.getMessage()]
         assert "no complete answer read by the client in time" in line
+    finally:
+        server.stop()
+
+
+def test_an_answer_over_32_MiB_at_the_state_socket_is_refused_not_held(tmp_path: Path) -> None:
+    """The daemon serves at most 8 MiB (MAX_DOCUMENT_BYTES); `status`, `reap` and the epilog
+    read at most four times that of whatever answers at the socket, and say why."""
+    assert MAX_RESPONSE >= 4 * MAX_DOCUMENT_BYTES
+    server = state_server(tmp_path, json.dumps({"padding": "x" * (40 << 20)}).encode())
+    try:
+        with pytest.raises(StateUnavailable, match=f"answer larger than {MAX_RESPONSE} bytes"):
+            fetch_status(server.path, timeout=30)
     finally:
         server.stop()
 

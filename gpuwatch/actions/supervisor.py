@@ -48,8 +48,9 @@ from gpuwatch.launch_env import (
     RUN_ID_KEY,
     RUN_SUPERVISOR_KEY,
 )
+from gpuwatch.sources.kernel_files import read_head
 from gpuwatch.sources.nvml import NvmlSource
-from gpuwatch.sources.processes import ProcessSource, ProcStat
+from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT, ProcessSource, ProcStat
 from gpuwatch.units import human_bytes, plural, short_command
 
 #: Variables every process of the job inherits: the job's id, and the supervisor's identity
@@ -385,8 +386,11 @@ class Supervisor:
         try:
             with open(f"/proc/{pid}/comm") as f:
                 name = f.read().strip()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            # At most CMDLINE_BYTES, as the daemon reads it: a summary line shows less anyway.
+            raw, cut = read_head(f"/proc/{pid}/cmdline", CMDLINE_BYTES)
+            argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+            if cut:
+                argv.append(CMDLINE_CUT)
         except OSError:
             return ""
         if not argv and argv_required:

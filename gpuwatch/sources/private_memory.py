@@ -7,9 +7,9 @@ every RSS stays where it was. USS (Private_Clean + Private_Dirty: the pages no o
 maps) and PSS (each page divided among the processes that map it) show it.
 
 smaps_rollup walks the process's page tables, so it costs far more than the stat line, in
-proportion to the process's RSS (tens of microseconds a MiB on a loaded machine, against ten for
-a whole stat line). So it is read only for the processes a caller names (the poll: forked workers
-of GPU jobs, where it decides), not again for one identity before `every` seconds have passed,
+proportion to the process's RSS (about 13 ms a GiB, against 10 us for a whole stat line:
+bench/private_memory.py). So it is read only for the processes a caller names (the poll: forked
+workers of GPU jobs, where it decides), not again for one identity before `every` seconds,
 and in one call for at most `max_rss_walked` bytes of RSS in all (at least one process), those
 read longest ago first: a node of many large workers has each read less often, never a slow
 poll. Between reads the figures read last are given. A read takes at most `_ROLLUP_BYTES`; a
@@ -31,8 +31,9 @@ from gpuwatch.model import HostProcess, SourceError
 _ROLLUP_BYTES = 4096
 #: Processes looked at in one call, at most: a bound on what a fork bomb under a launcher costs.
 MAX_READS = 1024
-#: RSS walked in one call, at most (beyond the first process): about 50 ms of one loaded core.
-MAX_RSS_WALKED = 2 << 30
+#: RSS walked in one call, at most (beyond the first process): about 13 ms of CPU
+#: (bench/private_memory.py).
+MAX_RSS_WALKED = 1 << 30
 #: Identities remembered (their last figures, or that they are unreadable); beyond, the oldest
 #: are forgotten and read again.
 _REMEMBERED = 8192

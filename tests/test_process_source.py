@@ -477,3 +477,31 @@ def test_what_processes_with_huge_texts_leave_in_the_source_is_bounded_and_goes_
         for c in children:
             c.kill()
             c.wait()
+
+
+def test_a_cgroup_file_is_read_to_8_kib_and_the_line_the_cut_falls_in_left_out(
+        tmp_path: Path) -> None:
+    """A user may nest cgroups of its own below a delegated one, as deep as it likes: the line
+    whose path the cut falls in is not read, never taken as a shorter path."""
+    child = _started(SLEEPER)
+    try:
+        pid = str(child.pid)
+        proc = tmp_path / "proc"
+        (proc / pid).mkdir(parents=True)
+        os.symlink("/proc/stat", proc / "stat")
+        for name in ("stat", "status", "cmdline", "environ"):
+            os.symlink(f"/proc/{pid}/{name}", proc / pid / name)
+        deep = "/system.slice/slurmstepd.scope/job_4242/step_0/user" + "/nest" * 2000
+        (proc / pid / "cgroup").write_text(f"0::{deep}\n")
+        source = ProcessSource(str(proc))
+        p = source.read([child.pid]).processes[child.pid]
+        assert p.cgroup is None and (p.job is None or p.job.id != "4242")
+        assert any("cgroup cut at 8 KiB" in e for e in p.read_errors)
+        assert source.truncated["cgroup"] == 1
+        # A cgroup within the bound is read as it is.
+        (proc / pid / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_4242/step_0\n")
+        p = ProcessSource(str(proc)).read([child.pid]).processes[child.pid]
+        assert p.cgroup == "/system.slice/slurmstepd.scope/job_4242/step_0"
+    finally:
+        child.kill()
+        child.wait()

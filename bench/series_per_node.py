@@ -31,7 +31,7 @@ from gpuwatch.sources.proc_stat import PPID, parse_stat
 #: node's work, the rest with its GPUs.
 PER_PROCESS = frozenset({
     "gpuwatch_process_gpu_memory_bytes", "gpuwatch_process_resident_memory_bytes",
-    "gpuwatch_process_start_time_seconds", "gpuwatch_finding",
+    "gpuwatch_process_start_time_seconds", "gpuwatch_finding", "gpuwatch_finding_info",
     "gpuwatch_finding_gpu_memory_bytes", "gpuwatch_agent_step",
     "gpuwatch_agent_step_timestamp_seconds", "gpuwatch_agent_buffer_items",
     "gpuwatch_agent_buffer_bytes", "gpuwatch_leak_growth_bytes_per_step",

@@ -280,13 +280,14 @@ def node_dashboard(settings: Settings) -> dict[str, Any]:
                            "{{pid}} {{name}}")],
                    "bytes"),
         row("Findings"),
-        table("Open findings", "Every open finding: what, which process and job, which GPU. "
+        table("Open findings", "Every open finding: what, which process and job, which GPU, "
+              "and its evidence summed up from PIDs, process names and figures (`summary`). "
               "The PID and GPU memory are what `gpuwatch reap --dry-run --pid PID` on the node "
-              "acts on; `gpuwatch status` there gives each one's evidence (not served on "
+              "acts on; `gpuwatch status` there gives each one's full evidence (not served on "
               "/metrics: it quotes command lines).",
-              [(f"gpuwatch_finding{{{selector}}}", "", None),
+              [(f"gpuwatch_finding_info{{{selector}}}", "", None),
                (f"gpuwatch_finding_gpu_memory_bytes{{{selector}}}", "GPU memory", "bytes")],
-              order=[*finding_columns, "GPU memory"], height=9,
+              order=[*finding_columns, "GPU memory", "summary"], height=9,
               sort_by="GPU memory"),
         timeseries("Findings by kind", "Open findings over time, one line per kind.",
                    [target(f"gpuwatch_findings{{{selector}}}", "{{kind}}")], "none"),

@@ -7,10 +7,11 @@ An alert's labels are what identifies it and nothing else: the scrape job and in
 node's name (joined from `gpuwatch_node_info`), and for the alerts about processes the training
 job (`job_id`, `job_source`). A job's eight orphaned workers raise one alert, not eight; a
 reason that changes, a process that is reaped while others remain, a severity or a GPU list that
-moves do not resolve it and raise it anew. The per-process detail (PIDs, names, users, GPUs) is
-fetched into the description with `query`, from `gpuwatch_finding`. /metrics carries no finding's
-reason (it quotes what a process chose: docs/security.md, rule 5); each description says where it
-is: `gpuwatch status` on the node.
+moves do not resolve it and raise it anew. The per-process detail (PIDs, names, users, GPUs and
+each finding's summary) is fetched into the description with `query`, from
+`gpuwatch_finding_info`. /metrics carries the summary, never a finding's full reason (it quotes
+what a process chose: docs/security.md, rule 5); each description says where that is:
+`gpuwatch status` on the node.
 
 Severity: `critical` where GPU memory is at stake (the next job on the node fails) or a job runs
 out of memory within the hour; `warning` for what needs a look today; `info` for hygiene.
@@ -34,8 +35,10 @@ DEFAULT_RUNBOOK_URL = "https://github.com/gpuwatch/gpuwatch/blob/main/docs/runbo
 JOB_KEYS = "instance, job, job_id, job_source"
 NODE_KEYS = "instance, job"
 GHOST = 'kind="ghost"'
-#: Where a finding's evidence is: /metrics does not carry it.
-EVIDENCE = " The evidence: `gpuwatch status` on the node."
+#: Where a finding's full evidence is: /metrics carries only its summary.
+EVIDENCE = " Full evidence: `gpuwatch status` on the node."
+#: A listed finding's summary, after its identity (none from a daemon that serves none).
+SUMMARY = "{{ with .Labels.summary }}: {{ . }}{{ end }}."
 
 
 #: A leak's culprit in words, as the finding's reason puts it, from the labels of a leak series
@@ -119,9 +122,9 @@ class Rules:
 
     @staticmethod
     def listing(metric_matchers: str, item: str) -> str:
-        """A template that lists the series of `gpuwatch_finding{metric_matchers}` for the
+        """A template that lists the series of `gpuwatch_finding_info{metric_matchers}` for the
         alert's job on its node, one `item` each, sorted by PID."""
-        query = ('gpuwatch_finding{job=%q, instance=%q, job_id=%q, '
+        query = ('gpuwatch_finding_info{job=%q, instance=%q, job_id=%q, '
                  + metric_matchers + '}')
         return ("{{ range printf `" + query + "` $labels.job $labels.instance $labels.job_id"
                 " | query | sortByLabel \"pid\" }} " + item + "{{ end }}")
@@ -151,8 +154,9 @@ class Rules:
                   + " of GPU memory although " + _agreeing("its", "their") + " launcher has "
                   "exited; the next job on these GPUs will run out of memory."
                   + self.listing('kind="orphan", gpu!=""',
-                                 "PID " + process + ", GPU {{ .Labels.gpu }}).")
-                  + " On the node: `gpuwatch status` for the evidence, `gpuwatch reap --dry-run "
+                                 "PID " + process + ", GPU {{ .Labels.gpu }})" + SUMMARY)
+                  + " On the node: `gpuwatch status` for the full evidence, `gpuwatch reap "
+                  "--dry-run "
                   "--job {{ $labels.job_id }}` for the plan."),
             Alert("GpuwatchLeftoversHoldGpuMemory",
                   self.per_job('kind="leftover", gpu!=""'),
@@ -162,8 +166,9 @@ class Rules:
                   + _agreeing("holds", "hold") + " " + self.memory('kind="leftover"')
                   + " of GPU memory after the job's trainer finished."
                   + self.listing('kind="leftover", gpu!=""',
-                                 "PID " + process + ", GPU {{ .Labels.gpu }}).")
-                  + " On the node: `gpuwatch status` for the evidence, `gpuwatch reap --dry-run "
+                                 "PID " + process + ", GPU {{ .Labels.gpu }})" + SUMMARY)
+                  + " On the node: `gpuwatch status` for the full evidence, `gpuwatch reap "
+                  "--dry-run "
                   "--job {{ $labels.job_id }}` for the plan."),
             Alert("GpuwatchLeftoverProcesses",
                   self.per_job('kind="leftover", gpu=""'),
@@ -172,8 +177,7 @@ class Rules:
                   f"{_count('helper process', 'helper processes')} of {job} on {node} "
                   + _agreeing("has", "have") + " outlived the job's trainer for over an hour, "
                   "holding host memory and ports."
-                  + self.listing('kind="leftover", gpu=""',
-                                 "PID " + process + ").")
+                  + self.listing('kind="leftover", gpu=""', "PID " + process + ")" + SUMMARY)
                   + EVIDENCE),
             Alert("GpuwatchZombiesHoldGpuMemory",
                   self.per_job('kind="zombie", severity="critical"'),
@@ -185,7 +189,7 @@ class Rules:
                   + self.memory('kind="zombie", severity="critical"')
                   + " of GPU memory; only killing " + _agreeing("it", "them") + " frees it."
                   + self.listing('kind="zombie", severity="critical"',
-                                 "PID " + process + ", GPU {{ .Labels.gpu }}).")
+                                 "PID " + process + ", GPU {{ .Labels.gpu }})" + SUMMARY)
                   + EVIDENCE),
             Alert("GpuwatchGhostGpuMemory",
                   self.with_node(f"sum by ({NODE_KEYS}) "
@@ -214,7 +218,7 @@ class Rules:
                   f"Training of {job} on {node} stopped taking steps while holding GPU memory.",
                   f"{_count('instrumented process', 'instrumented processes')} of {job} on "
                   f"{node} " + _agreeing("has", "have") + " not advanced a step:"
-                  + self.listing('kind="stalled"', "PID " + process + ").")
+                  + self.listing('kind="stalled"', "PID " + process + ")" + SUMMARY)
                   + EVIDENCE),
             Alert("GpuwatchUnkillableGpuProcess",
                   self.per_job('kind="unkillable", severity="critical"'),
@@ -225,7 +229,7 @@ class Rules:
                   + _agreeing("is", "are") + " in uninterruptible sleep holding GPU memory or "
                   "waiting in the NVIDIA driver:"
                   + self.listing('kind="unkillable", severity="critical"',
-                                 "PID " + process + ").")
+                                 "PID " + process + ")" + SUMMARY)
                   + EVIDENCE
                   + " Drain the node; it needs a GPU reset or a reboot."),
             Alert("GpuwatchUnkillableProcess",
@@ -238,7 +242,7 @@ class Rules:
                   "holding no GPU memory and not in the GPU driver (a hung network file "
                   "system, a dead disk):"
                   + self.listing('kind="unkillable", severity="warning"',
-                                 "PID " + process + ").")
+                                 "PID " + process + ")" + SUMMARY)
                   + EVIDENCE
                   + " The GPUs are not affected; the job will not end until the wait does."),
         ]

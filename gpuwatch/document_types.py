@@ -155,6 +155,8 @@ class FindingDoc(TypedDict):
     gpus: list[int]
     gpu_memory_bytes: Optional[int]
     reason: str
+    #: The reason from identity and figures only: what /metrics serves (docs/json.md).
+    summary: str
     since: float
     #: The kind's own evidence (docs/json.md lists it per kind).
     details: dict[str, Any]

@@ -247,7 +247,8 @@ class StepSeries:
 
 class ProcessHistory:
     __slots__ = ("capacity", "disk_sleep_since", "first_ppid", "first_seen", "gpu_memory",
-                 "held_gpu", "job_key", "last_seen", "name", "parent_name", "parent_start", "pid",
+                 "held_gpu", "job_key", "last_seen", "name", "parent_comm", "parent_name",
+                 "parent_start", "pid",
                  "reparented_at", "rss", "start_time", "steps", "steps_refused", "times",
                  "uss", "zombie_since")
 
@@ -262,6 +263,8 @@ class ProcessHistory:
         #: As a sentence names it: "torchrun (pt_elastic)" (launch_env.process_title).
         self.parent_name = (process_title(parent.name, parent.cmdline)
                             if parent is not None else None)
+        #: Its kernel name (`comm`) alone, for a finding's summary (no command line in it).
+        self.parent_comm = parent.name if parent is not None else None
         #: The job as first seen; kept after reparenting, which is when it matters.
         self.job_key = job_key
         self.first_seen = first_seen
@@ -346,6 +349,9 @@ class JobRecord:
     #: When the last trainer was found gone (None while one lives, or if none ever did).
     finished_at: Optional[float] = None
     last_trainer: Optional[tuple[int, Optional[str]]] = None
+    #: The last trainer's kernel name (`comm`), for a finding's summary: `last_trainer` names it
+    #: as a sentence does (launch_env.process_title), from its command line.
+    last_trainer_comm: Optional[str] = None
     #: The root as first seen.
     root: Optional[HostProcess] = None
     #: The launch variables (launch_env.LAUNCH_ENV_KEYS, names only) its trainers carried.
@@ -384,8 +390,8 @@ class History:
         self._stepped: dict[Identity, ProcessHistory] = {}
         self._departed: OrderedDict[Identity, Departed] = OrderedDict()
         self._jobs: dict[str, JobRecord] = {}
-        # Identity -> (first seen, reason, whether the reason may still take a culprit).
-        self._open_findings: dict[tuple[object, ...], tuple[float, str, bool]] = {}
+        # Identity -> (first seen, reason, summary, whether the reason may still take a culprit).
+        self._open_findings: dict[tuple[object, ...], tuple[float, str, str, bool]] = {}
         self._unattributed: dict[int, deque[tuple[float, Optional[int]]]] = {}
         self._unlisted_since: dict[int, float] = {}
         #: Polls at which a process's newest step report claimed an RSS the kernel's figure did
@@ -582,6 +588,7 @@ class History:
                 job.trainers.add(p.identity)
                 job.had_trainer = True
                 job.last_trainer = (p.pid, process_title(p.name, p.cmdline))
+                job.last_trainer_comm = p.name
                 trainers.append((job, p))
             elif done and p.state != "zombie":
                 job.agent_finished = True
@@ -654,27 +661,28 @@ class History:
         whose cause became known minutes later. The reason changes at most once, from saying
         less to saying more; a culprit named differently later only shows in `details`. So
         does a step stall's, once the process reports hung at exit (details["hung_at_exit"]):
-        what holds it is then known.
+        what holds it is then known. The summary (the same evidence from identity and figures)
+        is kept and refined with the reason, so the two always say the same.
         """
         stamped = []
-        open_now: dict[tuple[object, ...], tuple[float, str, bool]] = {}
+        open_now: dict[tuple[object, ...], tuple[float, str, str, bool]] = {}
         for f in findings:
             kept = self._open_findings.get(f.identity)
             if kept is None:
-                since, reason = now, f.reason
+                since, reason, summary = now, f.reason, f.summary
                 refinable = ((f.kind == Kind.LEAK and f.details.get("culprit") is None)
                              or (f.kind == Kind.STALLED and not f.details.get("hung_at_exit")))
             else:
-                since, reason, refinable = kept
+                since, reason, summary, refinable = kept
                 if refinable and (f.details.get("culprit") is not None
                                   or f.details.get("hung_at_exit")):
-                    reason, refinable = f.reason, False
-            open_now[f.identity] = (since, reason, refinable)
+                    reason, summary, refinable = f.reason, f.summary, False
+            open_now[f.identity] = (since, reason, summary, refinable)
             job = f.job
             p = processes.get(f.pid) if f.pid is not None else None
             if job is None and p is not None and p.identity == (f.pid, f.start_time):
                 job = self.job_label(p)
-            stamped.append(replace(f, since=since, reason=reason, job=job))
+            stamped.append(replace(f, since=since, reason=reason, summary=summary, job=job))
         self._open_findings = open_now
         return stamped
 

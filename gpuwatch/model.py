@@ -426,6 +426,12 @@ class Finding:
     `pid` with `start_time` names the process, so a finding never carries over to a process that
     reuses the PID. `reason` is stable while the finding stays open; `since` says when it was
     first seen; `job` is the process's job, or the job of the tree it was first seen in.
+
+    `summary` says the same as `reason` from identity and figures only: PIDs, kernel names
+    (`comm`), clock times, sizes and counts, and gpuwatch's own words for the kind of evidence.
+    Never a command line, an environment value, a path or a name a program chose (a buffer's, a
+    thread's): it is what /metrics serves (`gpuwatch_finding_info`, docs/security.md rule 5).
+    It is kept and refined with the reason.
     """
 
     kind: Kind
@@ -443,6 +449,8 @@ class Finding:
     #: Figures that go with the finding (a leak's growth and projected OOM), kept out of the
     #: reason so that it stays the same while the figures move.
     details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: The evidence in words a local scraper may read: identity and figures only (see above).
+    summary: str = ""
 
     @property
     def identity(self) -> FindingIdentity:

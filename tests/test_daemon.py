@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from gpuwatch.poll import Poller
 from gpuwatch.simulate import fakenvml
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
-from gpuwatch.sinks.exporter import ReportCollector
+from gpuwatch.sinks.exporter import SUMMARY_LABEL_MAX, ReportCollector
 from tests import leakreports
 from tests.daemonproc import pids_with_series, running_daemon, value
 from tests.realprocs import GIB, MIB, gpuwatch, running_job
@@ -332,6 +333,29 @@ def test_a_culprits_own_growth_is_served_only_where_there_is_a_culprit_and_a_fig
     culprit_items = {s.labels["pid"]: s.value
                      for s in families["gpuwatch_leak_culprit_items_per_step"].samples}
     assert culprit_items == {"700": 1.0, "701": 16.0}
+
+
+def test_each_finding_s_summary_is_served_on_the_info_series_never_its_reason_and_bounded(
+        ) -> None:
+    """gpuwatch_finding_info carries the labels of gpuwatch_finding and the summary, at most
+    SUMMARY_LABEL_MAX characters; the reason is on no series."""
+    long = leakreports.leak(707, "RSS grows every step; allocations at `/home/x/leaky.py:1`")
+    long = replace(long, summary="RSS grows every step" + "; and more" * 40)
+    report = leakreports.leak_report((*leakreports.LEAKS, long))
+    families = {m.name: m for m in ReportCollector(lambda: report).collect()}
+    info = {s.labels["pid"]: s.labels for s in families["gpuwatch_finding_info"].samples}
+    found = {s.labels["pid"]: s.labels for s in families["gpuwatch_finding"].samples}
+    assert info.keys() == found.keys() and len(info) == len(report.findings)
+    for f in report.findings:
+        labels = info[str(f.pid)]
+        assert {k: v for k, v in labels.items() if k != "summary"} == found[str(f.pid)]
+        if f.pid != 707:
+            assert labels["summary"] == f.summary
+    assert len(info["707"]["summary"]) == SUMMARY_LABEL_MAX
+    assert info["707"]["summary"].endswith("...")
+    registry = CollectorRegistry()
+    registry.register(ReportCollector(lambda: report))
+    assert "/home/x" not in generate_latest(registry).decode()
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None and not os.environ.get("CI"),

@@ -181,9 +181,10 @@ def test_the_node_dashboard_answers_what_the_on_call_asks() -> None:
     findings = next(p for p in panels(node) if p["type"] == "table"
                     and p["title"] == "Open findings")
     order = findings["transformations"][-1]["options"]["indexByName"]
-    assert {"kind", "pid", "name", "job_id", "gpu"} <= set(order) and "reason" not in order
-    # Identity only: a finding's reason (free text) is not on /metrics.
-    assert findings["targets"][0]["expr"].startswith("gpuwatch_finding{")
+    assert {"kind", "pid", "name", "job_id", "gpu", "summary"} <= set(order)
+    # The evidence summed up from identity and figures; the full reason is not on /metrics.
+    assert "reason" not in order
+    assert findings["targets"][0]["expr"].startswith("gpuwatch_finding_info{")
 
 
 def test_dashboards_and_rules_name_only_documented_metrics() -> None:

@@ -131,9 +131,9 @@ def test_every_panel_has_data_and_the_orphan_and_leak_alerts_fire(tmp_path: Path
                 f"1 process of job torchelastic:{labels['job_id']} on {labels['node']} holds "), \
                 description
             assert f"PID {kept} (python" in description and "12GiB" in description
-            # Identity, not the evidence in words: that is `gpuwatch status` on the node.
-            assert f"parent {sim.training.launcher.pid} " not in description
-            assert "`gpuwatch status` for the evidence" in description
+            # Its evidence summed up from PIDs and names; the rest is `gpuwatch status`.
+            assert f"parent {sim.training.launcher.pid} " in description
+            assert "`gpuwatch status` for the full evidence" in description
             assert str(reaped) not in description  # the reaped one is gone
             assert orphan["annotations"]["runbook_url"].endswith(
                 "docs/runbooks.md#gpuwatchorphansholdgpumemory")

@@ -780,3 +780,95 @@ def test_every_kind_is_reported_in_some_scenario_by_the_detector_that_declares_i
     by_module = {module.__name__: module for module in DETECTORS}
     assert {kind for _, kind in emitted_kinds.EMITTED} == set(KINDS)
     assert all(kind in by_module[name].EMITS for name, kind in emitted_kinds.EMITTED)
+
+
+# -- summaries: the evidence from identity and figures only (docs/security.md, rule 5) -----------
+#: Text a user chose (in a command line, an environment value, a path): never in a summary.
+MARK = "s3cr3t-7f0c"
+#: A launcher that titled itself: a sentence names it by the program in its command line.
+TITLED = dict(name="pt_elastic", cmdline=("python3", f"/opt/{MARK}.py", f"--token={MARK}"),
+              launch_env=MappingProxyType({"MASTER_ADDR": MARK}))
+
+
+def test_an_orphan_s_summary_names_processes_by_pid_and_kernel_name_never_by_command_or_environment(
+        ) -> None:
+    history = History()
+    run(history, snapshot(1.0, proc(10, 1, pgid=10, **TITLED), proc(11, 10, gpu=GIB, pgid=10)))
+    (f,) = run(history, snapshot(2.0, proc(11, 1, gpu=GIB, pgid=10))).findings
+    assert f.kind == "orphan" and f"{MARK}.py (pt_elastic)" in f.reason
+    assert f.summary == "parent 10 (pt_elastic) exited after 00:00:01Z; now under 1 (systemd)"
+
+    env = MappingProxyType({"LOCAL_RANK": MARK, "WORLD_SIZE": "2", "MASTER_PORT": MARK})
+    reaper = proc(50, 1, name="tini", cmdline=(f"/{MARK}/tini", "--", MARK))
+    adopted = proc(51, 50, gpu=GIB, pgid=40, launch_env=env, start=0.0)
+    (f,) = run(History(), snapshot(100.0, reaper, adopted)).findings
+    assert f.kind == "orphan" and f"LOCAL_RANK={MARK}" in f.reason
+    assert f.summary == "reparented to 50 (tini); environment has LOCAL_RANK, WORLD_SIZE"
+
+    job = Job(MARK, "run")
+    supervised_env = MappingProxyType({"GPUWATCH_RUN_ID": MARK,
+                                       "GPUWATCH_RUN_SUPERVISOR": "40:50.0"})
+    worker = proc(42, 1, gpu=GIB, job=job, launch_env=supervised_env,
+                  cmdline=("python", f"{MARK}.py"))
+    (f,) = run(History(), with_supervisors(snapshot(100.0, worker), pid_40=None)).findings
+    assert f.kind == "orphan" and f"of job run:{MARK}" in f.reason
+    # The job id is the finding's job labels' to carry, not the summary's.
+    assert f.summary == "its supervisor `gpuwatch run` (PID 40) is gone"
+
+
+def test_a_leftover_s_summary_names_it_and_its_trainer_by_pid_and_kernel_name_never_by_command(
+        ) -> None:
+    history = History()
+    launcher = proc(10, 1, pgid=10, name="torchrun")
+    helper = proc(12, 10, pgid=10, name="redis-server",
+                  cmdline=("redis-server", f"/etc/{MARK}.conf"))
+    run(history, snapshot(1.0, launcher, proc(11, 10, gpu=GIB, pgid=10, **TITLED), helper))
+    run(history, snapshot(2.0, launcher, helper))
+    (f,) = run(history, snapshot(30.0, launcher, helper)).findings
+    assert f.kind == "leftover" and f"/etc/{MARK}.conf" in f.reason
+    assert f"{MARK}.py (pt_elastic)" in f.reason
+    assert f.summary == "still runs; its trainer 11 (pt_elastic) ended after 00:00:02Z"
+
+
+def test_a_zombie_s_summary_names_its_parent_by_pid_and_kernel_name_never_by_command() -> None:
+    history = History()
+    parent = proc(80, 1, gpu=GIB, **TITLED)
+    child = proc(81, 80, state="zombie", num_threads=1, pgid=80, cmdline=(MARK,))
+    run(history, snapshot(10.0, parent, child))
+    (f,) = run(history, snapshot(15.5, parent, child)).findings
+    assert f.kind == "zombie" and f"{MARK}.py (pt_elastic)" in f.reason
+    assert f.summary == "defunct; parent 80 (pt_elastic) has not reaped it"
+    threaded = proc(81, 80, gpu=GIB, state="zombie", num_threads=3, pgid=80, cmdline=(MARK,))
+    (f,) = run(History(), snapshot(10.0, parent, threaded), replace(CONFIG, zombie_grace=0.0)
+               ).findings
+    assert f.summary == f.reason == ("main thread exited but other threads still run and hold "
+                                     "its GPU memory; only killing the process frees it")
+
+
+def test_an_unkillable_s_summary_names_the_wait_channel_ps_shows_never_a_kernel_stack_frame(
+        ) -> None:
+    launcher = proc(10, 1, pgid=10, **TITLED)
+    stuck = proc(11, 10, pgid=10, state="disk-sleep", cmdline=("python", f"{MARK}.py"),
+                 kernel_stack=(f"os_acquire_mutex_{MARK} [nvidia]",),
+                 launch_env=MappingProxyType({"RANK": MARK}))
+    (f,) = stuck_for_long(History(), stuck, launcher).findings
+    assert f"os_acquire_mutex_{MARK} [nvidia]" in f.reason
+    assert f.summary == ("in uninterruptible sleep (D) since 00:16:40Z; waits in the NVIDIA "
+                         "driver; signals cannot end it")
+    waiting = replace(stuck, wchan="nfs_wait_bit_killable", kernel_stack=())
+    (f,) = stuck_for_long(History(), waiting, launcher).findings
+    assert f.summary == f.reason == (
+        "in uninterruptible sleep (D) since 00:16:40Z; waits in nfs_wait_bit_killable, not in "
+        "the GPU driver, and holds no GPU memory; signals cannot end it")
+
+
+def test_a_ghost_s_summary_is_its_reason_which_quotes_nothing_a_process_chose() -> None:
+    config = DetectorConfig(ghost_min_bytes=GIB, ghost_grace=0.0)
+    history = History()
+    dead = proc(4000, 1, gpu=2 * GIB, in_procfs=False)
+    excess = GpuDevice(index=0, memory_used_bytes=3 * GIB)
+    run(history, snapshot(0.0, dead, gpus=(excess,)), config)
+    findings = run(history, snapshot(1.0, dead, gpus=(excess,)), config).findings
+    assert len(findings) == 2
+    for f in findings:
+        assert f.summary == f.reason and f.summary

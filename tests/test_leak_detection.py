@@ -543,3 +543,61 @@ def test_a_leak_of_a_process_stepping_faster_than_the_polls_is_named_as_rss_with
     (leak,) = leaks(first)
     assert leak.reason.startswith("RSS grows every step; buffer `fetch_buffer` explains it")
     assert leak.details["series"] == "RSS"
+
+
+# -- summaries: the evidence from identity and figures only (docs/security.md, rule 5) -----------
+#: Text a program chose (a buffer's name, a thread's, a source path): never in a summary.
+MARK = "s3cr3t-7f0c"
+
+
+def test_a_leak_s_summary_names_the_kind_of_culprit_never_the_buffer_or_the_traced_path() -> None:
+    run = Run()
+    for step in range(40):
+        report = run.step(step, 2 * GIB + step * 4 * MIB, buffers={
+            f"fetch_{MARK}": BufferSize(step, step * 4 * MIB)})
+    (f,) = leaks(report)
+    assert f"buffer `fetch_{MARK}` explains it (watched)" in f.reason
+    assert f.summary == ("RSS grows every step; a watched buffer explains it (watched); runs out "
+                         "against the node limit")
+
+    alone = Run()
+    for step in range(30):
+        report = alone.step(step, 3 * GIB, buffers={f"pending_{MARK}": BufferSize(10 * step, None)})
+    (f,) = leaks(report)
+    assert f.reason == f"buffer `pending_{MARK}` grows every step"
+    assert f.summary == "a watched buffer grows every step"
+
+    traced = Run()
+    site = TraceSite(f"/home/alice/{MARK}/leaky.py", 42, 15 * MIB, 5)
+    answer = TraceReport("done", "", 5, (site,), ((f"/home/alice/{MARK}/train.py", 1),),
+                         1025.5, 25)
+    for step in range(27):
+        report = traced.step(step, 2 * GIB + step * 3 * MIB,
+                             trace=answer if step == 26 else None)
+    (f,) = leaks(report)
+    assert f"allocations at `/home/alice/{MARK}/leaky.py:42` explain it (traced)" in f.reason
+    assert f.summary == ("RSS grows every step; an allocation site explains it (traced); runs out "
+                         "against the node limit")
+
+
+def test_a_stall_s_summary_says_what_holds_the_exit_by_kind_and_count_never_thread_names(
+        ) -> None:
+    run = Run()
+    for step in range(5):
+        run.step(step, 3 * GIB, gpu=GIB)
+    (stall,) = run.step(4, 3 * GIB, gpu=GIB, at=1065.0, advance=False).findings
+    # A step and a clock time: public as they are.
+    assert stall.summary == stall.reason == \
+        "step 4 has not advanced since 00:16:44Z while holding GPU memory"
+    pools = (MappingProxyType({"workers": 3, "threads": (f"reward_{MARK}_0",)}),)
+    hung = {"threads": (f"heartbeat_{MARK}", "saver"), "executors": 2, "thread_pools": pools,
+            "process_group": True}
+    (f,) = run.step(4, 3 * GIB, gpu=GIB, at=1066.0, advance=False, exit_report=hung).findings
+    assert f"'reward_{MARK}_0'" in f.reason and f"'heartbeat_{MARK}'" in f.reason
+    assert f.summary == (
+        "hung at exit: the interpreter began to exit, but a ThreadPoolExecutor was never shut "
+        "down; a ProcessPoolExecutor was never shut down; 2 non-daemon threads are still "
+        "running; the torch.distributed process group was never destroyed")
+    (f,) = Run().step(0, GIB, exit_report={"executors": 2}).findings
+    assert f.summary == f.reason == \
+        "hung at exit: the interpreter began to exit, but 2 executors were never shut down"

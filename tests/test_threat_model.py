@@ -629,6 +629,88 @@ def test_a_scraper_learns_alices_identity_never_her_command_lines_environment_or
                 wait_for(f"alice's orphan {orphan} to end",
                          lambda: None if _running(orphan) else True, WAIT)
 
+
+#: What alice chose, in her command lines, environment and paths: never in a summary.
+_ALICE_PRIVATE = ("s3cr3t", "--api-key", "--token", "import time", "sleep(600)", "helper.py",
+                  "rank3.py", "10.98.76.54", "29517", "RANK=0", "RANK=3", "WORLD_SIZE=4",
+                  *(f"{k}={v}" for k, v in _ALICE_ENV.items()))
+
+
+def test_a_scraper_reads_each_of_alices_findings_summed_up_from_identity_and_figures_only(
+        alice: LocalUser, mallory: LocalUser, fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """The same job as above: a leftover whose command line holds an API key, an orphaned rank
+    whose environment holds a secret and launch variables. mallory's scrape carries each
+    finding's evidence as `gpuwatch_finding_info{summary=...}`: what happened, in PIDs, process
+    names, clock times and gpuwatch's words, as `gpuwatch status` gives it in `summary`; none of
+    what her reasons quote (her command lines, environment values, paths)."""
+    config = "[detectors]\nleftover_grace = 0.5\nmin_age = 0\n"
+    with _watched_shared_node(fake_nvml_lib, tmp_path, config) as (node, env, daemon):
+        home = Path(env["HOME"])
+        launcher_script, helper_script = home / "torchrun", home / "helper.py"
+        orphan_script, started = home / "rank3.py", home / "job.json"
+        launcher_script.write_text(_ALICE_LAUNCHER)
+        for script in (helper_script, orphan_script):
+            script.write_text("import time\ntime.sleep(600)\n")
+        os.chown(home, alice.uid, alice.gid)  # where alice's launcher writes its PIDs
+        launcher = alice.popen(["/usr/bin/python3", str(launcher_script), str(started),
+                                str(helper_script)], env=_ALICE_ENV, start_new_session=True)
+        orphan: Optional[int] = None
+        try:
+            job = wait_for("alice's job", lambda: json.loads(started.read_text())
+                           if started.exists() else None, WAIT, alive=launcher)
+            forked = alice.run(["/usr/bin/python3", "-c", _ALICE_ORPHAN, str(orphan_script)],
+                               env={**_ALICE_ENV, "RANK": "3", "LOCAL_RANK": "3",
+                                    "WORLD_SIZE": "4"})
+            assert forked.returncode == 0, forked.stderr
+            orphan = int(forked.stdout)
+            node.hold(job["trainer"], device=0, used=8 << 30)
+            node.hold(orphan, device=1, used=6 << 30)
+            reader = DaemonReader()
+            reader.env, reader.daemon = env, daemon
+            reader.doc_when("the trainer and the rank holding GPU memory", lambda d: {
+                job["trainer"], orphan} <= {p["pid"] for p in d["processes"] if p["holds_gpu"]})
+            os.kill(job["trainer"], signal.SIGKILL)
+            doc = reader.doc_when("the helper a leftover and the rank an orphan", lambda d:
+                                  job["helper"] in by_pid(d, "leftover")
+                                  and orphan in by_pid(d, "orphan"))
+            leftover = by_pid(doc, "leftover")[job["helper"]]
+            orphaned = by_pid(doc, "orphan")[orphan]
+            # The reasons quote her command line and launch variables (the state socket's).
+            assert "helper.py --api-key=" in leftover["reason"]
+            assert "LOCAL_RANK=3" in orphaned["reason"]
+            # The summaries say what happened by PID, process name and clock time.
+            assert re.fullmatch(rf"still runs; its trainer {job['trainer']} \(python3\) ended "
+                                r"after \d\d:\d\d:\d\dZ", leftover["summary"]), leftover
+            # (the names of the variables that mark a worker, never their values)
+            assert re.fullmatch(r"reparented to PID 1; environment has LOCAL_RANK, MASTER_ADDR, "
+                                r"RANK, WORLD_SIZE|parent \d+ \(python3\) exited after "
+                                r"\d\d:\d\d:\d\dZ; now under 1 \(\S+\)",
+                                orphaned["summary"]), orphaned
+
+            def served() -> Optional[dict[str, dict[str, str]]]:
+                body = _scrape_as(mallory, daemon.metrics_url)
+                info = {s.labels["pid"]: s.labels for family in text_string_to_metric_families(
+                    body) for s in family.samples if s.name == "gpuwatch_finding_info"}
+                return info if {str(job["helper"]), str(orphan)} <= info.keys() else None
+
+            info = wait_for("both findings on /metrics", served, WAIT)
+            for finding, kind in ((leftover, "leftover"), (orphaned, "orphan")):
+                labels = info[str(finding["pid"])]
+                assert (labels["kind"], labels["user"], labels["summary"]) == (
+                    kind, alice.name, finding["summary"]), labels
+            private = [(pid, text) for pid, labels in info.items() for text in _ALICE_PRIVATE
+                       if text in labels["summary"] or str(home) in labels["summary"]]
+            assert not private, (private, info)
+        finally:
+            for pid in (orphan, *(job.values() if "job" in locals() else ())):
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            launcher.wait(30)
+            if orphan is not None:
+                wait_for(f"alice's orphan {orphan} to end",
+                         lambda: None if _running(orphan) else True, WAIT)
+
 # (section 5 ends)
 
 

@@ -76,7 +76,8 @@ def finding(kind: str, p: dict[str, Any], severity: str = "critical", reason: st
     return {"kind": kind, "severity": severity, "pid": p["pid"], "start_time": p["start_time"],
             "name": p["name"], "user": p["user"], "job": p["job"],
             "gpus": [u["index"] for u in p["gpus"]], "gpu_memory_bytes": p["gpu_memory_bytes"],
-            "reason": reason or f"{kind} evidence", "since": NOW - 30,
+            "reason": reason or f"{kind} evidence", "summary": f"{kind} in figures",
+            "since": NOW - 30,
             "details": details or {}}
 
 

@@ -1,8 +1,16 @@
-"""What the detectors share: the finding for a process, the words for evidence."""
+"""What the detectors share: the finding for a process, the words for evidence.
+
+Every finding says its evidence twice (`Evidence`): in full (`reason`, for `gpuwatch status`
+and the state socket, which only the daemon's group reads) and from identity and figures only
+(`summary`, which /metrics serves: docs/security.md, rule 5). A summary is built from PIDs,
+kernel names (`comm`: `named`, never `named_process`, which reads the command line), clock
+times, sizes, counts and gpuwatch's own words; never from a command line, an environment value,
+a path, or a name a program chose for a buffer or a thread.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.launch_env import RUN_ID_KEY, WORKER_MARKER_KEYS, process_title, run_supervisor
@@ -45,11 +53,25 @@ def is_protected(p: HostProcess, config: DetectorConfig) -> bool:
     return protected_by(p, config) is not None
 
 
-def finding(kind: Kind, severity: str, p: HostProcess, reason: str) -> Finding:
+class Evidence(NamedTuple):
+    """A finding's evidence in words: `reason` in full, `summary` from identity and figures."""
+
+    reason: str
+    summary: str
+
+    @staticmethod
+    def public(words: str) -> Evidence:
+        """Evidence whose full words are public already (no command line, environment value,
+        path or chosen name in them): the summary is the reason."""
+        return Evidence(words, words)
+
+
+def finding(kind: Kind, severity: str, p: HostProcess, evidence: Evidence) -> Finding:
     return Finding(
         kind=kind,
         severity=severity,
-        reason=reason,
+        reason=evidence.reason,
+        summary=evidence.summary,
         pid=p.pid,
         start_time=p.start_time,
         name=p.name,
@@ -87,6 +109,7 @@ def command(p: HostProcess, limit: int = 80) -> str:
 
 
 def named(pid: Optional[int], name: Optional[str]) -> str:
+    """'4121 (python)': with the kernel's name (`comm`), this is public (a summary's words)."""
     return f"{pid} ({name or '?'})"
 
 
@@ -96,7 +119,7 @@ def named_process(p: Optional[HostProcess], pid: Optional[int]) -> str:
     return named(pid, process_title(p.name, p.cmdline) if p is not None else None)
 
 
-def supervisor_gone(p: HostProcess, snapshot: NodeSnapshot) -> Optional[str]:
+def supervisor_gone(p: HostProcess, snapshot: NodeSnapshot) -> Optional[Evidence]:
     """Why `p` is orphaned from its `gpuwatch run` supervisor, or None while that may still run.
 
     The supervisor is a child subreaper: while it runs it is an ancestor of every process of its
@@ -130,7 +153,9 @@ def supervisor_gone(p: HostProcess, snapshot: NodeSnapshot) -> Optional[str]:
     # Inside a container the PID may be the container's: what runs on the host's says nothing.
     reused = (f" (PID {ref.pid} is another process now)"
               if now is not None and not p.namespace_pids else "")
-    return f"its supervisor `gpuwatch run` (PID {ref.pid}){of_job} is gone{reused}"
+    # The run id is the job's id, which the finding's job labels carry: the summary leaves it.
+    return Evidence(f"its supervisor `gpuwatch run` (PID {ref.pid}){of_job} is gone{reused}",
+                    f"its supervisor `gpuwatch run` (PID {ref.pid}) is gone{reused}")
 
 
 def _same_start(seen: float, given: float, clock_step: float) -> bool:

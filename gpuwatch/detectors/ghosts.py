@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import finding
+from gpuwatch.detectors.common import Evidence, finding
 from gpuwatch.history import History
 from gpuwatch.model import Finding, Kind, NodeSnapshot, holders_unknown
 from gpuwatch.units import human_bytes
@@ -42,9 +42,9 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                 since = history.unlisted_since(p.pid)
                 if since is None or now - since < grace:
                     continue
-            yield finding(Kind.GHOST, "warning", p,
-                          "NVML lists this PID on the GPU but /proc has no such process "
-                          "(exited without releasing its memory, or another PID namespace)")
+            yield finding(Kind.GHOST, "warning", p, Evidence.public(
+                "NVML lists this PID on the GPU but /proc has no such process "
+                "(exited without releasing its memory, or another PID namespace)"))
     for g in snapshot.gpus:
         unattributed = g.unattributed_memory_bytes
         was_open = history.open_since(Finding.identity_of(Kind.GHOST, None, None, (g.index,)))
@@ -55,8 +55,8 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                 was_open is not None
                 or history.unattributed_held(g.index, config.ghost_min_bytes, grace, now))
         if held:
+            words = (f"GPU {g.index} has memory in use that no listed process accounts for "
+                     f"(over {human_bytes(config.ghost_min_bytes)})")
             yield Finding(
                 kind=Kind.GHOST, severity="warning", gpus=(g.index,),
-                gpu_memory_bytes=unattributed,
-                reason=(f"GPU {g.index} has memory in use that no listed process accounts for "
-                        f"(over {human_bytes(config.ghost_min_bytes)})"))
+                gpu_memory_bytes=unattributed, reason=words, summary=words)

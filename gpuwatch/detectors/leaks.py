@@ -33,7 +33,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, Optional
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import finding, is_protected
+from gpuwatch.detectors.common import Evidence, finding, is_protected
 from gpuwatch.detectors.trend import Growth, growth, is_growing, may_grow, median
 from gpuwatch.history import History, ProcessHistory, Series, StepSeries
 from gpuwatch.model import Finding, HostProcess, Kind, MemoryLimit, NodeSnapshot, TraceReport
@@ -178,12 +178,17 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
             severity = "critical" if seconds_left <= _CRITICAL_WITHIN else "warning"
     else:
         limit = None
+    # The summary says what kind of figure grows and what kind of culprit explains it, never
+    # the name a program gave a buffer nor a traced source file (detectors.common).
     reason = f"{what} grows every step"
+    summary = f"{'a watched buffer' if what.startswith('buffer') else what} grows every step"
     if culprit is not None and not what.startswith("buffer"):
         reason += "; " + culprit.explains()
+        summary += "; " + culprit.explains_publicly()
     if limit is not None:
         reason += f"; runs out against the {limit.source} limit"
-    return _with_details(finding(Kind.LEAK, severity, p, reason), details)
+        summary += f"; runs out against the {limit.source} limit"
+    return _with_details(finding(Kind.LEAK, severity, p, Evidence(reason, summary)), details)
 
 
 class _Culprit(NamedTuple):
@@ -198,6 +203,14 @@ class _Culprit(NamedTuple):
         if self.found_by == "discovered":
             return f"`{self.name}` explains it (discovered)"
         return f"buffer `{self.name}` explains it (watched)"
+
+    def explains_publicly(self) -> str:
+        """explains(), by the kind of culprit alone."""
+        if self.found_by == "traced":
+            return "an allocation site explains it (traced)"
+        if self.found_by == "discovered":
+            return "a container the agent found explains it (discovered)"
+        return "a watched buffer explains it (watched)"
 
 
 def _slope(g: Optional[Growth]) -> Optional[float]:
@@ -364,8 +377,8 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
                            projected_oom_at=round(snapshot.taken_at + seconds_left))
             severity = "critical" if seconds_left <= _CRITICAL_WITHIN else "warning"
         against = f"; runs out against the {limit.source} limit" if limit is not None else ""
-        return _with_details(finding(Kind.LEAK, severity, p,
-                                     f"{what} grows steadily (no agent){against}"), details)
+        return _with_details(finding(Kind.LEAK, severity, p, Evidence.public(
+            f"{what} grows steadily (no agent){against}")), details)
     return None
 
 
@@ -423,9 +436,11 @@ def _copy_on_write(snapshot: NodeSnapshot, history: History, config: DetectorCon
             "uss_bytes_to": round(max(g.last_y for _, g, _ in growing)),
         }
         n = len(growing)
+        # A count and gpuwatch's words: public as they are.
         reason = (f"private memory of {n} forked worker{'s' if n != 1 else ''} grows while "
                   f"their RSS stays flat: {COPY_ON_WRITE}")
-        yield _with_details(finding(Kind.LEAK, "warning", parent, reason), details)
+        yield _with_details(finding(Kind.LEAK, "warning", parent, Evidence.public(reason)),
+                            details)
 
 
 def _over_time(h: ProcessHistory, what: str, config: DetectorConfig

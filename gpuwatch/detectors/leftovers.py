@@ -24,7 +24,14 @@ from collections.abc import Iterator
 from typing import Optional
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import command, finding, is_protected, named, supervisor_gone
+from gpuwatch.detectors.common import (
+    Evidence,
+    command,
+    finding,
+    is_protected,
+    named,
+    supervisor_gone,
+)
 from gpuwatch.history import History, JobRecord
 from gpuwatch.jobtree import is_launcher, is_login_shell, is_service
 from gpuwatch.launch_env import LAUNCHER_SET_KEYS, RUN_ID_KEY
@@ -58,14 +65,19 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             if supervisor_gone(p, snapshot) is not None:
                 continue  # an orphan already, since its supervisor went
             label = f" of job {job.label}" if job.label else ""
+            ended = clock_time(snapshot.wall(job.finished_at))
+            # The summary names the process by PID and kernel name, not by its command line.
             if p.pid == trainer_pid:
-                reason = (f"`{command(p)}`{label} told the agent it finished after "
-                          f"{clock_time(snapshot.wall(job.finished_at))} but still runs")
+                evidence = Evidence(f"`{command(p)}`{label} told the agent it finished after "
+                                    f"{ended} but still runs",
+                                    f"told the agent it finished after {ended} but still runs")
             else:
-                reason = (f"`{command(p)}`{label} still runs; its trainer "
-                          f"{named(trainer_pid, trainer_name)} ended after "
-                          f"{clock_time(snapshot.wall(job.finished_at))}")
-            yield finding(Kind.LEFTOVER, "warning", p, reason)
+                evidence = Evidence(f"`{command(p)}`{label} still runs; its trainer "
+                                    f"{named(trainer_pid, trainer_name)} ended after {ended}",
+                                    "still runs; its trainer "
+                                    f"{named(trainer_pid, job.last_trainer_comm)} ended after "
+                                    f"{ended}")
+            yield finding(Kind.LEFTOVER, "warning", p, evidence)
 
 
 def job_evidence(job: JobRecord) -> Optional[str]:

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import (
+    Evidence,
     finding,
     is_protected,
     named,
@@ -37,7 +38,7 @@ from gpuwatch.detectors.common import (
 )
 from gpuwatch.history import History
 from gpuwatch.jobtree import is_launcher, is_namespace_init, is_supervisor
-from gpuwatch.launch_env import LAUNCHER_SET_KEYS, TORCHELASTIC_RUN_ID_KEY
+from gpuwatch.launch_env import LAUNCHER_SET_KEYS, TORCHELASTIC_RUN_ID_KEY, WORKER_MARKER_KEYS
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
 
@@ -50,20 +51,20 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
     for p in snapshot.processes.values():
         if not p.in_procfs or p.pid == 1 or p.state == "zombie" or is_protected(p, config):
             continue
-        reason = supervisor_gone(p, snapshot)
-        if reason is not None:
-            yield finding(Kind.ORPHAN, "critical" if p.holds_gpu else "warning", p, reason)
+        evidence = supervisor_gone(p, snapshot)
+        if evidence is not None:
+            yield finding(Kind.ORPHAN, "critical" if p.holds_gpu else "warning", p, evidence)
             continue
         h = history.get(p.identity)
         if h is not None and h.first_ppid not in (None, 0, 1) and p.ppid != h.first_ppid:
-            reason = _lineage_reason(p, h.first_ppid, h.parent_start, h.parent_name, snapshot,
-                                     history)
+            evidence = _lineage_reason(p, h.first_ppid, h.parent_start, h.parent_name,
+                                       h.parent_comm, snapshot, history)
             if p.holds_gpu or _job_still_training(p, history):
-                yield finding(Kind.ORPHAN, "critical" if p.holds_gpu else "warning", p, reason)
+                yield finding(Kind.ORPHAN, "critical" if p.holds_gpu else "warning", p, evidence)
         elif p.holds_gpu:
-            reason = _environment_reason(p, snapshot, config)
-            if reason is not None:
-                yield finding(Kind.ORPHAN, "critical", p, reason)
+            found = _environment_reason(p, snapshot, config)
+            if found is not None:
+                yield finding(Kind.ORPHAN, "critical", p, found)
 
 
 def _job_still_training(p: HostProcess, history: History) -> bool:
@@ -74,7 +75,8 @@ def _job_still_training(p: HostProcess, history: History) -> bool:
 
 
 def _lineage_reason(p: HostProcess, parent_pid: int, parent_start: float | None,
-                    parent_name: str | None, snapshot: NodeSnapshot, history: History) -> str:
+                    parent_name: str | None, parent_comm: str | None, snapshot: NodeSnapshot,
+                    history: History) -> Evidence:
     gone = history.departed((parent_pid, parent_start))
     # A parent that exited but was not reaped yet is still there, as a zombie.
     unreaped = history.get((parent_pid, parent_start))
@@ -84,12 +86,14 @@ def _lineage_reason(p: HostProcess, parent_pid: int, parent_start: float | None,
     elif unreaped is not None and unreaped.zombie_since is not None:
         when = f" before {clock_time(snapshot.wall(unreaped.zombie_since))} (not reaped yet)"
     adopter = snapshot.processes.get(p.ppid) if p.ppid else None
-    return (f"parent {named(parent_pid, parent_name)} exited{when}; "
-            f"now under {named_process(adopter, p.ppid)}")
+    return Evidence(f"parent {named(parent_pid, parent_name)} exited{when}; "
+                    f"now under {named_process(adopter, p.ppid)}",
+                    f"parent {named(parent_pid, parent_comm)} exited{when}; "
+                    f"now under {named(p.ppid, adopter.name if adopter else None)}")
 
 
 def _environment_reason(p: HostProcess, snapshot: NodeSnapshot, config: DetectorConfig
-                        ) -> str | None:
+                        ) -> Evidence | None:
     parent = snapshot.processes.get(p.ppid) if p.ppid else None
     if parent is None or not parent.in_procfs:
         return None
@@ -101,10 +105,13 @@ def _environment_reason(p: HostProcess, snapshot: NodeSnapshot, config: Detector
     adopter = _adopter(p, parent)
     if adopter is None:
         return None
-    return f"reparented to {adopter}; environment has {evidence}"
+    # The summary names the marker variables (gpuwatch's own list), never their values.
+    markers = ", ".join(sorted(k for k in p.launch_env if k in WORKER_MARKER_KEYS))
+    return Evidence(f"reparented to {adopter.reason}; environment has {evidence}",
+                    f"reparented to {adopter.summary}; environment has {markers}")
 
 
-def _adopter(p: HostProcess, parent: HostProcess) -> str | None:
+def _adopter(p: HostProcess, parent: HostProcess) -> Evidence | None:
     """The parent in words when it shows that it adopted `p` rather than started it, else None.
 
     The kernel gives an orphan to the nearest child subreaper above it, else to PID 1 of its PID
@@ -112,18 +119,20 @@ def _adopter(p: HostProcess, parent: HostProcess) -> str | None:
     (SUPERVISORS), or by the process group its exited launcher led, which outlives it.
     """
     if parent.pid == 1:
-        return "PID 1"  # the host's init never launches ranks
+        return Evidence.public("PID 1")  # the host's init never launches ranks
+    public = named(parent.pid, parent.name)
     if is_supervisor(parent):
-        adopter = named_process(parent, parent.pid)
+        adopter = Evidence(named_process(parent, parent.pid), public)
     elif not p.launch_env.keys() & LAUNCHER_SET_KEYS:
         # A container's init or an entrypoint may start ranks itself (a shell loop setting RANK
         # and LOCAL_RANK): only a variable a launcher sets says another process started it.
         return None
     elif is_namespace_init(parent, p):
-        adopter = f"{named_process(parent, parent.pid)}, PID 1 of its PID namespace"
+        adopter = Evidence(f"{named_process(parent, parent.pid)}, PID 1 of its PID namespace",
+                           f"{public}, PID 1 of its PID namespace")
     elif p.group_leader_gone and p.pgid is not None and parent.pgid != p.pgid:
-        adopter = (f"{named_process(parent, parent.pid)}; the leader of its process group, "
-                   f"{p.pgid}, has exited")
+        gone = f"; the leader of its process group, {p.pgid}, has exited"
+        adopter = Evidence(named_process(parent, parent.pid) + gone, public + gone)
     else:
         return None
     if p.pgid == p.pid and TORCHELASTIC_RUN_ID_KEY not in p.launch_env:

@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import finding, is_protected
+from gpuwatch.detectors.common import Evidence, finding, is_protected
 from gpuwatch.history import History
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time, plural
@@ -52,17 +52,50 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             continue
         if snapshot.taken_at - agent.step_changed_at < config.stall_after:
             continue
-        yield finding(Kind.STALLED, "warning", p,
-                      f"step {agent.step} has not advanced since "
-                      f"{clock_time(snapshot.wall(agent.step_changed_at))} "
-                      "while holding GPU memory")
+        # A step is a figure (the report's integer): the words are public as they are.
+        yield finding(Kind.STALLED, "warning", p, Evidence.public(
+            f"step {agent.step} has not advanced since "
+            f"{clock_time(snapshot.wall(agent.step_changed_at))} while holding GPU memory"))
 
 
 def _hung_at_exit(p: HostProcess, report: Mapping[str, Any]) -> Finding:
     causes = "; ".join(exit_causes(report)) or "something it did not name holds it"
+    kinds = "; ".join(exit_cause_kinds(report)) or "something it did not name holds it"
     f = finding(Kind.STALLED, "critical" if p.holds_gpu else "warning", p,
-                f"hung at exit: the interpreter began to exit, but {causes}")
+                Evidence(f"hung at exit: the interpreter began to exit, but {causes}",
+                         f"hung at exit: the interpreter began to exit, but {kinds}"))
     return replace(f, details=_AT_EXIT_DETAILS)
+
+
+def exit_cause_kinds(report: Mapping[str, Any]) -> list[str]:
+    """What holds the exit as exit_causes says it, by kind and count only: "a
+    ThreadPoolExecutor was never shut down", "2 non-daemon threads are still running". The
+    names the program gave its threads stay out (a summary's words: detectors.common)."""
+    causes = []
+    pools = len(report.get("thread_pools") or ())
+    if pools:
+        causes.append("a ThreadPoolExecutor was never shut down" if pools == 1
+                      else f"{pools} ThreadPoolExecutors were never shut down")
+    executors = _count(report.get("executors"))
+    others = executors - pools if pools else executors
+    kind = "ProcessPoolExecutor" if pools else "executor"
+    if others == 1:
+        causes.append(f"a {kind} was never shut down" if pools
+                      else "1 executor was never shut down")
+    elif others > 1:
+        causes.append(f"{others} {kind}s were never shut down")
+    threads = len(report.get("threads") or ())
+    if threads:
+        causes.append("a non-daemon thread is still running" if threads == 1
+                      else f"{threads} non-daemon threads are still running")
+    if report.get("process_group"):
+        causes.append("the torch.distributed process group was never destroyed")
+    return causes
+
+
+def _count(value: Any) -> int:
+    """A count from a report (validated as an int when it was read), never its text."""
+    return value if type(value) is int and value > 0 else 0
 
 
 def exit_causes(report: Mapping[str, Any]) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import finding, is_protected
+from gpuwatch.detectors.common import Evidence, finding, is_protected
 from gpuwatch.history import History
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
@@ -35,17 +35,24 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             continue
         since = ("in uninterruptible sleep (D) since "
                  f"{clock_time(snapshot.wall(h.disk_sleep_since))}")
+        # The summary names the kernel function only from the wait channel, which `ps -o wchan`
+        # shows anyone; a frame of the kernel stack (root's to read) stays in the reason.
+        public = p.wchan or "the kernel"
         if p.waits_in_gpu_driver:
             severity = "critical"
             where = f"waits in the NVIDIA driver ({_where(p)})"
+            said = f"waits in the NVIDIA driver{f' ({p.wchan})' if p.wchan else ''}"
         elif p.holds_gpu:
             severity = "critical"
             where = f"holds GPU memory while waiting in {_where(p)}"
+            said = f"holds GPU memory while waiting in {public}"
         else:
             severity = "warning"
             where = f"waits in {_where(p)}, not in the GPU driver, and holds no GPU memory"
+            said = f"waits in {public}, not in the GPU driver, and holds no GPU memory"
         yield finding(Kind.UNKILLABLE, severity, p,
-                      f"{since}; {where}; signals cannot end it")
+                      Evidence(f"{since}; {where}; signals cannot end it",
+                               f"{since}; {said}; signals cannot end it"))
 
 
 def _where(p: HostProcess) -> str:

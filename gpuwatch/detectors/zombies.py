@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import finding, is_protected, named_process
+from gpuwatch.detectors.common import Evidence, finding, is_protected, named, named_process
 from gpuwatch.history import History
 from gpuwatch.model import Finding, Kind, NodeSnapshot
 
@@ -35,11 +35,13 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             severity = "critical" if p.holds_gpu else "warning"
             holding = " and hold its GPU memory" if p.holds_gpu else ""
             # No thread count: it changes while the finding is open (num_threads has it).
-            reason = (f"main thread exited but other threads still run{holding}; "
-                      "only killing the process frees it")
+            evidence = Evidence.public(f"main thread exited but other threads still run{holding};"
+                                       " only killing the process frees it")
         else:
             parent = snapshot.processes.get(p.ppid) if p.ppid else None
             severity = "warning"
-            reason = (f"defunct; parent {named_process(parent, p.ppid)} "
-                      "has not reaped it")
-        yield finding(Kind.ZOMBIE, severity, p, reason)
+            evidence = Evidence(f"defunct; parent {named_process(parent, p.ppid)} "
+                                "has not reaped it",
+                                f"defunct; parent {named(p.ppid, parent.name if parent else None)}"
+                                " has not reaped it")
+        yield finding(Kind.ZOMBIE, severity, p, evidence)

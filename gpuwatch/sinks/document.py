@@ -141,6 +141,7 @@ def _finding(f: Finding, wall: Callable[[float], float]) -> FindingDoc:
         "gpus": list(f.gpus),
         "gpu_memory_bytes": f.gpu_memory_bytes,
         "reason": f.reason,
+        "summary": f.summary,
         "since": round(wall(f.since), 3),
         "details": _plain(f.details),
     }
@@ -408,4 +409,6 @@ def _finding_of(f: FindingDoc) -> Finding:
                    pid=f["pid"], start_time=f["start_time"], name=f["name"], user=f["user"],
                    job=_job_of(f["job"]), gpus=tuple(f["gpus"]),
                    gpu_memory_bytes=f["gpu_memory_bytes"], since=f["since"],
-                   details=MappingProxyType(dict(f["details"])))
+                   details=MappingProxyType(dict(f["details"])),
+                   # A document from before the summary: it is unknown, not made up.
+                   summary=f.get("summary", ""))

@@ -9,7 +9,8 @@ users, the job (the one value read from a process's environment), figures (memor
 and the names a program gives what it watches. Never private text: no command line, no other
 environment value, no finding's reason (words that quote command lines and launch variables),
 no source path (a traced culprit's `file:line`). Those stay on the state socket, which only the
-daemon's group reads (docs/security.md, rule 5).
+daemon's group reads (docs/security.md, rule 5). A finding's evidence is served as its summary
+(`gpuwatch_finding_info`): the detectors build it from identity and figures only.
 """
 
 from __future__ import annotations
@@ -70,6 +71,17 @@ def culprit_label(culprit: object, found_by: object = None) -> str:
     if len(text) <= CULPRIT_LABEL_MAX:
         return text
     return "..." + text[-(CULPRIT_LABEL_MAX - 3):]
+
+
+#: The longest `summary` label value: the evidence in a sentence, its start the most telling.
+SUMMARY_LABEL_MAX = 200
+
+
+def summary_label(summary: str) -> str:
+    """The `summary` label value: at most SUMMARY_LABEL_MAX characters, cut at the end."""
+    if len(summary) <= SUMMARY_LABEL_MAX:
+        return summary
+    return summary[:SUMMARY_LABEL_MAX - 3] + "..."
 
 
 #: Why a process that mattered got no per-process series (the `reason` label of
@@ -463,20 +475,27 @@ class ReportCollector(Collector):
 
         A finding's reason is not served: it is words that quote what the process chose (its
         command line, launch variables), and /metrics shows identity only. `gpuwatch status`
-        (the state socket) has it."""
+        (the state socket) has it. Its summary, the same evidence from identity and figures, is
+        on `gpuwatch_finding_info` alone: words are for tables and alert annotations, never for
+        the labels of the series alerts are built on (docs/design-notes.md)."""
         labels = ["kind", "severity", *PROCESS_LABELS, "gpu"]
-        open_, memory = [], []
+        open_, memory, info = [], [], []
         counts = dict.fromkeys(KINDS, 0)
         for f in findings:
             counts[f.kind] = counts.get(f.kind, 0) + 1
             key = [f.kind, f.severity, *process_labels(f.pid, f.name, f.user, f.job),
                    ",".join(map(str, f.gpus))]
             open_.append((key, 1.0))
+            info.append(([*key, summary_label(f.summary)], 1.0))
             if f.gpu_memory_bytes is not None:
                 memory.append((key, float(f.gpu_memory_bytes)))
         yield _gauge("gpuwatch_finding",
                      "1 for each open finding; the labels say what and where (its evidence: "
                      "gpuwatch status on the node).", labels, open_)
+        yield _gauge("gpuwatch_finding_info",
+                     "1 for each open finding, with its evidence summed up from identity and "
+                     "figures (no command line, environment value or path): for tables and alert "
+                     "annotations, never for an alert's labels.", [*labels, "summary"], info)
         yield _gauge("gpuwatch_findings", "Open findings by kind.", ["kind"],
                      [([kind], float(n)) for kind, n in counts.items()])
         yield _gauge("gpuwatch_finding_gpu_memory_bytes",

@@ -32,6 +32,7 @@ from gpuwatch.model import (
     TraceSite,
 )
 from gpuwatch.poll import Poller
+from gpuwatch.sources.private_memory import PrivateMemorySource
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -386,6 +387,7 @@ class LeakingNode(Poller):
     def __init__(self) -> None:  # no NVML, no /proc: only what poll() makes up
         self.agents = None
         self.clock = SteadyClock()
+        self.private_memory = PrivateMemorySource()  # paced by the daemon; never asked here
         self.step = 0
 
     def poll(self, watch: Iterable[int] = ()) -> NodeSnapshot:

@@ -52,7 +52,14 @@ from tests.daemonproc import (
     value,
 )
 from tests.localusers import LocalUser, local_user
-from tests.protected import SYSTEM_PYTHON, WORKER, roots_own_program, users_directory, users_orphan
+from tests.protected import (
+    SYSTEM_PYTHON,
+    WORKER,
+    exe_setter,
+    roots_own_program,
+    users_directory,
+    users_orphan,
+)
 from tests.realprocs import GIB, MIB, gpuwatch, status_json
 from tests.scenarios import START_TIMEOUT, _orphan, clean_env, comm, running, wait_not_running
 
@@ -333,6 +340,28 @@ def test_reap_job_names_the_roots_programs_it_leaves_holding_gpu_memory_and_exit
             as_json = json.loads(_reap(["--job", run_id, "--yes", "--json"], cli).stdout)
             assert sorted(s["pid"] for s in as_json["protected"]) == sorted(roots)
             assert as_json["still_held"] == sorted(roots)
+
+
+def test_a_users_process_that_points_its_executable_link_at_roots_xorg_is_still_reported(
+        mallory: LocalUser, fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    # /proc/PID/exe is the kernel's, but prctl(PR_SET_MM_MAP) rewrites it for a process that has
+    # CAP_CHECKPOINT_RESTORE in its own user namespace, and any user may make one: mallory's
+    # rank, a `sleep`, points its link at root's Xorg (a file only root may write) and holds GPU
+    # memory. The link then names root's file in root's directory; the namespace gives it away.
+    run_id = f"rule2-{uuid.uuid4().hex[:8]}"
+    with roots_own_program("Xorg") as xorg, users_directory(mallory) as home:
+        library = exe_setter(home)
+        env = {**launch_env(0, 1, run_id, base=clean_env()), "LD_PRELOAD": str(library),
+               "GWTEST_EXE": str(xorg)}
+        with users_orphan(mallory, ["/bin/sleep", "600"], env, "mallory's rank posing as Xorg",
+                          runs=str(xorg)) as pid:
+            fake_node.hold(pid, device=0, used=2 * GIB)
+            with _watched(fake_node, cli_env, tmp_path) as (watched, cli):
+                orphan = watched.findings_of("orphan", [pid])[pid]
+                assert orphan["user"] == mallory.name
+                process = next(p for p in status_json(cli)[1]["processes"] if p["pid"] == pid)
+                assert process["exe"] == {"path": str(xorg), "owner_uid": 0,
+                                          "root_controlled": False}
 
 
 # (section 2 ends)

@@ -37,6 +37,11 @@ def read_executable(procfs: str, pid: int) -> tuple[Optional[Executable], Option
     writable by no one else, for the file to count as root's (`Executable.root_controlled`).
     Another user's process without CAP_SYS_PTRACE: None and the error (protection by executable
     needs proof, so none is granted). A kernel thread, a zombie, a process gone: None, no error.
+
+    The link is the kernel's, but not only exec sets it: prctl(PR_SET_MM_MAP) with an `exe_fd`
+    points it at any file its caller may execute, and needs only CAP_CHECKPOINT_RESTORE in the
+    caller's own user namespace, which any user can make (`unshare -U`). So the link is proof
+    only for a process in gpuwatch's own user namespace: one in another is never root's.
     """
     link = f"{procfs}/{pid}/exe"
     try:
@@ -47,7 +52,25 @@ def read_executable(procfs: str, pid: int) -> tuple[Optional[Executable], Option
     except OSError:
         return None, None
     return Executable(path=target.decode(_FS_ENCODING, "replace"), owner_uid=st.st_uid,
-                      root_controlled=_root_controlled(target, st)), None
+                      root_controlled=(_root_controlled(target, st)
+                                       and _in_our_user_namespace(procfs, pid))), None
+
+
+def _in_our_user_namespace(procfs: str, pid: int) -> bool:
+    """Whether process `pid` is in gpuwatch's own user namespace (where a user cannot set their
+    process's executable link). True where the kernel has no user namespaces (no ns/user for
+    either); False where the process's cannot be read."""
+    try:
+        ours = os.stat("/proc/self/ns/user")
+    except OSError:
+        return True
+    try:
+        theirs = os.stat(f"{procfs}/{pid}/ns/user")
+    except FileNotFoundError:
+        return not os.path.isdir(f"{procfs}/{pid}/ns")  # a procfs that says nothing of them
+    except OSError:
+        return False
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
 
 
 def _root_controlled(path: bytes, st: os.stat_result) -> bool:

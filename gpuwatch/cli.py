@@ -43,6 +43,7 @@ EXIT_PARTIAL = 4
 # `gpuwatch reap`
 EXIT_NOTHING_TO_DO = 3
 EXIT_NOT_ALL_REAPED = 4
+EXIT_REFUSED_SERVICE = 5
 EXIT_NO_PERMISSION = 77  # sysexits' EX_NOPERM: the audit log cannot be written
 
 STATUS_EXIT_CODES = f"""\b
@@ -329,6 +330,8 @@ Exit codes:
   {EXIT_NOT_ALL_REAPED}  GPU memory the plan named is still held (a process not ended holds it,
      or NVML still lists an ended one's; NVML unreadable and a process not ended), or a
      process that --job or --pid names holds GPU memory and is protected (never signalled)
+  {EXIT_REFUSED_SERVICE}  none held, but a finding was refused as a service's process or the
+     daemon's, or one under it (refused-service: the findings are wrong or out of date)
   {EXIT_NO_PERMISSION} the audit log cannot be written (not root, nor the daemon's user): nothing
      was signalled (a --dry-run still prints its plan, unrecorded, and exits 0)
   {EXIT_CONFIG} bad configuration
@@ -362,10 +365,11 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
 
     Plans from the running daemon's findings (or one poll), never signals PID 1, the daemon,
     kernel threads or protected processes (by uid, system unit or root's executable, never by
-    name), and checks each process's identity right before every signal. Every action goes to
+    name), nor a leftover or orphan that is a service's (a raylet's agent, a notebook kernel) or
+    the daemon's, and checks each process's identity right before every signal. Every action goes to
     the audit log (reap.jsonl in the state directory).
     """
-    from gpuwatch.actions.reaper import AuditRefused, Filters, audit_refusal
+    from gpuwatch.actions.reaper import REFUSED_SERVICE, AuditRefused, Filters, audit_refusal
     from gpuwatch.app.reaping import Reap
     from gpuwatch.model import KINDS, REAPABLE_KINDS
     from gpuwatch.runtime_dir import DAEMON_INFO_NAME
@@ -420,8 +424,12 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     _print_reap(as_json, report, done.rows, False, render_reap, held, spared)
     # What an epilog decides on: whether the next job would find GPU memory taken, not whether
     # every line of the plan was carried out (a PID reused before the signal freed nothing, but
-    # what it was planned for holds nothing either).
-    sys.exit(EXIT_NOT_ALL_REAPED if held else EXIT_OK)
+    # what it was planned for holds nothing either); then whether a finding named a service's
+    # process, which no reap ends: the findings are wrong or out of date.
+    if held:
+        sys.exit(EXIT_NOT_ALL_REAPED)
+    sys.exit(EXIT_REFUSED_SERVICE if any(r.result == REFUSED_SERVICE for r in done.results)
+             else EXIT_OK)
 
 
 def _print_reap(as_json: bool, report: Any, rows: list[Any], dry_run: bool,

@@ -8,7 +8,7 @@ a user's editor into a "leftover" when their training run ends.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Optional
 
 from gpuwatch.model import HostProcess, Job
@@ -92,6 +92,32 @@ def is_service(p: HostProcess) -> bool:
         if arg == "-m":
             return p.cmdline[i + 1] in SERVICE_MODULES
     return False
+
+
+def lineage(p: HostProcess, processes: Mapping[int, HostProcess]) -> Iterator[HostProcess]:
+    """`p`, then its parent, its parent's parent, ... as `processes` has them: up to PID 1, or
+    the first one `processes` lacks (at most _MAX_DEPTH: a corrupt or cyclic chain ends)."""
+    current: Optional[HostProcess] = p
+    for _ in range(_MAX_DEPTH):
+        if current is None:
+            return
+        yield current
+        if not current.ppid or current.ppid == current.pid:
+            return
+        current = processes.get(current.ppid)
+
+
+def service_over(p: HostProcess, processes: Mapping[int, HostProcess],
+                 observer: Optional[int] = None, itself: bool = True
+                 ) -> Optional[HostProcess]:
+    """The nearest of `p`'s ancestors that is a service (is_service) or the process `observer`
+    names (the daemon), whose live work `p` is as far as anyone can tell; else, with `itself`,
+    `p` where it is a service; else None. The reaper's own check before it ends a leftover or
+    an orphan (gpuwatch.actions.reaper), whatever the findings say."""
+    for q in lineage(p, processes):
+        if q is not p and ((observer is not None and q.pid == observer) or is_service(q)):
+            return q
+    return p if itself and is_service(p) else None
 
 
 def is_namespace_init(p: HostProcess, of: HostProcess) -> bool:

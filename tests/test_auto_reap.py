@@ -4,12 +4,16 @@ open long enough, with the same checks and the same audit as `gpuwatch reap`."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
+import pytest
+
+from gpuwatch.config import load_config
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import RunningDaemon, Samples, running_daemon, value
-from tests.realprocs import GIB
+from tests.realprocs import GIB, status_json
 from tests.scenarios import (
     JobPids,
     running,
@@ -17,6 +21,8 @@ from tests.scenarios import (
     torchrun_job,
     wait_not_running,
 )
+from tests.test_reap import audit
+from tests.test_reap_services import forged, services
 
 DETECTORS = "[detectors]\nleftover_grace = 0.5\nzombie_grace = 0.5\nmin_age = 0\n"
 
@@ -98,3 +104,39 @@ def test_a_mistyped_kind_is_a_usage_error_not_nothing_to_do(cli_env: dict[str, s
     result = gpuwatch(["reap", "--dry-run", "--kind", "orphans"], cli_env)
     assert result.returncode == 2
     assert "unknown kind orphans" in result.stderr
+
+
+def test_the_daemons_auto_reap_refuses_and_records_a_services_processes_once(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The auto-reap handed findings that call a kernel and a raylet's agent leftovers and the
+    actor an orphan (a detector gone wrong): nothing signalled, each refusal in the audit log
+    once, with its reason, however many polls bring it."""
+    from gpuwatch.app.reaping import DaemonReaping
+    from gpuwatch.sinks.document import from_json
+
+    state = tmp_path / "auto-state"
+    config_path = tmp_path / "auto.toml"
+    config_path.write_text(f'[daemon]\nstate_dir = "{state}"\n[reaper]\nauto = true\n'
+                           'auto_kinds = ["orphan", "leftover"]\nauto_after = 0\ngrace = 1\n')
+    with services(fake_node, tmp_path) as pids:
+        _, doc = status_json(cli_env)
+        report = from_json(forged(doc, {pids["dashboard"]: "leftover",
+                                        pids["kernel"]: "leftover", pids["actor"]: "orphan"}))
+        reaping = DaemonReaping(load_config(config_path, environ={}), lambda *_: None)
+        with caplog.at_level(logging.WARNING, logger="gpuwatch.daemon"):
+            for _ in range(3):
+                reaping.after_poll(report)
+                if reaping._reaping is not None:
+                    reaping._reaping.join(timeout=60)
+        assert all(running(pid) for pid in pids.values())
+        entries = audit(state)
+        assert [e for e in entries if e["phase"] != "planned"] == []
+        refused = {e["pid"]: e for e in entries}
+        assert len(entries) == 3 and set(refused) == {pids["dashboard"], pids["kernel"],
+                                                      pids["actor"]}
+        assert all(e["action"] == "refuse-service" and e["actor"] == "daemon"
+                   for e in entries), entries
+        assert refused[pids["kernel"]]["refused"] == (
+            f"a child of a service (jupyter-lab {pids['server']})")
+        assert f"refused: a child of a service (raylet {pids['raylet']})" in caplog.text

@@ -6,5 +6,6 @@ case $? in
   4)   # GPU memory of the job is still held: keep the next job off this node
        scontrol update nodename="$(hostname -s)" state=drain reason="gpuwatch: GPU memory not freed"
        exit 0 ;;
+  5)   exit 0 ;;   # findings named a service's processes (a raylet's, a kernel): refused, in reap.jsonl
   *)   exit 0 ;;   # gpuwatch itself failed: never fail the epilog over it
 esac

@@ -9,6 +9,12 @@ so `reap --dry-run` shows exactly what the daemon sees. Safety, in order of prec
   name); another user's process only with CAP_KILL (what the kernel asks, not uid 0) and only
   where the policy allows it; a protected GPU holder that a reap's --job or --pid names is said
   (`Spared`), so that its caller knows the memory stays held;
+- a `leftover` that is a service's own process (jobtree.is_service: a raylet's agent, a notebook
+  kernel) or that runs under a live service or under the daemon, and an `orphan` that runs under
+  one (a service that adopted it as a subreaper: its own work), is refused (`refuse-service`),
+  whatever the findings say: they may come from a document (an earlier daemon's, a status
+  document read back) and the detector is not the only gate. Checked on the live process tree
+  when planning, and again right before each signal (the ref's veto);
 - the identity (PID and start time) is checked right before every signal, so a PID reused by a
   new process is never signalled (gpuwatch.actions.signals, the one signalling path);
 - SIGTERM to every candidate first, one grace period for all, then SIGKILL to those left; a
@@ -44,6 +50,7 @@ from gpuwatch.actions.signals import (
     OTHER,
     SAME,
     SETTLE,
+    VETOED,
     WAITING,
     ZOMBIE,
     Ending,
@@ -53,6 +60,7 @@ from gpuwatch.actions.signals import (
 )
 from gpuwatch.config import Config
 from gpuwatch.detectors import protected_by
+from gpuwatch.jobtree import service_over
 from gpuwatch.model import KINDS, REAPABLE_KINDS, Finding, HostProcess, Job, Kind, NodeReport
 from gpuwatch.sources.processes import ProcessSource
 from gpuwatch.units import plural
@@ -70,8 +78,11 @@ CGROUP_SETTLE = 2.0
 AUDIT_TAIL_BYTES = 4 << 20
 
 #: What carrying out an action can end in (a dry run's results are all "planned").
-OUTCOMES = ("exited", "killed", "reaped", "gone", "identity-changed", "refused", "unkillable",
-            "still-running", "failed")
+OUTCOMES = ("exited", "killed", "reaped", "gone", "identity-changed", "refused",
+            "refused-service", "unkillable", "still-running", "failed")
+#: The outcome of a finding refused because its process is a service's or the daemon's (the
+#: action REFUSE_SERVICE, or a signal stopped by the same check right before it was sent).
+REFUSED_SERVICE = "refused-service"
 
 #: The outcomes after which the process no longer holds anything.
 FREED = frozenset({"exited", "killed", "reaped", "gone"})
@@ -80,6 +91,13 @@ TERMINATE = "terminate"
 VIA_PARENT = "reap-via-parent"
 REPORT = "report"
 REFUSE = "refuse"
+REFUSE_SERVICE = "refuse-service"
+#: The actions that signal nothing: said, recorded, never carried out.
+NOT_SIGNALLED = frozenset({REPORT, REFUSE, REFUSE_SERVICE})
+#: The kinds the service check applies to, and whether to the process itself too: a leftover is
+#: a live process that something judged finished; an orphan's parent is gone, and a service
+#: whose child it was is no longer above it, unless the service adopted it (a subreaper).
+SERVICE_CHECKED = {Kind.LEFTOVER: True, Kind.ORPHAN: False}
 
 
 @dataclass(frozen=True)
@@ -177,8 +195,8 @@ class Result:
 
     @staticmethod
     def of(action: Action, ending: Ending) -> Result:
-        return Result(action, ending.result, ending.detail,
-                      tuple(zip(ending.sent, ending.sent_at)))
+        result = REFUSED_SERVICE if ending.result == VETOED else ending.result
+        return Result(action, result, ending.detail, tuple(zip(ending.sent, ending.sent_at)))
 
 
 class Reaper:
@@ -298,6 +316,9 @@ class Reaper:
         refusal = self._refusal(proc)
         if refusal is not None:
             return Action(action=REFUSE, **base, refused=refusal)
+        refusal = self._serving(f.kind, pid)
+        if refusal is not None:
+            return Action(action=REFUSE_SERVICE, **base, refused=refusal)
         if f.kind == Kind.ZOMBIE and (proc.num_threads or 0) <= 1:
             parent = processes.get(proc.ppid) if proc.ppid is not None else None
             if parent is None:
@@ -335,6 +356,31 @@ class Reaper:
                 return f"another user's process ({user}): reaper.allow_other_users is off"
         return None
 
+    def _serving(self, kind: str, pid: int) -> Optional[str]:
+        """Why a `leftover` or an `orphan` must not be ended: it is live work of a service or of
+        the daemon (jobtree.service_over), read from /proc now, not from the findings' snapshot;
+        None where it is not (or is gone: the identity check before each signal says so)."""
+        if kind not in SERVICE_CHECKED:
+            return None
+        live = ProcessSource().read([pid]).processes
+        p = live.get(pid)
+        if p is None or not p.in_procfs:
+            return None
+        over = service_over(p, live, observer=self.daemon_pid, itself=SERVICE_CHECKED[kind])
+        if over is None:
+            return None
+        if over.pid == self.daemon_pid:
+            return f"a child of the gpuwatch daemon (PID {over.pid})"
+        name = over.name or "?"
+        return (f"a service ({name} {over.pid})" if over is p
+                else f"a child of a service ({name} {over.pid})")
+
+    def _veto(self, a: Action) -> Optional[Callable[[int], Optional[str]]]:
+        """The check made again right before each signal to the action's process."""
+        if a.kind not in SERVICE_CHECKED:
+            return None
+        return functools.partial(self._serving, a.kind)
+
     # -- acting --------------------------------------------------------------------------------
     def execute(self, actions: Iterable[Action], grace: Optional[float] = None,
                 on_result: Optional[Callable[[Result], None]] = None) -> list[Result]:
@@ -371,6 +417,8 @@ class Reaper:
         for i, a in enumerate(actions):
             if a.action == REFUSE:
                 done(i, Result(a, "refused", a.refused or ""))
+            elif a.action == REFUSE_SERVICE:
+                done(i, Result(a, REFUSED_SERVICE, a.refused or ""))
             elif a.action == REPORT:
                 done(i, Result(a, "unkillable" if a.kind == Kind.UNKILLABLE else "failed",
                                a.refused or ""))
@@ -385,7 +433,8 @@ class Reaper:
             refs = []
             for i in terminating:
                 assert actions[i].target is not None
-                refs.append(ProcessRef(actions[i].target, actions[i].target_start_time))
+                refs.append(ProcessRef(actions[i].target, actions[i].target_start_time,
+                                       veto=self._veto(actions[i])))
             self._signals.terminate_all(
                 refs, wait,
                 on_end=lambda j, ending: done(terminating[j],
@@ -720,7 +769,7 @@ class AuditFollower:
                     self._pending[action_id] = entry
                     while len(self._pending) > 10_000:  # bounded whatever a log holds
                         self._pending.pop(next(iter(self._pending)))
-                elif entry.get("actor") == "daemon" and entry.get("action") in (REFUSE, REPORT):
+                elif entry.get("actor") == "daemon" and entry.get("action") in NOT_SIGNALLED:
                     self._refusals.add(self._refusal_key(entry))
         return news
 

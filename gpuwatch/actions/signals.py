@@ -12,6 +12,11 @@ for all of them, SIGKILL to those left, and a wait; it reports each process's en
 is known. `reap`, the daemon's auto-reap and `gpuwatch top` end processes through it; the `run`
 supervisor signals through `send`.
 
+A ref may carry a veto (`ProcessRef.veto`: the reaper's check that the process is no service's,
+nor the daemon's): asked after the identity check, right before each signal, with the pidfd held;
+a reason from it stops the signal (`Vetoed`), and `terminate_all` ends that process's turn as
+`VETOED`, nothing more sent.
+
 Whether a process may signal other users' processes at all is the kernel's rule, asked of
 /proc/self/status (`may_signal_other_users`): CAP_KILL in the effective set, not uid 0.
 """
@@ -22,7 +27,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -41,6 +46,8 @@ SAME = "same"  # running (or stopped, sleeping...) as it was
 ZOMBIE = "zombie"  # exited; its parent has yet to collect it
 GONE = "gone"  # no such PID
 OTHER = "other"  # the PID belongs to another process now
+#: The result of a signal its ref's veto stopped (Ending.result).
+VETOED = "vetoed"
 
 #: capabilities(7): the one that lets a process signal processes of any user.
 CAP_KILL = 5
@@ -66,6 +73,14 @@ class ProcessRef:
 
     pid: int
     start_time: Optional[float]
+    #: Asked with the PID right before each signal, once the identity is checked: a reason in
+    #: words means the process must not be signalled (send raises Vetoed), None that it may.
+    veto: Optional[Callable[[int], Optional[str]]] = field(default=None, compare=False,
+                                                           repr=False)
+
+
+class Vetoed(Exception):
+    """A signal that its ref's veto stopped: nothing was sent. The message is the reason."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +90,8 @@ class Ending:
     #: "exited" (on SIGTERM, or already), "killed" (needed SIGKILL), "gone" (before any signal,
     #: or after SIGTERM with its PID now another process's), "identity-changed" (the PID was
     #: reused before the first signal: nothing sent), "unkillable" (in D state after SIGKILL),
-    #: "still-running", "failed" (no permission)
+    #: "still-running", "failed" (no permission), VETOED (its ref's veto stopped a signal: the
+    #: SIGTERM, nothing sent; or the SIGKILL after a SIGTERM)
     result: str
     detail: str
     #: The signals actually sent, in order: ("SIGTERM",), ("SIGTERM", "SIGKILL"), ...
@@ -109,7 +125,9 @@ class Signaller:
 
     def send(self, ref: ProcessRef, signum: int) -> str:
         """Send `signum` to the process if it is still `ref`: returns SAME (sent), ZOMBIE (sent to
-        an exited process: harmless), GONE or OTHER (nothing sent). PermissionError passes."""
+        an exited process: harmless), GONE or OTHER (nothing sent). Raises Vetoed (nothing sent)
+        when the ref's veto gives a reason, asked after the identity check with the pidfd held.
+        PermissionError passes."""
         fd: Optional[int] = None
         try:
             fd = os.pidfd_open(ref.pid)
@@ -121,6 +139,10 @@ class Signaller:
             now = self.state(ref)
             if now in (GONE, OTHER):
                 return now
+            if ref.veto is not None:
+                why = ref.veto(ref.pid)
+                if why is not None:
+                    raise Vetoed(why)
             if fd is not None:
                 signal.pidfd_send_signal(fd, signum)
             else:
@@ -194,6 +216,9 @@ class Signaller:
                 except PermissionError:
                     end(i, Ending("failed", "no permission to signal it"))
                     continue
+                except Vetoed as why:
+                    end(i, Ending(VETOED, f"{why}: nothing sent"))
+                    continue
                 if sent == GONE:
                     end(i, Ending("gone", "exited before the signal"))
                 elif sent == OTHER:
@@ -225,6 +250,10 @@ class Signaller:
                 sent = self.send(refs[i], signal.SIGKILL)
             except PermissionError:
                 end(i, Ending("failed", "no permission to send SIGKILL", ("SIGTERM",),
+                              (term_at[i],)))
+                continue
+            except Vetoed as why:
+                end(i, Ending(VETOED, f"{why}: SIGTERM sent, SIGKILL not", ("SIGTERM",),
                               (term_at[i],)))
                 continue
             if sent in (GONE, OTHER):

@@ -33,15 +33,13 @@ from gpuwatch.detectors.common import (
     supervisor_gone,
 )
 from gpuwatch.history import History, JobRecord
-from gpuwatch.jobtree import is_launcher, is_login_shell, is_service
+from gpuwatch.jobtree import is_launcher, is_login_shell, is_service, lineage
 from gpuwatch.launch_env import LAUNCHER_SET_KEYS, RUN_ID_KEY
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.LEFTOVER})
-# Guards the climb against a corrupt or cyclic parent chain.
-_MAX_DEPTH = 64
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
@@ -124,15 +122,5 @@ def _hosts_a_service(job: JobRecord, snapshot: NodeSnapshot) -> bool:
 def _under_observer(p: HostProcess, snapshot: NodeSnapshot) -> bool:
     """Whether `p` is the process that took the snapshot (the daemon), or runs under it."""
     observer = snapshot.observer_pid
-    if observer is None:
-        return False
-    current: Optional[HostProcess] = p
-    for _ in range(_MAX_DEPTH):
-        if current is None:
-            return False
-        if current.pid == observer:
-            return True
-        if not current.ppid:
-            return False
-        current = snapshot.processes.get(current.ppid)
-    return False
+    return observer is not None and any(q.pid == observer
+                                        for q in lineage(p, snapshot.processes))

@@ -65,18 +65,31 @@ def render_reap(report: NodeReport, rows: list[tuple[Any, str, str]], dry_run: b
     widths = fit_widths(natural_widths(table), width, _NARROWING, _MIN_WHY)
     freed = sum(a.gpu_memory_bytes or 0 for a, result, _ in rows
                 if result in ("planned", "exited", "killed", "reaped", "gone")
-                and a.action != "refuse")
+                and a.action not in ("refuse", "refuse-service", "report"))
     verb = "would free" if dry_run else "freed"
     rows_text = wrapped_table(table, widths, width, cut_at_start={_R_JOB}, glyphs=glyphs)
     if width > 0:
         # Narrower than what every step above leaves (PID, name, kind, action): cut.
         rows_text = [line[:width] for line in rows_text]
     lines = [*(wrap_text(head, width, subsequent_indent="  ") if width > 0 else [head]),
-             "", *rows_text, "", *protected, f"{verb} up to {human_bytes(freed)} of GPU memory"]
+             "", *rows_text, "", *protected, *_service_lines(rows, dry_run),
+             f"{verb} up to {human_bytes(freed)} of GPU memory"]
     if not dry_run:
         lines.append("GPU memory still held by PID " + ", ".join(map(str, sorted(held)))
                      if held else "no GPU memory the plan named is still held")
     return "\n".join(lines) + "\n"
+
+
+def _service_lines(rows: list[tuple[Any, str, str]], dry_run: bool) -> list[str]:
+    """What was refused as a service's (or the daemon's) own: findings that name it are wrong or
+    out of date, and no reap ends it (`refuse-service`, `refused-service`)."""
+    pids = [str(a.pid) for a, result, _ in rows
+            if a.action == "refuse-service" or result == "refused-service"]
+    if not pids:
+        return []
+    verb = "would refuse" if dry_run else "refused"
+    return [f"{verb} PID {', '.join(pids)}: live work of a service or of the daemon "
+            "(refused-service); nothing of it is signalled"]
 
 
 def _spared_line(s: Any) -> str:

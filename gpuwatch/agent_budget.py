@@ -249,3 +249,35 @@ class BudgetStats:
     @property
     def total(self) -> int:
         return sum(self.by_part.values())
+
+
+def fair_shares(demands: Mapping[Optional[int], int], room: int) -> dict[Optional[int], int]:
+    """Max-min fair shares of `room` among users asking for `demands`: each gets what it asks
+    up to a level, the level as high as the room allows, and what is left below a whole level
+    goes one each to the users asking most (then to the lowest UID: the same answer every
+    poll)."""
+    shares = {uid: 0 for uid in demands}
+    waiting = sorted(demands, key=lambda uid: (demands[uid], _uid_order(uid)))
+    while waiting and room > 0:
+        level = room // len(waiting)
+        if level == 0:
+            for uid in sorted(waiting, key=lambda uid: (-demands[uid], _uid_order(uid)))[:room]:
+                shares[uid] += 1
+            break
+        uid = waiting[0]
+        if demands[uid] <= level:  # asks less than an even share: gets all it asks
+            shares[uid] = demands[uid]
+            room -= demands[uid]
+            waiting.pop(0)
+            continue
+        for uid in waiting:  # every user left asks more than the level: each gets it
+            shares[uid] = level
+        room -= level * len(waiting)
+        for uid in sorted(waiting, key=lambda uid: (-demands[uid], _uid_order(uid)))[:room]:
+            shares[uid] += 1
+        break
+    return shares
+
+
+def _uid_order(uid: Optional[int]) -> int:
+    return -1 if uid is None else uid

@@ -289,8 +289,9 @@ class HistoryConfig:
         300, _positive_int, "samples kept per process, spread over 1.5 x "
         "detectors.leak_min_span_seconds whatever the interval (every poll's where that is "
         "longer)")
-    max_processes: int = _setting(4096, _positive_int,
-                                  "processes with history; the oldest-seen are forgotten first")
+    max_processes: int = _setting(
+        4096, _positive_int, "processes with history, shared by user (max-min fair); within a "
+        "user's share its GPU holders are kept first, then the most recently seen")
 
 
 @frozen_dataclass

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
 
-from gpuwatch.agent_budget import AgentBudget
+from gpuwatch.agent_budget import AgentBudget, fair_shares
 from gpuwatch.launch_env import (
     RAY_JOB_SOURCE,
     TORCHELASTIC_DEFAULT_RUN_ID,
@@ -250,13 +250,15 @@ class ProcessHistory:
                  "held_gpu", "job_key", "last_seen", "name", "parent_comm", "parent_name",
                  "parent_start", "pid",
                  "reparented_at", "rss", "start_time", "steps", "steps_refused", "times",
-                 "uss", "zombie_since")
+                 "uid", "uss", "zombie_since")
 
     def __init__(self, p: HostProcess, parent: Optional[HostProcess], job_key: Optional[str],
                  first_seen: float, capacity: int) -> None:
         self.pid = p.pid
         self.start_time = p.start_time
         self.name = p.name
+        #: Whose it is: the history's room is shared by user (History._trim).
+        self.uid = p.uid
         #: The launching parent, as first seen: if it goes, this process is orphaned.
         self.first_ppid = p.ppid
         self.parent_start = parent.start_time if parent is not None else None
@@ -621,9 +623,23 @@ class History:
             job.launchers[parent.identity] = parent
 
     def _trim(self) -> None:
-        while len(self._by_identity) > self.max_processes:
-            _, h = self._by_identity.popitem(last=False)
-            self._drop_steps(h)
+        """Forget processes past `max_processes`, shared by user (max-min fair): a user with
+        more processes than the room leaves another user's histories, and with them the
+        lineage that shows an orphan, in place. Within a user's share its GPU holders are kept
+        first, then the most recently seen."""
+        if len(self._by_identity) <= self.max_processes:
+            return
+        by_user: dict[Optional[int], list[Identity]] = {}
+        for key, h in self._by_identity.items():  # the oldest seen first
+            by_user.setdefault(h.uid, []).append(key)
+        shares = fair_shares({uid: len(keys) for uid, keys in by_user.items()},
+                             self.max_processes)
+        for uid, keys in by_user.items():
+            over = len(keys) - shares[uid]
+            if over <= 0:
+                continue
+            for key in sorted(keys, key=lambda k: self._by_identity[k].held_gpu)[:over]:
+                self._drop_steps(self._by_identity.pop(key))
 
     def resize(self, samples: int, max_processes: int,
                sample_spacing: Optional[float] = None) -> None:

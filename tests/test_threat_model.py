@@ -545,6 +545,63 @@ def test_one_user_s_flood_of_fake_leaks_never_removes_another_user_s_gpu_series(
             victim.kill()
             victim.wait()
 
+
+# A launcher that forks its one rank (no launch variables: only its lineage shows it is a job's),
+# prints the rank's PID and waits until killed.
+_PLAIN_LAUNCHER = r"""
+import os, sys, time
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    while True:
+        time.sleep(3600)
+print(pid, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def test_one_user_s_many_processes_leave_another_user_s_history_and_her_orphan_is_found(
+        alice: LocalUser, mallory: LocalUser, fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """The history keeps `history.max_processes` processes, and what it remembers of a process
+    (the parent it was first seen under) is all that shows a rank without launch variables is
+    orphaned. mallory runs a job of far more processes than the room (a GPU holder's children
+    are read every poll): alice's histories stay, shared by user, and when her launcher dies her
+    rank, still holding GPU memory, is an orphan."""
+    config = "[detectors]\nmin_age = 0\n[history]\nmax_processes = 48\n"
+    with _watched_shared_node(fake_nvml_lib, tmp_path, config) as (node, env, daemon):
+        launcher = alice.popen([SYSTEM_PYTHON, "-c", _PLAIN_LAUNCHER], env=clean_env(),
+                               stdout=subprocess.PIPE, cwd="/")
+        flood = mallory.popen(["sh", "-c", "for i in $(seq 150); do sleep 600 & done; wait"],
+                              env=clean_env(), cwd="/", start_new_session=True)
+        assert launcher.stdout is not None
+        rank = int(launcher.stdout.readline())
+        try:
+            node.hold(rank, device=0, used=4 * GIB)
+            node.hold(flood.pid, device=0, used=1 * GIB)  # a job of hers: its children are read
+            wait_for("mallory's 150 processes", lambda: True if len(subprocess.run(
+                ["pgrep", "-u", mallory.name, "-x", "sleep"], capture_output=True, text=True
+            ).stdout.split()) >= 150 else None, START_TIMEOUT)
+            daemon.wait_for_metrics("alice's rank seen holding GPU memory", lambda s: rank in (
+                pids_with_series(s, "gpuwatch_process_gpu_memory_bytes")) or None)
+            polls = value(daemon.scrape(), "gpuwatch_polls_total") or 0
+            daemon.wait_for_metrics("two more polls with the flood", lambda s: (
+                value(s, "gpuwatch_polls_total") or 0) >= polls + 2 or None)
+            launcher.kill()
+            launcher.wait()
+            orphan = wait_for("alice's rank reported as an orphan",
+                              lambda: by_pid(status_json(env)[1], "orphan").get(rank), WAIT,
+                              alive=daemon.proc)
+            assert f"parent {launcher.pid} " in orphan["reason"]
+        finally:
+            for pid in (launcher.pid, rank):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            os.killpg(flood.pid, signal.SIGKILL)
+            launcher.wait()
+            flood.wait()
+            wait_not_running([rank], what="alice's rank to end")
+
 # (section 4 ends)
 
 

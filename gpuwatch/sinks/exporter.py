@@ -36,6 +36,7 @@ from gpuwatch.agent_budget import (
     PARTS,
     REFUSED_WHAT,
     BudgetStats,
+    fair_shares,
 )
 from gpuwatch.model import KINDS, Finding, HostProcess, Job, Kind, NodeReport, NodeSnapshot
 
@@ -129,38 +130,6 @@ def exported_processes(report: NodeReport, cap: int
         if p.pid not in kept:
             dropped["user_share" if over else "max_process_series"] += 1
     return [p for p in matter if p.pid in kept], dropped
-
-
-def fair_shares(demands: Mapping[Optional[int], int], room: int) -> dict[Optional[int], int]:
-    """Max-min fair shares of `room` among users asking for `demands`: each gets what it asks
-    up to a level, the level as high as the room allows, and what is left below a whole level
-    goes one each to the users asking most (then to the lowest UID: the same answer every
-    poll)."""
-    shares = {uid: 0 for uid in demands}
-    waiting = sorted(demands, key=lambda uid: (demands[uid], _uid_order(uid)))
-    while waiting and room > 0:
-        level = room // len(waiting)
-        if level == 0:
-            for uid in sorted(waiting, key=lambda uid: (-demands[uid], _uid_order(uid)))[:room]:
-                shares[uid] += 1
-            break
-        uid = waiting[0]
-        if demands[uid] <= level:  # asks less than an even share: gets all it asks
-            shares[uid] = demands[uid]
-            room -= demands[uid]
-            waiting.pop(0)
-            continue
-        for uid in waiting:  # every user left asks more than the level: each gets it
-            shares[uid] = level
-        room -= level * len(waiting)
-        for uid in sorted(waiting, key=lambda uid: (-demands[uid], _uid_order(uid)))[:room]:
-            shares[uid] += 1
-        break
-    return shares
-
-
-def _uid_order(uid: Optional[int]) -> int:
-    return -1 if uid is None else uid
 
 
 def agent_series_cap(report: NodeReport, processes: Iterable[HostProcess], cap: int

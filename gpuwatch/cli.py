@@ -372,7 +372,6 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     from gpuwatch.actions.reaper import REFUSED_SERVICE, AuditRefused, Filters, audit_refusal
     from gpuwatch.app.reaping import Reap
     from gpuwatch.model import KINDS, REAPABLE_KINDS
-    from gpuwatch.runtime_dir import DAEMON_INFO_NAME
     from gpuwatch.sinks.document import from_json
     from gpuwatch.sinks.reap_view import render_reap
     from gpuwatch.units import plural
@@ -385,7 +384,7 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
         sys.exit(EXIT_USAGE)
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
     report = from_json(_status_document(cfg, ask_daemon=not poll))
-    daemon_pid = _daemon_pid(cfg.daemon.runtime_dir / DAEMON_INFO_NAME)
+    daemon_pid = _daemon_pid(cfg.daemon.runtime_dir)
     reaper = Reap(cfg, daemon_pid=daemon_pid)
     filters = Filters(kinds=frozenset(kinds) if kinds else REAPABLE_KINDS, job=job,
                       pids=frozenset(pids or ()), user=user, older_than=older_than)
@@ -462,11 +461,13 @@ def _fitted() -> dict[str, Any]:
             "glyphs": glyphs_for(sys.stdout.encoding)}
 
 
-def _daemon_pid(info: Path) -> Optional[int]:
-    try:
-        pid = json.loads(info.read_text()).get("pid")
-    except (OSError, ValueError, AttributeError):
-        return None
+def _daemon_pid(runtime_dir: Path) -> Optional[int]:
+    """The daemon's PID as its daemon.json says, where that file is the daemon's to write (a
+    runtime directory no other user may write, a file of root's or the directory owner's)."""
+    from gpuwatch.runtime_dir import read_daemon_info
+
+    info, _ = read_daemon_info(runtime_dir)
+    pid = info.get("pid") if info is not None else None
     return pid if isinstance(pid, int) else None
 
 
@@ -490,7 +491,8 @@ Exit codes:
               help="Print the checks as JSON (docs/doctor.md).")
 @click.option("--check", "only", multiple=True, metavar="NAME",
               help="Run only this check (repeatable): config, nvml, privileges, proc-mount, "
-                   "pid-namespace, cgroups, daemon, agent-socket, metrics, systemd.")
+                   "pid-namespace, proc-children, cgroups, directories, daemon, agent-socket, "
+                   "metrics, systemd.")
 @click.option("--timeout", cls=Option, type=DURATION, default=2.0, metavar="DURATION",
               help="How long to wait for the daemon's sockets, its /metrics and systemctl: "
                    "500ms, 5s; at most 60s.")
@@ -573,7 +575,6 @@ def top(interval: float, poll: bool, runtime_dir: Optional[Path],
     zombie after showing the plan, q quits. docs/top.md has the rest.
     """
     from gpuwatch.app.top import NO_TERMINAL, run_top
-    from gpuwatch.runtime_dir import DAEMON_INFO_NAME
 
     if interval < 0.1:
         raise click.BadParameter("at least 100ms", param_hint="'--interval'")
@@ -581,8 +582,8 @@ def top(interval: float, poll: bool, runtime_dir: Optional[Path],
         click.echo(NO_TERMINAL, err=True)
         sys.exit(EXIT_USAGE)
     cfg = _load_config(config, {"daemon.runtime_dir": runtime_dir})
-    info = cfg.daemon.runtime_dir / DAEMON_INFO_NAME
-    sys.exit(run_top(cfg, interval, force_poll=poll, daemon_pid=lambda: _daemon_pid(info)))
+    runtime = cfg.daemon.runtime_dir
+    sys.exit(run_top(cfg, interval, force_poll=poll, daemon_pid=lambda: _daemon_pid(runtime)))
 
 
 DEMO_EXIT_CODES = """\b

@@ -45,8 +45,12 @@ from gpuwatch.protocol import TRACE_STATUSES
 from gpuwatch.runtime_dir import (
     DAEMON_INFO_NAME,
     EXIT_ALREADY_RUNNING,
+    EXIT_UNSAFE_DIRECTORY,
     AlreadyRunning,
+    TrustedDir,
+    UnsafeDirectory,
     lock_runtime_dir,
+    open_private_dir,
     remove_own_daemon_info,
 )
 from gpuwatch.sinks.daemon_metrics import DaemonMetrics
@@ -155,18 +159,22 @@ class Daemon:
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
         d = self.config.daemon
-        for key, directory, mode in (("runtime_dir", d.runtime_dir, 0o755),
-                                     ("state_dir", d.state_dir, 0o750)):
-            try:
-                directory.mkdir(parents=True, exist_ok=True, mode=mode)
-            except OSError as exc:
-                raise OSError(f"daemon.{key} {directory}: cannot use it as a directory: "
-                              f"{exc.strerror}") from None
-        # Before any socket or file in the directory is touched: a second daemon there would take
-        # over the sockets the CLI and the agents use, and delete them when it exits.
-        lock = lock_runtime_dir(d.runtime_dir)
+        # Checked before anything in them is touched, and held open: every file the daemon
+        # makes in the runtime directory is made through this descriptor (docs/security.md,
+        # rule 3). The state directory is only checked here; the audit log's writers check it
+        # again each time they open it.
+        runtime = open_private_dir(d.runtime_dir, create_mode=0o755,
+                                   setting="daemon.runtime_dir")
+        try:
+            open_private_dir(d.state_dir, create_mode=0o750, setting="daemon.state_dir").close()
+            # Before any socket or file in the directory is touched: a second daemon there would
+            # take over the sockets the CLI and the agents use, and delete them when it exits.
+            lock = lock_runtime_dir(runtime)
+        except BaseException:
+            runtime.close()
+            raise
         # A reload may change daemon.runtime_dir; what this run created stays where it was made.
-        runtime_dir = d.runtime_dir
+        runtime_dir = runtime.path
         try:
             self._install_signal_handlers()
             host, port = split_listen(d.listen)
@@ -176,12 +184,12 @@ class Daemon:
                 self.metrics_url = f"{self._http.scheme}://{_url_host(host)}:{bound_port}/metrics"
                 self._state_server = StateServer(runtime_dir / STATE_SOCKET_NAME,
                                                  self.document_bytes, group=d.state_socket_group,
-                                                 stats=self.connections)
+                                                 stats=self.connections, directory=runtime)
                 self._state_server.start()
-                self.agents.start()
-                self._write_daemon_info(bound_port)
+                self.agents.start(runtime)
+                self._write_daemon_info(runtime, bound_port)
             except BaseException:
-                self._shutdown(runtime_dir)
+                self._shutdown(runtime)
                 raise
             log.info("gpuwatch %s serving %s; state socket %s; agent socket %s; polling every "
                      "%g s", __version__, self.metrics_url, self._state_server.path,
@@ -190,10 +198,11 @@ class Daemon:
                 self._loop()
             finally:
                 systemd_notify.stopping()
-                self._shutdown(runtime_dir)
+                self._shutdown(runtime)
         finally:
             # Only once every file of this run is gone, so that the next daemon starts clean.
             os.close(lock)
+            runtime.close()
         log.info("stopped")
         return 0
 
@@ -392,22 +401,19 @@ class Daemon:
         systemd_notify.ready(status=self._status_line())
         return True
 
-    def _write_daemon_info(self, port: int) -> None:
-        d = self.config.daemon
+    def _write_daemon_info(self, runtime: TrustedDir, port: int) -> None:
         info = {"pid": os.getpid(), "version": __version__, "metrics_url": self.metrics_url,
-                "port": port, "state_socket": str(d.runtime_dir / STATE_SOCKET_NAME)}
-        path = d.runtime_dir / DAEMON_INFO_NAME
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, path)
+                "port": port, "state_socket": str(runtime.path / STATE_SOCKET_NAME)}
+        # daemon.json.tmp made anew (O_EXCL, O_NOFOLLOW) and renamed, within the directory.
+        runtime.write_file(DAEMON_INFO_NAME, json.dumps(info).encode())
 
-    def _shutdown(self, runtime_dir: Path) -> None:
+    def _shutdown(self, runtime: TrustedDir) -> None:
         if self._state_server is not None:
             self._state_server.stop()
         self.agents.stop()
         if self._http is not None:
             self._http.stop()
-        remove_own_daemon_info(runtime_dir / DAEMON_INFO_NAME)
+        remove_own_daemon_info(runtime)
         self.poller.close()
 
 
@@ -439,6 +445,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except AlreadyRunning as exc:
         print(f"gpuwatch daemon: {exc}", file=sys.stderr)
         return EXIT_ALREADY_RUNNING
+    except UnsafeDirectory as exc:  # another user could write where the daemon would
+        print(f"gpuwatch daemon: refusing the directory: {exc}", file=sys.stderr)
+        return EXIT_UNSAFE_DIRECTORY
     except ConfigError as exc:  # daemon.web_config, read when the port is opened
         print(f"gpuwatch: bad configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import os
 import pwd
 import re
@@ -43,7 +42,8 @@ from gpuwatch.config import (
 )
 from gpuwatch.model import GpuDevice, NvmlReading
 from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET_NAME
-from gpuwatch.runtime_dir import DAEMON_INFO_NAME
+from gpuwatch.runtime_dir import DAEMON_INFO_NAME, UnsafeDirectory, open_daemon_dir
+from gpuwatch.runtime_dir import read_daemon_info as runtime_daemon_info
 from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 from gpuwatch.sources.jobs import parse_cgroup
 from gpuwatch.sources.nvml import NvmlSource
@@ -611,13 +611,48 @@ def check_cgroups(ctx: Context) -> list[Check]:
     return [Check("cgroups", OK, f"{kind}; {found}")]
 
 
+# -- the runtime and state directories -------------------------------------------------------------
+def check_directories(ctx: Context) -> list[Check]:
+    """The daemon's directories as gpuwatch.runtime_dir checks them: no other user may write
+    them or anything above them (docs/security.md, rule 3). The daemon refuses to start on one
+    that fails (exit 78); the CLI does not believe the daemon.json and state.sock in it."""
+    found: list[str] = []
+    for key, directory in (("runtime_dir", ctx.runtime_dir),
+                           ("state_dir", ctx.config.daemon.state_dir)):
+        try:
+            with open_daemon_dir(directory, setting=f"daemon.{key}") as checked:
+                st = os.fstat(checked.fd)
+        except FileNotFoundError:
+            found.append(f"{directory} does not exist yet (the daemon makes it)")
+            continue
+        except UnsafeDirectory as exc:
+            return [Check("directories", FAIL, str(exc),
+                          fix="the daemon refuses to start on it (exit 78), and `status`, "
+                              "`reap` and `top` do not believe a daemon there: give it to root "
+                              "or the daemon's user, mode 0755 (the state directory 0750), in "
+                              "directories only they may write, or choose another "
+                              "(docs/security.md)")]
+        except OSError as exc:
+            return [Check("directories", WARN, f"cannot check {directory}: "
+                                               f"{exc.strerror or exc}",
+                          fix="run as root, or as the daemon's user")]
+        owner = _user_name(st.st_uid)
+        found.append(f"{directory} ({owner}'s, mode {stat.S_IMODE(st.st_mode):04o})")
+    return [Check("directories", OK, "; ".join(found) + ": writable by root and the daemon's "
+                                                       "user alone")]
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
 # -- the daemon, its sockets and /metrics ----------------------------------------------------------
 def read_daemon_info(runtime_dir: Path) -> Optional[dict[str, Any]]:
-    try:
-        info = json.loads((runtime_dir / DAEMON_INFO_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
+    """daemon.json, where it is the daemon's (gpuwatch.runtime_dir.read_daemon_info)."""
+    return runtime_daemon_info(runtime_dir)[0]
 
 
 def _pid_runs(proc: Path, pid: Any) -> bool:
@@ -680,6 +715,11 @@ def _daemon_unreachable(ctx: Context, path: Path, info: Optional[dict[str, Any]]
                                      f"{ctx.timeout:g} s",
                      fix="it may be overloaded or stuck: " + _RESTART_DAEMON
                          + "; --timeout waits longer")
+    if "not believed" in str(exc):
+        return Check("daemon", FAIL, f"{exc}",
+                     fix="the process serving it is not the daemon, or its directory is one "
+                         "another user can write: see the directories check; "
+                         "docs/security.md")
     if "first poll" in str(exc):
         return Check("daemon", WARN, "the daemon answers but has not finished its first poll",
                      fix="wait a poll interval; if this stays, NVML may hang on a GPU: "
@@ -889,6 +929,7 @@ CHECKS: tuple[Spec, ...] = (
     Spec("pid-namespace", check_pid_namespace),
     Spec("proc-children", check_proc_children),
     Spec("cgroups", check_cgroups),
+    Spec("directories", check_directories),
     Spec("daemon", check_daemon),
     Spec("agent-socket", check_agent_socket),
     Spec("metrics", check_metrics),

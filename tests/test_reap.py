@@ -578,10 +578,13 @@ def test_a_caller_without_cap_kill_is_refused_another_users_process(
     setpriv = setpriv_or_skip()
     # Everything the caller needs lives where uid 65534 can reach it: pytest's tmp_path is
     # root's alone. The daemon (root) keeps serving its state socket, opened to the caller's
-    # group as the gpuwatch group would be.
-    with shared_node(fake_nvml_lib, 0, NOBODY) as (node, env):
+    # group as the gpuwatch group would be. The state directory is root's (a root daemon
+    # refuses one another user owns); the audit log in it is the caller's to append to.
+    with shared_node(fake_nvml_lib, 0, 0) as (node, env):
         shared = Path(env["HOME"])
         runtime, states = Path(env["GPUWATCH_RUNTIME_DIR"]), Path(env["GPUWATCH_STATE_DIR"])
+        (states / "reap.jsonl").write_text("")
+        os.chown(states / "reap.jsonl", NOBODY, NOBODY)
         with orphaned_worker_under_pid1(tmp_path) as worker:
             node.hold(worker, device=0, used=GIB)
             with watching(node, env, tmp_path) as w:

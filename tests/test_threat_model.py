@@ -21,8 +21,11 @@ import shutil
 import signal
 import socket
 import ssl
+import stat
 import subprocess
 import sys
+import tempfile
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,7 +38,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatch.config import EXIT_CONFIG
 from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET
-from gpuwatch.simulate.demo import wait_for
+from gpuwatch.runtime_dir import DAEMON_INFO_NAME, LOCK_NAME
+from gpuwatch.simulate.demo import DemoError, wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.simulate.job import launch_env
 from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT
@@ -50,6 +54,7 @@ from tests.daemonproc import (
     running_daemon,
     shared_node,
     value,
+    wait_first_poll,
 )
 from tests.localusers import LocalUser, local_user
 from tests.protected import (
@@ -60,7 +65,7 @@ from tests.protected import (
     users_directory,
     users_orphan,
 )
-from tests.realprocs import GIB, MIB, gpuwatch, status_json
+from tests.realprocs import GIB, MIB, gpuwatch, status_json, terminate
 from tests.scenarios import START_TIMEOUT, _orphan, clean_env, comm, running, wait_not_running
 
 
@@ -371,6 +376,355 @@ def test_a_users_process_that_points_its_executable_link_at_roots_xorg_is_still_
 # Rule 3. No path followed where another user can write: runtime and state directories, the lock,
 # and what the CLI trusts.
 # =================================================================================================
+
+#: What an attack's daemon has to do at most before the test looks at what it did.
+ATTACK_WAIT = 30.0
+#: The daemon's exit code for a directory another user can write: sysexits' EX_CONFIG.
+EXIT_UNSAFE_DIRECTORY = 78
+
+
+@pytest.fixture
+def sticky_tmp() -> Iterator[Path]:
+    """A directory like /tmp (root's, mode 1777): any user may create in it, and only an entry's
+    owner may rename or remove it. Removed afterwards, whoever made what is in it."""
+    base = Path(tempfile.mkdtemp(prefix="gpuwatch-rule3-", dir="/tmp"))
+    base.chmod(0o1777)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def as_mallory(mallory: LocalUser, script: str, *args: str) -> None:
+    """Run `script` (Python) as mallory, to the end; it must succeed."""
+    done = mallory.run([SYSTEM_PYTHON, "-c", script, *args], timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+@contextlib.contextmanager
+def mallory_runs(mallory: LocalUser, script: str, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`script` as mallory, in the background until the block ends; it prints `ready` once set
+    up, and the block starts only then."""
+    proc = mallory.popen([SYSTEM_PYTHON, "-c", script, *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == b"ready", (line, proc.stderr.read() if proc.stderr else b"")
+        yield proc
+    finally:
+        terminate(proc)
+
+
+def mallorys_runtime_dir(mallory: LocalUser, base: Path, mode: int = 0o777) -> Path:
+    """A runtime directory mallory made in a sticky directory: hers, mode `mode`."""
+    run = base / "run"
+    as_mallory(mallory, "import os, sys; os.mkdir(sys.argv[1]); "
+               f"os.chmod(sys.argv[1], {mode:#o})", str(run))
+    return run
+
+
+@contextlib.contextmanager
+def daemon_on(env: dict[str, str], runtime: Path, where: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`gpuwatch daemon` as root on `runtime`, until the block ends. The block starts once it
+    has exited or serves (its daemon.json written)."""
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "daemon.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch", "daemon", "--listen", "127.0.0.1:0",
+             "--interval", "0.2", "--runtime-dir", str(runtime), "--state-dir",
+             str(where / "state")], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for("the daemon to exit or serve", lambda: True if proc.poll() is not None or (
+            runtime / DAEMON_INFO_NAME).exists() else None, ATTACK_WAIT)
+        yield proc
+    finally:
+        terminate(proc)
+
+
+def daemon_log(where: Path) -> str:
+    return (where / "daemon.log").read_text(errors="replace")
+
+
+def holds_lock(path: str) -> str:
+    """mallory's program: open `path` read-only (its mode 0644 lets anyone) and hold an
+    exclusive flock on it."""
+    return ("import fcntl, sys, time\n"
+            f"f = open({path!r}, 'rb')\n"
+            "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(600)\n")
+
+
+@pytest.mark.parametrize("made", ["owned by mallory", "mode 0777"])
+def test_a_root_daemon_refuses_a_runtime_dir_another_user_can_write_with_exit_78_naming_it(
+        made: str, mallory: LocalUser, cli_env: dict[str, str], sticky_tmp: Path,
+        tmp_path: Path) -> None:
+    """mallory makes the runtime directory herself (and holds a daemon.lock she put in it), or
+    root's directory is mode 0777: either way the daemon would write where she decides."""
+    run = sticky_tmp / "run"
+    attack: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if made == "owned by mallory":
+        as_mallory(mallory, "import os, sys; os.mkdir(sys.argv[1], 0o755); "
+                   "open(os.path.join(sys.argv[1], 'daemon.lock'), 'w').write('1\\n'); "
+                   "os.chmod(os.path.join(sys.argv[1], 'daemon.lock'), 0o644)", str(run))
+        attack = mallory_runs(mallory, holds_lock(str(run / "daemon.lock")))
+        why = f"owned by {mallory.name} (uid {mallory.uid})"
+    else:
+        run.mkdir()
+        run.chmod(0o777)
+        why = "writable by others (mode 0777)"
+    with attack, daemon_on(cli_env, run, tmp_path / "d") as proc:
+        proc.wait(ATTACK_WAIT)
+        assert proc.returncode == EXIT_UNSAFE_DIRECTORY, daemon_log(tmp_path / "d")
+    message = daemon_log(tmp_path / "d").strip()
+    assert f"daemon.runtime_dir {run}: {why}" in message, message
+    # Nothing of the daemon's in it: it refused before the first file.
+    assert sorted(p.name for p in run.iterdir()) == (
+        ["daemon.lock"] if made == "owned by mallory" else [])
+
+
+def test_links_planted_in_a_writable_runtime_dir_redirect_no_write_and_no_chmod(
+        mallory: LocalUser, cli_env: dict[str, str], sticky_tmp: Path, tmp_path: Path) -> None:
+    """daemon.json.tmp -> a root-only file (the daemon would write its JSON into it), agent.d ->
+    a 0700 directory (the daemon would open it to 0755 at mallory's first report)."""
+    victim = tmp_path / "root-only"
+    victim.write_text("root's secret\n")
+    victim.chmod(0o600)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "key").write_text("secret key\n")
+    private.chmod(0o700)
+    tmp_path.chmod(0o755)  # so that mallory's links resolve for whoever follows them
+    run = mallorys_runtime_dir(mallory, sticky_tmp)
+    as_mallory(mallory, "import os, sys; run = sys.argv[1]; "
+               "os.symlink(sys.argv[2], os.path.join(run, 'daemon.json.tmp')); "
+               "os.symlink(sys.argv[3], os.path.join(run, 'agent.d'))",
+               str(run), str(victim), str(private))
+    report = ("import json, socket, sys\n"
+              "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+              "s.sendto(json.dumps({'v': 1, 'kind': 'step', 'step': 1}).encode(), sys.argv[1])\n")
+    with daemon_on(cli_env, run, tmp_path / "d") as proc:
+        if proc.poll() is None:  # it serves: mallory reports, and waits for the chmod
+            as_mallory(mallory, report, str(run / "agent.sock"))
+            with contextlib.suppress(DemoError):
+                wait_for("agent.d's chmod", lambda: True if stat.S_IMODE(
+                    private.stat().st_mode) != 0o700 else None, 10)
+    assert victim.read_text() == "root's secret\n"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert proc.returncode == EXIT_UNSAFE_DIRECTORY, daemon_log(tmp_path / "d")
+
+
+def test_a_lock_another_user_holds_on_the_daemons_own_lock_file_does_not_keep_it_from_starting(
+        mallory: LocalUser, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """The directory is root's, mode 0755, and daemon.lock an earlier daemon's, mode 0644 (so
+    that anyone is told who holds it): mallory opens it read-only, which flock needs no more
+    than, and holds it. The daemon replaces the file, and says so."""
+    base = Path(tempfile.mkdtemp(prefix="gpuwatch-rule3-lock-"))
+    try:
+        base.chmod(0o755)
+        run = base / "run"
+        run.mkdir(mode=0o755)
+        (run / "daemon.lock").write_text("4242\n")
+        (run / "daemon.lock").chmod(0o644)
+        with mallory_runs(mallory, holds_lock(str(run / "daemon.lock"))), \
+                daemon_on(cli_env, run, tmp_path / "d") as proc:
+            assert proc.poll() is None, daemon_log(tmp_path / "d")
+            assert (run / "daemon.lock").read_text() == f"{proc.pid}\n"
+            assert (run / "daemon.lock").stat().st_uid == 0
+            wait_first_poll(run, proc)
+        log = daemon_log(tmp_path / "d")
+        assert "was locked by PID" in log and mallory.name in log and "replaced" in log, log
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+FORGED_SERVER = """
+import socket, sys
+doc = open(sys.argv[2], 'rb').read()
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1])
+s.listen(8)
+print('ready', flush=True)
+while True:
+    c, _ = s.accept()
+    c.settimeout(5)
+    try:
+        c.recv(256)
+        c.sendall(doc)
+    except OSError:
+        pass
+    c.close()
+"""
+
+
+def test_reap_as_root_believes_no_state_sock_another_user_serves_and_kills_nothing(
+        mallory: LocalUser, alice: LocalUser, fake_node: FakeNode, cli_env: dict[str, str],
+        sticky_tmp: Path, tmp_path: Path) -> None:
+    """mallory serves state.sock in a runtime directory of hers, with a status document naming
+    a root process and alice's as orphans: `reap --yes` as root (a Slurm epilog) would kill
+    both, and record them as the daemon's findings."""
+    run = mallorys_runtime_dir(mallory, sticky_tmp, 0o755)
+    roots = subprocess.Popen(["sleep", "600"])
+    alices = alice.popen(["sleep", "600"])
+    try:
+        for pid in (roots.pid, alices.pid):
+            fake_node.hold(pid, device=0, used=GIB)
+        # The processes as a real poll sees them (their start times too), named orphans.
+        polled = json.loads(gpuwatch(["status", "--poll", "--json"], cli_env).stdout)
+        victims = [p for p in polled["processes"] if p["pid"] in (roots.pid, alices.pid)]
+        assert len(victims) == 2, polled["processes"]
+        forged = {**polled, "source": "daemon", "source_detail": None, "findings": [
+            {"kind": "orphan", "severity": "critical", "pid": p["pid"],
+             "start_time": p["start_time"], "name": p["name"], "user": p["user"],
+             "job": p["job"], "gpus": [0], "gpu_memory_bytes": GIB,
+             "reason": "parent 1234 (torchrun) exited", "since": time.time() - 3600,
+             "details": {}} for p in victims]}
+        document = sticky_tmp / "forged.json"
+        document.write_text(json.dumps(forged))
+        document.chmod(0o644)
+        with mallory_runs(mallory, FORGED_SERVER, str(run / "state.sock"), str(document)):
+            env = {**cli_env, "GPUWATCH_RUNTIME_DIR": str(run)}
+            status = json.loads(gpuwatch(["status", "--json"], env).stdout)
+            reap = gpuwatch(["reap", "--yes", "--json", "--grace", "1"], env)
+        assert roots.poll() is None and alices.poll() is None, reap.stdout
+        assert status["source"] == "poll", status["source"]
+        assert "not believed" in status["source_detail"], status["source_detail"]
+        assert f"owned by {mallory.name}" in status["source_detail"], status["source_detail"]
+        out = json.loads(reap.stdout)
+        assert out["source"] == "poll" and out["actions"] == [], out
+    finally:
+        for proc in (roots, alices):
+            terminate(proc)
+
+
+# ---- the checks themselves --------------------------------------------------------------------
+
+
+def test_a_directory_and_everything_above_it_must_be_writable_by_root_and_this_user_alone(
+        mallory: LocalUser, sticky_tmp: Path, tmp_path: Path) -> None:
+    from gpuwatch.runtime_dir import UnsafeDirectory, open_private_dir
+
+    ok = tmp_path / "ok"
+    with open_private_dir(ok, create_mode=0o755) as made:  # made, and every parent as needed
+        assert made.path == ok and made.owner == 0
+    assert stat.S_IMODE(ok.stat().st_mode) == 0o755
+    # A sticky world-writable directory above it is fine: /tmp.
+    open_private_dir(sticky_tmp / "mine", create_mode=0o700).close()
+
+    link = tmp_path / "link"
+    link.symlink_to(ok)
+    with pytest.raises(UnsafeDirectory, match="a symbolic link"):
+        open_private_dir(link)
+    # A link above it, in a directory that passed, is followed.
+    open_private_dir(link / "below", create_mode=0o755).close()
+    assert (ok / "below").is_dir()
+
+    group = tmp_path / "group"
+    group.mkdir()
+    group.chmod(0o775)
+    with pytest.raises(UnsafeDirectory, match=r"writable by its group \(mode 0775\)"):
+        open_private_dir(group)
+    with pytest.raises(UnsafeDirectory, match="above it is writable by its group"):
+        open_private_dir(group / "run", create_mode=0o755)
+    assert not (group / "run").exists()  # refused before anything is made below
+
+    theirs = sticky_tmp / "theirs"
+    as_mallory(mallory, "import os, sys; os.mkdir(sys.argv[1], 0o755)", str(theirs))
+    with pytest.raises(UnsafeDirectory, match=f"owned by {mallory.name}"):
+        open_private_dir(theirs)
+    with pytest.raises(UnsafeDirectory, match=f"above it is owned by {mallory.name}"):
+        open_private_dir(theirs / "run", create_mode=0o755)
+
+
+def test_a_client_believes_a_directory_of_another_user_only_where_root_put_it(
+        mallory: LocalUser, sticky_tmp: Path, tmp_path: Path) -> None:
+    """/run/gpuwatch, the unit's gpuwatch account's, lies in /run, root's: only root could have
+    put it there. The same account's directory in /tmp could be anyone's doing."""
+    from gpuwatch.runtime_dir import UnsafeDirectory, daemon_peer_refusal, open_daemon_dir
+
+    placed = tmp_path / "run"
+    placed.mkdir(mode=0o755)
+    os.chown(placed, mallory.uid, mallory.gid)  # root gave it to the daemon's account
+    with open_daemon_dir(placed) as checked:
+        assert checked.daemon_uids == {0, mallory.uid}
+    assert daemon_peer_refusal(placed, mallory.uid) is None
+    assert daemon_peer_refusal(placed, 0) is None
+    refusal = daemon_peer_refusal(placed, 65534)
+    assert refusal is not None and "runs as" in refusal and "not believed" in refusal
+
+    theirs = sticky_tmp / "run"
+    as_mallory(mallory, "import os, sys; os.mkdir(sys.argv[1], 0o755)", str(theirs))
+    with pytest.raises(UnsafeDirectory, match="in a directory any user may create in"):
+        open_daemon_dir(theirs)
+    refusal = daemon_peer_refusal(theirs, mallory.uid)
+    assert refusal is not None and f"owned by {mallory.name}" in refusal
+
+
+def test_daemon_json_is_written_through_no_link_and_believed_only_from_the_daemons_user(
+        mallory: LocalUser, tmp_path: Path) -> None:
+    from gpuwatch.runtime_dir import open_private_dir, read_daemon_info
+
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    (run / "daemon.json.tmp").symlink_to(victim)  # as a stale one would lie there
+    with open_private_dir(run) as directory:
+        directory.write_file(DAEMON_INFO_NAME, b'{"pid": 1}')
+    assert victim.read_text() == "untouched"
+    assert not (run / "daemon.json").is_symlink()
+    assert read_daemon_info(run) == ({"pid": 1}, None)
+
+    os.chown(run / "daemon.json", mallory.uid, mallory.gid)
+    info, why = read_daemon_info(run)
+    assert info is None and why is not None and f"owned by {mallory.name}" in why
+    (run / "daemon.json").unlink()
+    (run / "daemon.json").symlink_to(victim)
+    assert read_daemon_info(run)[0] is None
+
+
+def test_a_lock_file_of_another_user_or_with_another_name_is_replaced_not_locked(
+        mallory: LocalUser, tmp_path: Path) -> None:
+    from gpuwatch.runtime_dir import lock_runtime_dir, open_private_dir
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("root's\n")
+    for plant in ("theirs", "hard link"):
+        (run / LOCK_NAME).unlink(missing_ok=True)
+        if plant == "theirs":
+            (run / LOCK_NAME).write_text("1\n")
+            os.chown(run / LOCK_NAME, mallory.uid, mallory.gid)
+        else:
+            os.link(elsewhere, run / LOCK_NAME)
+        with open_private_dir(run) as directory:
+            fd = lock_runtime_dir(directory)
+            try:
+                st = os.fstat(fd)
+                assert (st.st_uid, st.st_nlink) == (0, 1), plant
+            finally:
+                os.close(fd)
+    assert elsewhere.read_text() == "root's\n"
+
+
+def test_the_audit_log_is_not_written_through_a_link_nor_in_a_directory_another_user_may_write(
+        mallory: LocalUser, sticky_tmp: Path, tmp_path: Path) -> None:
+    from gpuwatch.actions.reaper import AuditWriter
+
+    victim = tmp_path / "victim"
+    victim.write_text("root's\n")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o750)
+    (state / "reap.jsonl").symlink_to(victim)
+    with pytest.raises(PermissionError, match="symbolic link"):
+        AuditWriter(state / "reap.jsonl", "cli", 0).touch()
+    theirs = mallorys_runtime_dir(mallory, sticky_tmp, 0o755)
+    with pytest.raises(PermissionError, match=f"owned by {mallory.name}"):
+        AuditWriter(theirs / "reap.jsonl", "cli", 0).touch()
+    assert victim.read_text() == "root's\n"
+    assert list(theirs.iterdir()) == []
 
 # (section 3 ends)
 

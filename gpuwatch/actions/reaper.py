@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import functools
 import json
 import os
 import signal
+import stat
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -62,6 +64,7 @@ from gpuwatch.config import Config
 from gpuwatch.detectors import protected_by
 from gpuwatch.jobtree import service_over
 from gpuwatch.model import KINDS, REAPABLE_KINDS, Finding, HostProcess, Job, Kind, NodeReport
+from gpuwatch.runtime_dir import TrustedDir, UnsafeDirectory, open_daemon_dir, open_private_dir
 from gpuwatch.sources.processes import ProcessSource
 from gpuwatch.units import plural
 
@@ -549,26 +552,64 @@ class AuditWriter:
 
     @contextlib.contextmanager
     def _open(self) -> Iterator[int]:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-        flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC  # read: the last byte, for a torn line
+        flags = os.O_RDWR | os.O_APPEND  # read: the last byte, for a torn line
+        with _audit_dir(self.path, create=True) as directory:
+            name = self.path.name
+            try:
+                fd = _open_in(directory, self.path, flags | os.O_CREAT | os.O_EXCL, 0o640)
+                created = True
+            except FileExistsError:
+                fd = _open_in(directory, self.path, flags)
+                created = False
+            try:
+                if created and os.geteuid() == 0:
+                    # Root (`gpuwatch reap` in an epilog) creating the log in the daemon's state
+                    # directory: the file is the directory owner's, so that the daemon (the
+                    # unit's gpuwatch account) can append to it too.
+                    st = os.fstat(directory.fd)
+                    with contextlib.suppress(OSError):
+                        os.fchown(fd, st.st_uid, st.st_gid)
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise PermissionError(errno.EACCES, f"{name} is not a regular file")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield fd
+            finally:
+                os.close(fd)
+
+
+@contextlib.contextmanager
+def _audit_dir(path: Path, create: bool = False) -> Iterator[TrustedDir]:
+    """The audit log's state directory, checked and held open (gpuwatch.runtime_dir: no other
+    user may write it, nor anything above it); made 0750 where missing when `create`. One that
+    is not trusted is a PermissionError saying why: the log is not written there."""
+    try:
         try:
-            fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o640)
-            created = True
-        except FileExistsError:
-            fd = os.open(self.path, flags)
-            created = False
-        try:
-            if created and os.geteuid() == 0:
-                # Root (`gpuwatch reap` in an epilog) creating the log in the daemon's state
-                # directory: the file is the directory owner's, so that the daemon (the unit's
-                # gpuwatch account) can append to it too.
-                directory = os.stat(self.path.parent)
-                with contextlib.suppress(OSError):
-                    os.fchown(fd, directory.st_uid, directory.st_gid)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield fd
-        finally:
-            os.close(fd)
+            directory = open_daemon_dir(path.parent, setting="daemon.state_dir")
+        except FileNotFoundError:
+            if not create:
+                raise
+            directory = open_private_dir(path.parent, create_mode=0o750,
+                                         setting="daemon.state_dir")
+    except UnsafeDirectory as exc:
+        raise PermissionError(errno.EACCES, f"refused: {exc}") from None
+    with directory:
+        yield directory
+
+
+def _open_in(directory: TrustedDir, path: Path, flags: int, mode: int = 0o640) -> int:
+    """`path` opened in its checked directory, never through a symbolic link."""
+    try:
+        return directory.open(path.name, flags | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PermissionError(errno.EACCES, "a symbolic link: not followed") from None
+        raise
+
+
+def _read_audit(path: Path) -> Any:
+    """The audit log, open for reading (FileNotFoundError when there is none yet)."""
+    with _audit_dir(path) as directory:
+        return os.fdopen(_open_in(directory, path, os.O_RDONLY), "rb")
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -674,11 +715,12 @@ class AuditFollower:
     def _start(self, news: AuditNews) -> None:
         news.ended_torn = self.writer.end_torn_line()
         try:
-            size = self.path.stat().st_size
+            f = _read_audit(self.path)
         except FileNotFoundError:
             return
-        begin = max(0, size - AUDIT_TAIL_BYTES)
-        with open(self.path, "rb") as f:
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            begin = max(0, size - AUDIT_TAIL_BYTES)
             f.seek(begin)
             data = f.read(size - begin)
         if begin > 0:  # the first line read is only the end of one
@@ -729,13 +771,14 @@ class AuditFollower:
 
     def _read(self, news: AuditNews) -> None:
         try:
-            size = self.path.stat().st_size
+            f = _read_audit(self.path)
         except FileNotFoundError:
             self.offset = 0
             return
-        if size < self.offset:  # rotated (or truncated): read the new file from its start
-            self.offset = 0
-        with open(self.path, "rb") as f:
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size < self.offset:  # rotated (or truncated): read the new file from its start
+                self.offset = 0
             f.seek(self.offset)
             data = f.read(size - self.offset)
         # Only whole lines: a line being written is read once its newline is there.

@@ -9,16 +9,16 @@ closed and counted (`gpuwatch_connections_total{socket="state"}`), with a debug 
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import json
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Callable, Optional
 
-from gpuwatch.runtime_dir import FileIdentity, file_identity, unlink_if_same
+from gpuwatch.runtime_dir import FileIdentity, TrustedDir, open_private_dir
 from gpuwatch.sinks.listener import (
     REQUEST_TIMEOUT,
     RESPONSE_TIMEOUT,
@@ -76,7 +76,8 @@ class StateServer:
 
     def __init__(self, path: Path, document: Callable[[], Optional[bytes]],
                  group: Optional[str] = "gpuwatch", stats: Optional[ConnectionStats] = None,
-                 *, max_connections: int = _MAX_CONNECTIONS,
+                 *, directory: Optional[TrustedDir] = None,
+                 max_connections: int = _MAX_CONNECTIONS,
                  request_timeout: float = REQUEST_TIMEOUT,
                  response_timeout: float = RESPONSE_TIMEOUT) -> None:
         self.path = path
@@ -87,30 +88,42 @@ class StateServer:
                         "response_timeout": response_timeout}
         self._listener: Optional[Listener] = None
         self._inode: Optional[FileIdentity] = None
+        #: The runtime directory (checked, held open): handed over by the daemon, or opened at
+        #: start() and closed at stop().
+        self._given_dir = directory
+        self._dir: Optional[TrustedDir] = None
 
     def start(self) -> None:
-        # A stale socket from a previous run: the caller makes sure no live server owns it (the
-        # daemon holds the runtime directory's lock).
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        directory = self._given_dir or open_private_dir(self.path.parent)
+        name = self.path.name
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            # A stale socket from an earlier run: the caller makes sure no live server owns it
+            # (the daemon holds the runtime directory's lock).
+            directory.unlink(name)
             old_umask = os.umask(0o117)  # created 0660, never briefly world-readable
             try:
-                sock.bind(str(self.path))
+                sock.bind(str(directory.path / name))
             finally:
                 os.umask(old_umask)
-            self._inode = file_identity(self.path)
+            # The socket bind made, opened without following a link: its identity, and the
+            # group given to it, are that file's, not what the path names a moment later.
+            with directory.node(name, stat.S_IFSOCK) as made:
+                st = os.stat(made)
+                self._inode = (st.st_dev, st.st_ino)
+                self._restrict_group(made)
             sock.listen(128)
         except BaseException:
             sock.close()
+            if directory is not self._given_dir:
+                directory.close()
             raise
-        self._restrict_group()
+        self._dir = directory
         self._listener = Listener(sock, "state", _StateHandler(self._document), self.stats,
                                   max_answering=4, **self._limits)
         self._listener.start()
 
-    def _restrict_group(self) -> None:
+    def _restrict_group(self, made: str) -> None:
         if os.geteuid() != 0 or not self._group:
             return
         try:
@@ -119,7 +132,7 @@ class StateServer:
             log.info("group %r does not exist: state socket %s is for root only",
                      self._group, self.path)
             return
-        os.chown(self.path, 0, gid)
+        os.chown(made, 0, gid)
 
     def stop(self) -> None:
         if self._listener is not None:
@@ -127,4 +140,8 @@ class StateServer:
             self._listener = None
         # Only the socket this server bound: whoever put another file at the path since owns it.
         inode, self._inode = self._inode, None
-        unlink_if_same(self.path, inode)
+        directory, self._dir = self._dir, None
+        if directory is not None:
+            directory.unlink_if_same(self.path.name, inode)
+            if directory is not self._given_dir:
+                directory.close()

@@ -20,8 +20,9 @@ The socket is bound at its final path, not under a temporary name renamed into p
 socket keeps the name it was bound under, and that name is the source address of every trace
 request the daemon sends from it, which agents accept only when it is the path they report to. A
 stale socket from an earlier run is unlinked first, and the file is chmod-ed to 0666 right after
-bind; for that instant a sender of another user may see ENOENT or EACCES, as it would while the
-daemon restarts. The process umask, shared with every other thread, is never touched.
+bind (the file it opened by name in the checked runtime directory, never a path followed again);
+for that instant a sender of another user may see ENOENT or EACCES, as it would while the daemon
+restarts. The process umask, shared with every other thread, is never touched.
 
 Why the daemon can answer: an agent binds its socket to a kernel-chosen abstract address, which
 arrives here as the sender's address (`recvmsg`). The newest one from an accepted report is kept
@@ -114,6 +115,7 @@ from typing import Any, Callable, Optional
 from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.model import AgentReading, BufferSize
 from gpuwatch.protocol import MAX_DATAGRAM, MAX_FIGURE, TRACE_STATUSES
+from gpuwatch.runtime_dir import TrustedDir
 from gpuwatch.sources.agent_admission import (
     AGENT_BYTES,
     DEFAULT_MAX_PENDING,
@@ -236,8 +238,10 @@ class AgentReceiver:
             self._rejected[reason] += 1
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
-        self.transport.start()
+    def start(self, directory: Optional[TrustedDir] = None) -> None:
+        """`directory`: the runtime directory, checked and held open by the daemon; without it
+        the receiver checks and opens the directory of its path itself."""
+        self.transport.start(directory)
 
     def stop(self) -> None:
         self.transport.stop()

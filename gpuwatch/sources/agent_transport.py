@@ -11,7 +11,10 @@ socket keeps the name it was bound under, and that name is the source address of
 the daemon sends from it, which agents accept only when it is the path they report to. A stale
 socket from an earlier run is unlinked first, and the file is chmod-ed to 0666 right after bind;
 for that instant a sender of another user may see ENOENT or EACCES, as it would while the daemon
-restarts. The process umask, shared with every other thread, is never touched.
+restarts. The process umask, shared with every other thread, is never touched. Every name in the
+runtime directory is looked up through its descriptor (gpuwatch.runtime_dir.TrustedDir: checked
+to be writable by root and the daemon's user alone), and the chmod, chown and ACL go to the file
+bind made, opened O_NOFOLLOW, never to a path followed again.
 
 A user's first datagram on agent.sock makes `agent.d/<uid>.sock`, mode 0600 with a POSIX ACL
 that lets only that user send to it, so that its kernel queue is that user's alone (at most
@@ -27,6 +30,7 @@ import logging
 import os
 import select
 import socket
+import stat
 import struct
 import threading
 import time
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from gpuwatch.protocol import MAX_DATAGRAM, PRIVATE_SOCKET_DIR
-from gpuwatch.runtime_dir import FileIdentity, file_identity, unlink_if_same
+from gpuwatch.runtime_dir import FileIdentity, TrustedDir, UnsafeDirectory, open_private_dir
 
 log = logging.getLogger("gpuwatch.sources.agent_socket")
 
@@ -71,7 +75,11 @@ class AgentTransport:
         self._inode: Optional[FileIdentity] = None
         #: uid -> its own socket, and each one's file (to remove only our own at stop).
         self._private: dict[int, socket.socket] = {}
-        self._private_files: list[tuple[Path, Optional[FileIdentity]]] = []
+        self._private_files: list[tuple[str, Optional[FileIdentity]]] = []
+        #: The runtime directory, while receiving; whether it is ours to close (opened here,
+        #: not handed over by the daemon).
+        self._dir: Optional[TrustedDir] = None
+        self._own_dir = False
         #: False once the file system refused an ACL: every user shares agent.sock.
         self._private_supported = True
 
@@ -80,9 +88,13 @@ class AgentTransport:
         """agent.sock's socket while receiving, else None."""
         return self._sock
 
-    def start(self) -> None:
+    def start(self, directory: Optional[TrustedDir] = None) -> None:
         if self._thread is not None:
             raise RuntimeError("the agent receiver is already running")
+        own = directory is None
+        if directory is None:
+            directory = open_private_dir(self.path.parent)
+        name = self.path.name
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             sock.settimeout(None)  # blocking, whatever socket.setdefaulttimeout() says
@@ -96,19 +108,23 @@ class AgentTransport:
                 os.fchmod(sock.fileno(), 0o666)
             # A stale socket from an earlier run; the runtime directory's lock rules out a live
             # daemon's.
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            sock.bind(str(self.path))
+            directory.unlink(name)
+            sock.bind(str(directory.path / name))
             try:
-                os.chmod(self.path, 0o666)
-                identity = file_identity(self.path)
+                # The socket bind made, opened without following a link: not what a path
+                # names a moment later.
+                with directory.node(name, stat.S_IFSOCK) as made:
+                    os.chmod(made, 0o666)
+                    identity = _identity_of(made)
             except BaseException:
-                with contextlib.suppress(OSError):
-                    self.path.unlink()
+                directory.unlink(name)
                 raise
         except BaseException:
             sock.close()
+            if own:
+                directory.close()
             raise
+        self._dir, self._own_dir = directory, own
         self._inode = identity
         self._sock = sock
         self._stopping.clear()
@@ -131,12 +147,19 @@ class AgentTransport:
         for private in self._private.values():
             private.close()
         self._private.clear()
-        for path, identity in self._private_files:
-            unlink_if_same(path, identity)
-        self._private_files.clear()
-        # Only our own socket: a daemon started since may have put its own at this path.
+        # Only our own sockets: a daemon started since may have put its own at these paths.
         inode, self._inode = self._inode, None
-        unlink_if_same(self.path, inode)
+        directory, own, self._dir = self._dir, self._own_dir, None
+        if directory is not None and self._private_files:
+            with contextlib.suppress(OSError, UnsafeDirectory), \
+                    directory.subdir(PRIVATE_SOCKET_DIR) as private:
+                for name, identity in self._private_files:
+                    private.unlink_if_same(name, identity)
+        self._private_files.clear()
+        if directory is not None:
+            directory.unlink_if_same(self.path.name, inode)
+            if own:
+                directory.close()
 
     def _receive_loop(self, sock: socket.socket) -> None:
         """Serve agent.sock and the users' own sockets in turn, RECEIVE_BATCH datagrams of
@@ -216,36 +239,52 @@ class AgentTransport:
         if not self._private_supported or len(self._private) >= MAX_PRIVATE_SOCKETS \
                 or uid in self._private:
             return None
-        directory = self.path.parent / PRIVATE_SOCKET_DIR
-        path = directory / f"{uid}.sock"
+        if self._dir is None:
+            return None
+        name = f"{uid}.sock"
+        path = self._dir.path / PRIVATE_SOCKET_DIR / name
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        directory: Optional[TrustedDir] = None
         try:
-            with contextlib.suppress(FileExistsError):
-                directory.mkdir(mode=0o755)
-            os.chmod(directory, 0o755)
+            # Made, or found, in the checked runtime directory: a directory of this user's
+            # (never a link), given 0755 through its own descriptor.
+            directory = self._dir.subdir(PRIVATE_SOCKET_DIR, 0o755)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # a stale one from an earlier run
+            directory.unlink(name)  # a stale one from an earlier run
             sock.bind(str(path))
-            identity = file_identity(path)
-            os.chmod(path, 0o600)
-            if uid not in (0, os.geteuid()):
-                os.setxattr(path, _ACL_XATTR, _acl_granting(uid))
-        except OSError as exc:
+            with directory.node(name, stat.S_IFSOCK) as made:
+                identity = _identity_of(made)
+                os.chmod(made, 0o600)
+                if uid not in (0, os.geteuid()):
+                    os.setxattr(made, _ACL_XATTR, _acl_granting(uid))
+        except (OSError, UnsafeDirectory) as exc:
             sock.close()
-            with contextlib.suppress(OSError):
-                path.unlink()
-            if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES,
-                             errno.EROFS):
+            if directory is not None:
+                with contextlib.suppress(OSError):
+                    directory.unlink(name)
+            if isinstance(exc, UnsafeDirectory):
+                self._private_supported = False
+                log.warning("agent socket: no socket of their own for users: %s; all share %s",
+                            exc, self.path)
+            elif exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES,
+                               errno.EROFS):
                 self._private_supported = False
                 log.info("agent socket: no socket of their own for users (%s: %s); all "
                          "share %s", path, exc.strerror, self.path)
             else:
                 log.warning("agent socket: cannot make %s: %s", path, exc.strerror)
             return None
+        finally:
+            if directory is not None:
+                directory.close()
         self._private[uid] = sock
-        self._private_files.append((path, identity))
+        self._private_files.append((name, identity))
         return sock
+
+
+def _identity_of(path: str) -> FileIdentity:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino)
 
 
 def _acl_granting(uid: int) -> bytes:

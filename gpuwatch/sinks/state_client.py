@@ -17,7 +17,7 @@ import json
 import socket
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from gpuwatch.runtime_dir import daemon_peer_refusal
 
@@ -74,7 +74,7 @@ class _Refused(Exception):
     pass
 
 
-def _peer_refusal(s: socket.socket, path: Path) -> Any:
+def _peer_refusal(s: socket.socket, path: Path) -> Optional[str]:
     """Why the process listening at `path` is not believed to be the daemon (None: it is)."""
     creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     _, uid, _ = _UCRED.unpack(creds)

@@ -1014,11 +1014,15 @@ def test_a_scraper_learns_alices_identity_never_her_command_lines_environment_or
     with _watched_shared_node(fake_nvml_lib, tmp_path, config) as (node, env, daemon):
         home = Path(env["HOME"])
         launcher_script, helper_script = home / "torchrun", home / "helper.py"
-        orphan_script, started = home / "rank3.py", home / "job.json"
+        # Where alice's launcher writes its PIDs: a directory of hers beside the daemon's
+        # (theirs lie in the one above, which must stay root's: rule 3).
+        alices = home / "alice"
+        alices.mkdir()
+        os.chown(alices, alice.uid, alice.gid)
+        orphan_script, started = home / "rank3.py", alices / "job.json"
         launcher_script.write_text(_ALICE_LAUNCHER)
         for script in (helper_script, orphan_script):
             script.write_text("import time\ntime.sleep(600)\n")
-        os.chown(home, alice.uid, alice.gid)  # where alice's launcher writes its PIDs
         launcher = alice.popen(["/usr/bin/python3", str(launcher_script), str(started),
                                 str(helper_script)], env=_ALICE_ENV, start_new_session=True)
         orphan: Optional[int] = None
@@ -1087,11 +1091,15 @@ def test_a_scraper_reads_each_of_alices_findings_summed_up_from_identity_and_fig
     with _watched_shared_node(fake_nvml_lib, tmp_path, config) as (node, env, daemon):
         home = Path(env["HOME"])
         launcher_script, helper_script = home / "torchrun", home / "helper.py"
-        orphan_script, started = home / "rank3.py", home / "job.json"
+        # Where alice's launcher writes its PIDs: a directory of hers beside the daemon's
+        # (theirs lie in the one above, which must stay root's: rule 3).
+        alices = home / "alice"
+        alices.mkdir()
+        os.chown(alices, alice.uid, alice.gid)
+        orphan_script, started = home / "rank3.py", alices / "job.json"
         launcher_script.write_text(_ALICE_LAUNCHER)
         for script in (helper_script, orphan_script):
             script.write_text("import time\ntime.sleep(600)\n")
-        os.chown(home, alice.uid, alice.gid)  # where alice's launcher writes its PIDs
         launcher = alice.popen(["/usr/bin/python3", str(launcher_script), str(started),
                                 str(helper_script)], env=_ALICE_ENV, start_new_session=True)
         orphan: Optional[int] = None

@@ -243,12 +243,15 @@ class Poller:
                      processes: Mapping[int, HostProcess]) -> dict[int, AgentReading]:
         """Agents whose process still runs; the others are forgotten by the receiver.
 
-        A process that started after an agent's first report cannot have sent it: its PID was
-        reused, and the reports belong to the process that exited.
+        A process that started after an agent's first report, or that is another user's than
+        the reports' (the kernel's UID of each), cannot have sent them: its PID was reused, and
+        the reports belong to the process that exited. (The start time is compared to the
+        second; a PID reused within it, easy where pid_max is 32768, is told by its user.)
         """
         gone = [pid for pid, a in agents.items()
                 if (p := processes.get(pid)) is None or not p.in_procfs or p.state == "zombie"
-                or (p.start_time is not None and p.start_time > a.first_seen + 1)]
+                or (p.start_time is not None and p.start_time > a.first_seen + 1)
+                or (p.uid is not None and p.uid != a.uid)]
         if gone and self.agents is not None:
             self.agents.forget(gone)
         return {pid: a for pid, a in agents.items() if pid not in gone}

@@ -956,6 +956,68 @@ def test_one_user_s_many_processes_leave_another_user_s_history_and_her_orphan_i
             flood.wait()
             wait_not_running([rank], what="alice's rank to end")
 
+
+# One step report to agent.sock (argv[1]) of step 666, with a watched buffer; then it exits.
+_ONE_REPORT = r"""
+import json, socket, sys
+report = {"v": 1, "kind": "step", "seq": 1, "step": 666,
+          "buffers": {"planted": {"items": 1, "bytes": 4096}}}
+socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(json.dumps(report).encode(), sys.argv[1])
+"""
+
+
+def _started_as(pid: int, start: Callable[[], subprocess.Popen[bytes]]
+                ) -> Optional[subprocess.Popen[bytes]]:
+    """`start()` with `pid` as the PID the kernel hands out next (ns_last_pid, root's): how a
+    PID comes round again on a node whose pid_max is 32768. None when another process of the
+    node took it first (the caller tries again)."""
+    Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+    proc = start()
+    if proc.pid == pid:
+        return proc
+    proc.kill()
+    proc.wait()
+    return None
+
+
+def test_a_reporters_pid_reused_by_another_users_process_does_not_pass_on_its_reports(
+        alice: LocalUser, mallory: LocalUser, fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """mallory's process reports step 666 and a watched buffer, then exits; before the next poll
+    its PID is alice's process's, started within the second. The reports are mallory's (the
+    kernel's UID of each): alice's process shows none of them, in `status` or on /metrics."""
+    if not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("needs /proc/sys/kernel/ns_last_pid to hand out a chosen PID")
+    # Polls 3 s apart: the PID goes from mallory's process to alice's between two of them.
+    with shared_node(fake_nvml_lib, 0, 0) as (node, env), \
+            running_daemon(env, tmp_path, args=("--interval", "3")) as daemon, \
+            contextlib.ExitStack() as stack:
+        sock = str(daemon.runtime_dir / AGENT_SOCKET)
+        victim = None
+        for _ in range(20):
+            pid = 30000 - uuid.uuid4().int % 8000
+            if os.path.exists(f"/proc/{pid}"):
+                continue
+            reporter = _started_as(pid, lambda: mallory.popen(
+                [SYSTEM_PYTHON, "-c", _ONE_REPORT, sock], env=clean_env(), cwd="/"))
+            if reporter is None:
+                continue
+            reporter.wait()
+            victim = _started_as(pid, lambda: alice.popen(["sleep", "300"], cwd="/"))
+            if victim is not None:
+                break
+        assert victim is not None, "no free PID could be handed out twice"
+        stack.callback(victim.wait)
+        stack.callback(victim.kill)
+        node.hold(victim.pid, device=0, used=1 * GIB)
+        daemon.wait_for_metrics("alice's process read", lambda s: victim.pid in (
+            pids_with_series(s, "gpuwatch_process_gpu_memory_bytes")) or None)
+        polls = value(daemon.scrape(), "gpuwatch_polls_total") or 0
+        samples = daemon.wait_for_metrics("two more polls", lambda s: s if (
+            value(s, "gpuwatch_polls_total") or 0) >= polls + 2 else None)
+        assert _agent_step(samples, victim.pid) == -1.0
+        (process,) = [p for p in status_json(env)[1]["processes"] if p["pid"] == victim.pid]
+        assert process["user"] == alice.name and process["agent"] is None, process["agent"]
+
 # (section 4 ends)
 
 

@@ -123,9 +123,17 @@ def test_a_leftover_whose_own_process_is_a_service_is_refused_as_one(
         assert all(running(pid) for pid in pids.values())
 
 
+#: A child that takes SIGTERM as the cue for its parent to turn into a raylet, and carries on.
+TELLS_ITS_PARENT = """\
+import os, signal, time
+signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getppid(), signal.SIGUSR1))
+while True:
+    time.sleep(3600)
+"""
+
 BECOMES_A_SERVICE = """\
 import os, setproctitle, signal, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
 signal.signal(signal.SIGUSR1, lambda *_: setproctitle.setproctitle("raylet"))
 signal.signal(signal.SIGTERM, lambda *_: (child.kill(), os._exit(0)))
 print(child.pid, flush=True)
@@ -135,17 +143,18 @@ while True:
 
 
 @contextlib.contextmanager
-def parent_that_becomes_a_raylet() -> Iterator[tuple[int, int]]:
-    """A plain Python process with one child; on SIGUSR1 it titles itself `raylet`. Yields
-    (parent, child)."""
-    proc = subprocess.Popen([sys.executable, "-c", BECOMES_A_SERVICE], env=clean_env(),
+def parent_that_becomes_a_raylet(child: str = "import time; time.sleep(3600)"
+                                 ) -> Iterator[tuple[int, int]]:
+    """A plain Python process with one child running the Python code `child`; on SIGUSR1 the
+    parent titles itself `raylet`. Yields (parent, child)."""
+    proc = subprocess.Popen([sys.executable, "-c", BECOMES_A_SERVICE, child], env=clean_env(),
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True)
     try:
         assert proc.stdout is not None
-        child = int(proc.stdout.readline())
-        wait_for("the child to run", lambda: running(child) or None, START_TIMEOUT)
-        yield proc.pid, child
+        pid = int(proc.stdout.readline())
+        wait_for("the child to run", lambda: running(pid) or None, START_TIMEOUT)
+        yield proc.pid, pid
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -181,6 +190,31 @@ def test_a_process_under_a_service_by_the_time_of_the_signal_is_not_signalled(
         (entry,) = executed(audit(audit_path.parent))
         assert (entry["pid"], entry["result"], entry["sent"]) == (
             child, "refused-service", [])
+
+
+def test_a_process_under_a_service_by_the_time_of_the_sigkill_gets_none(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """It ignores SIGTERM, and its parent turns into a raylet during the grace: the check made
+    again before the SIGKILL refuses it; only the SIGTERM was sent."""
+    from gpuwatch.actions.reaper import Filters, Reaper
+    from gpuwatch.sinks.document import from_json
+
+    with parent_that_becomes_a_raylet(TELLS_ITS_PARENT) as (parent, child):
+        fake_node.hold(child, device=0, used=GIB)
+        _, doc = status_json(cli_env)
+        reaper = Reaper(load_config(None, environ={}), audit_path=tmp_path / "reap.jsonl")
+        (action,) = reaper.plan(from_json(forged(doc, {child: "leftover"})),
+                                Filters(kinds=frozenset({"leftover"})))
+        assert action.action == "terminate", action
+        # The grace is long enough for the parent to retitle itself on a loaded machine; the
+        # check before the SIGKILL is made once it is over, whenever that is.
+        (result,) = reaper.execute([action], grace=8.0)
+        assert comm(parent) == "raylet"
+        assert result.result == "refused-service", result
+        assert [name for name, _ in result.sent] == ["SIGTERM"]
+        assert result.detail == (f"a child of a service (raylet {parent}): SIGTERM sent, "
+                                 "SIGKILL not")
+        assert running(child) and running(parent)
 
 
 @contextlib.contextmanager

@@ -317,14 +317,15 @@ class DetectorConfig:
     protected_names: tuple[str, ...] = _setting(
         ("nvidia-persistenced", "nv-hostengine", "nvidia-fabricmanager", "dcgm-exporter",
          "Xorg", "Xwayland", "gnome-shell", "gpuwatch"), _names,
-        "file names of programs never reported (nor reaped): a process is protected when the "
-        "file it runs (/proc/PID/exe) has this name and is root's (it and every directory "
-        "above it owned by root, writable by no one else); its comm and command line never "
-        "count")
+        "file names of programs never reported (nor reaped): a process of root's is protected "
+        "when the file it runs (/proc/PID/exe) has this name and is root's (it and every "
+        "directory above it owned by root, writable by no one else); its comm and command line "
+        "never count")
     protected_executables: tuple[str, ...] = _setting(
         (), _absolute_paths,
-        "absolute paths of programs never reported (nor reaped): a process is protected when "
-        "it runs the file at this path and that file is root's (as for protected_names)")
+        "absolute paths of programs never reported (nor reaped): a process of root's is "
+        "protected when it runs the file at this path and that file is root's (as for "
+        "protected_names)")
     protected_units: tuple[str, ...] = _setting(
         (), _unit_names,
         "systemd system units whose processes are never reported (nor reaped), from their "

@@ -296,20 +296,27 @@ def test_a_process_that_names_itself_xorg_or_gpuwatch_is_judged_like_any_other()
         assert protected_by(p, PROTECTING) is None
 
 
-def test_a_protected_name_protects_the_process_running_roots_file_of_that_name() -> None:
-    # Xorg run as the desktop's user (rootless Xorg): the file is root's, the uid is not.
-    xorg = worker(74, name="Xorg", user="alice", exe=ROOTS_XORG)
-    renamed = worker(75, name="X", user="alice", exe=ROOTS_XORG)  # comm does not matter
+def test_a_protected_name_protects_roots_process_running_roots_file_of_that_name() -> None:
+    xorg = worker(74, name="Xorg", user="root", uid=0, exe=ROOTS_XORG)
+    renamed = worker(75, name="X", user="root", uid=0, exe=ROOTS_XORG)  # comm does not matter
     assert orphans_of(xorg, renamed) == []
     assert protected_by(xorg, PROTECTING) == (
         "it runs /usr/lib/xorg/Xorg, root's Xorg (detectors.protected_names)")
 
 
+def test_roots_file_run_by_a_user_protects_nothing() -> None:
+    # Anyone may run root's Xorg, with code of their own in it (LD_PRELOAD, its modules): a
+    # user's process running it is theirs, rootless Xorg on a desktop included.
+    users = worker(81, name="Xorg", user="mallory", uid=1001, exe=ROOTS_XORG)
+    unknown_uid = worker(82, name="Xorg", user=None, uid=None, exe=ROOTS_XORG)
+    assert orphans_of(users, unknown_uid) == [81, 82]
+
+
 def test_a_protected_executable_is_its_path_and_only_while_root_holds_the_file() -> None:
     agent = Executable("/opt/vendor/bin/gpu-agent", owner_uid=0, root_controlled=True)
     loose = Executable("/opt/vendor/bin/gpu-agent", owner_uid=0, root_controlled=False)
-    assert orphans_of(worker(76, exe=agent), worker(77, exe=loose)) == [77]
-    assert protected_by(worker(76, exe=agent), PROTECTING) == (
+    assert orphans_of(worker(76, uid=0, exe=agent), worker(77, uid=0, exe=loose)) == [77]
+    assert protected_by(worker(76, uid=0, exe=agent), PROTECTING) == (
         "it runs /opt/vendor/bin/gpu-agent (detectors.protected_executables)")
 
 

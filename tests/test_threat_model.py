@@ -347,6 +347,22 @@ def test_reap_job_names_the_roots_programs_it_leaves_holding_gpu_memory_and_exit
             assert as_json["still_held"] == sorted(roots)
 
 
+def test_a_user_running_roots_own_xorg_is_reported_and_reaped_like_any_other(
+        mallory: LocalUser, fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    # Root's Xorg (a file only root may write) is anyone's to run, with code of their own in it
+    # (LD_PRELOAD, its modules): what mallory's orphaned rank runs proves nothing of her.
+    run_id = f"rule2-{uuid.uuid4().hex[:8]}"
+    with roots_own_program("Xorg") as xorg, users_orphan(
+            mallory, [str(xorg), "600"], launch_env(0, 1, run_id, base=clean_env()),
+            "mallory's rank running root's Xorg") as pid:
+        fake_node.hold(pid, device=0, used=2 * GIB)
+        with _watched(fake_node, cli_env, tmp_path) as (watched, cli):
+            assert watched.findings_of("orphan", [pid])[pid]["user"] == mallory.name
+            ended = _reap(["--pid", str(pid), "--yes"], cli)
+            assert ended.returncode == 0, ended.stdout + ended.stderr
+            wait_not_running([pid], what="mallory's Xorg to end")
+
+
 def test_a_users_process_that_points_its_executable_link_at_roots_xorg_is_still_reported(
         mallory: LocalUser, fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     # /proc/PID/exe is the kernel's, but prctl(PR_SET_MM_MAP) rewrites it for a process that has

@@ -29,9 +29,11 @@ def protected_by(p: HostProcess, config: DetectorConfig) -> Optional[str]:
     """Why `p` is protected (never reported, never reaped), in words; None when it is not.
 
     Only from what its user cannot set (docs/security.md, rule 2): its real uid
-    (`protected_users`), the system unit systemd started it in (`protected_units`), or the file
-    it runs when that file is root's (`protected_executables` by path, `protected_names` by the
-    file's name). Never its comm or command line: any process names itself `Xorg`. The detectors
+    (`protected_users`), the system unit systemd started it in (`protected_units`), or, for a
+    process of root's, the file it runs when that file is root's (`protected_executables` by
+    path, `protected_names` by the file's name). Never its comm or command line: any process
+    names itself `Xorg`. Nor root's file run by another user: anyone may run root's Xorg, with
+    their own code in it (LD_PRELOAD, its modules), and keep it from every reap. The detectors
     and the reaper's refusal both ask here.
     """
     if p.user is not None and p.user in config.protected_users:
@@ -39,7 +41,7 @@ def protected_by(p: HostProcess, config: DetectorConfig) -> Optional[str]:
     if p.system_unit is not None and p.system_unit in config.protected_units:
         return f"it runs in the system unit {p.system_unit} (detectors.protected_units)"
     exe = p.exe
-    if exe is None or not exe.root_controlled:
+    if exe is None or not exe.root_controlled or p.uid != 0:
         return None
     if exe.path in config.protected_executables:
         return f"it runs {exe.path} (detectors.protected_executables)"

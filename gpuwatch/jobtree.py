@@ -191,13 +191,33 @@ def job_root(pid: int, processes: Mapping[int, HostProcess]) -> Optional[int]:
 def job_roots(processes: Mapping[int, HostProcess]) -> dict[int, int]:
     """Each process's job root. A launcher is the root of its own job: climbing from it alone
     would make whatever started it (a shell script, the demo, a CI runner) its launcher, and put
-    torchrun in another job than its workers."""
+    torchrun in another job than its workers. A rank that started processes of its own (a data
+    loader's workers) is not: it and they stay in its launcher's job (`_rank_of`)."""
     roots: dict[int, int] = {}
     for pid in processes:
         root = job_root(pid, processes)
         if root is not None:
             roots[pid] = root
     for root in set(roots.values()):
-        if root in roots:
+        if root in roots and not _rank_of(processes[root], roots[root], processes):
             roots[root] = root
+    # A rank's own children (its data loader's workers, a helper it started) are its launcher's
+    # job, as the rank is: climb to the root that is its own.
+    for pid, root in roots.items():
+        for _ in range(_MAX_DEPTH):
+            up = roots.get(root, root)
+            if up == root:
+                break
+            root = up
+        roots[pid] = root
     return roots
+
+
+def _rank_of(p: HostProcess, root: int, processes: Mapping[int, HostProcess]) -> bool:
+    """Whether `p` was started by a distributed launcher (LAUNCHERS, LAUNCHER_MODULES), its
+    parent and job root: a rank that starts processes of its own stays in its launcher's job,
+    and `torchrun:<launcher PID>` names all of it. By the launcher's name only: a variable
+    only a launcher sets, set by a parent no list holds (a CI runner, a custom wrapper), says
+    too little of that parent's other children to put them in one job with the rank's."""
+    parent = processes.get(p.ppid) if p.ppid else None
+    return parent is not None and parent.pid == root != p.pid and is_launcher(parent)

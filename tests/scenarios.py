@@ -1258,6 +1258,21 @@ assert sys.argv[1] == "launch"
 run(get_args_parser().parse_args(sys.argv[2:]))
 """
 REAL_WORKER = "import time\ntime.sleep(600)\n"
+#: A worker that iterates a real torch DataLoader with two worker processes (forked, titled
+#: `pt_data_worker`), as nearly every training script does.
+REAL_WORKER_WITH_LOADER = """\
+import time
+from torch.utils.data import DataLoader, Dataset
+class Endless(Dataset):
+    def __len__(self):
+        return 10**9
+    def __getitem__(self, i):
+        return i
+batches = iter(DataLoader(Endless(), num_workers=2, persistent_workers=True))
+while True:
+    next(batches)
+    time.sleep(0.5)
+"""
 
 
 def _free_port() -> int:
@@ -1268,15 +1283,17 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def real_torchrun(tmp_path: Path, launcher: str = "torchrun") -> Iterator[JobPids]:
+def real_torchrun(tmp_path: Path, launcher: str = "torchrun", worker: str = REAL_WORKER
+                  ) -> Iterator[JobPids]:
     """torch's real torchrun (`launcher="torchrun"`, the console script) or an `accelerate
     launch` (`"accelerate"`, ACCELERATE_LIKE) with one worker, started without a run id as both
     are by default (its workers get TORCHELASTIC_RUN_ID=none), and its agent titled `pt_elastic`
-    as torch titles it. Yields once the worker runs; skips where torch is not installed. Its
-    worker leads a session of its own (torch starts workers so): ended by PID on the way out."""
+    as torch titles it. `worker` is the worker's program. Yields once the worker runs; skips
+    where torch is not installed. Its worker leads a session of its own (torch starts workers
+    so): it and what it started are ended by PID on the way out."""
     pytest.importorskip("torch.distributed.run")
     worker_script = _unique(tmp_path, "train", ".py")
-    worker_script.write_text(REAL_WORKER)
+    worker_script.write_text(worker)
     args = ["--nnodes", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
             "--master-port", str(_free_port()), str(worker_script)]
     if launcher == "torchrun":
@@ -1305,6 +1322,7 @@ def real_torchrun(tmp_path: Path, launcher: str = "torchrun") -> Iterator[JobPid
         yield JobPids(launcher=proc.pid, workers=workers, helpers={}, run_id="none",
                       group=proc.pid, _launcher_proc=proc)
     finally:
-        for pid in [proc.pid, *workers]:
+        started = [proc.pid, *workers, *(pid for w in workers for pid in _descendants(w))]
+        for pid in started:
             _kill(pid)
-        wait_not_running([proc.pid, *workers])
+        wait_not_running(started)

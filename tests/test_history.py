@@ -214,3 +214,21 @@ def test_a_tree_whose_workers_carry_torchruns_default_run_id_is_named_by_its_lau
                                                  22: "torchrun:20"}
     # First seen under PID 1 (its launcher gone before anyone looked): no launcher to name.
     assert _labels(replace(worker, ppid=1)) == {21: None}
+
+
+def test_a_rank_with_data_loader_workers_and_a_helper_of_its_own_stays_in_its_launchers_job(
+        ) -> None:
+    """torchrun's rank forks its data loader's workers and starts a helper: all of it is the
+    job `torchrun:<launcher PID>`, not a job of the rank's own (reap --job takes that name)."""
+    env = MappingProxyType({"TORCHELASTIC_RUN_ID": "none", "LOCAL_RANK": "0"})
+    shell = HostProcess(pid=19, ppid=1, start_time=0.5, name="bash", sid=19)
+    launcher = HostProcess(pid=20, ppid=19, start_time=1.0, name="pt_elastic", sid=19,
+                           cmdline=("python3", "/usr/bin/torchrun", "train.py"))
+    rank = HostProcess(pid=21, ppid=20, start_time=2.0, name="python", sid=21, launch_env=env,
+                       cmdline=("python3", "-u", "train.py"))
+    loader = HostProcess(pid=22, ppid=21, start_time=3.0, name="pt_data_worker", sid=21,
+                         launch_env=env, cmdline=rank.cmdline)
+    helper = HostProcess(pid=23, ppid=21, start_time=3.0, name="redis-server", sid=21,
+                         launch_env=env, cmdline=("redis-server",))
+    assert _labels(shell, launcher, rank, loader, helper) == {
+        19: None, 20: "torchrun:20", 21: "torchrun:20", 22: "torchrun:20", 23: "torchrun:20"}

@@ -14,10 +14,18 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import WatchedNode, running_daemon
 from tests.realprocs import GIB, gpuwatch
-from tests.scenarios import real_torchrun, sigkill_launcher, wait_not_running
+from tests.scenarios import (
+    REAL_WORKER_WITH_LOADER,
+    comm,
+    descendants,
+    real_torchrun,
+    sigkill_launcher,
+    wait_not_running,
+)
 
 DETECTORS = "[detectors]\nmin_age = 0\n"
 
@@ -51,4 +59,31 @@ def test_a_job_launched_without_a_run_id_is_named_by_its_launcher_and_reaped_by_
                           watched.env)
         assert reaped.returncode == 0, reaped.stdout + reaped.stderr
         assert "GPU memory released" in reaped.stdout, reaped.stdout
+        wait_not_running([worker])
+
+
+def test_a_worker_with_a_data_loader_is_in_its_launchers_job_and_reaped_by_its_name(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    """The worker forks its DataLoader's workers: they and the worker are all the job
+    `torchrun:<launcher PID>`, not one named by the worker's PID, so that after the launcher is
+    killed `reap --job` with the launcher's name finds the orphaned worker."""
+    with real_torchrun(tmp_path, worker=REAL_WORKER_WITH_LOADER) as job:
+        (worker,) = job.workers
+        loaders = wait_for("the data loader's workers", lambda: (
+            found if len(found := [pid for pid in descendants(worker)
+                                   if comm(pid) == "pt_data_worker"]) == 2 else None), 120)
+        watched.node.hold(worker, device=0, used=4 * GIB)
+        label = {"id": str(job.launcher), "source": "torchrun"}
+        doc = watched.doc_when("the data loader's workers read", lambda d: set(loaders) <= {
+            p["pid"] for p in d["processes"]})
+        jobs = {p["pid"]: p["job"] for p in doc["processes"]}
+        assert [jobs[pid] for pid in (job.launcher, worker, *loaders)] == [label] * 4, jobs
+
+        sigkill_launcher(job)
+        orphan = watched.findings_of("orphan", [worker])[worker]
+        assert orphan["job"] == label
+        reaped = gpuwatch(["reap", "--job", f"torchrun:{job.launcher}", "--yes", "--grace", "5"],
+                          watched.env)
+        assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+        assert f"{worker} " in reaped.stdout, reaped.stdout
         wait_not_running([worker])

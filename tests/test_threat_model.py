@@ -29,7 +29,9 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Optional
 from urllib.parse import urlencode, urlsplit
 
@@ -37,12 +39,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatch.config import EXIT_CONFIG
+from gpuwatch.frozen import evolve
+from gpuwatch.model import NodeReport
 from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET
 from gpuwatch.runtime_dir import DAEMON_INFO_NAME, LOCK_NAME
 from gpuwatch.simulate.demo import DemoError, wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.simulate.job import launch_env
+from gpuwatch.sinks.document import bounded_json, status_document
 from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT
+from tests import leakreports
 from tests.daemonproc import (
     WAIT,
     DaemonReader,
@@ -972,6 +978,29 @@ def test_one_user_s_many_processes_leave_another_user_s_history_and_her_orphan_i
             flood.wait()
             wait_not_running([rank], what="alice's rank to end")
 
+
+def test_a_status_document_over_its_bound_leaves_out_the_processes_of_the_user_with_most() -> None:
+    """The status document is at most MAX_DOCUMENT_BYTES; past it, processes that hold no GPU
+    memory and no finding names are left out. mallory's 4,000 such processes with short command
+    lines and alice's 40 with long ones (her job's launcher and data loaders): mallory's go,
+    however much larger each of alice's is. (A node of thousands of such processes is what
+    this needs; the document is built from them as the daemon builds it.)"""
+    report = leakreports.leak_report()
+    alices = {pid: evolve(leakreports.process(pid), user="alice", uid=2001, gpu_usage=(),
+                          cmdline=("python3", "/home/alice/loader.py", "--shard=" + "7" * 240))
+              for pid in range(20_000, 20_040)}
+    mallorys = {pid: evolve(leakreports.process(pid), user="mallory", uid=2002, gpu_usage=(),
+                            cmdline=("sleep", "600"))
+                for pid in range(30_000, 34_000)}
+    snapshot = replace(report.snapshot, processes=MappingProxyType(
+        {**report.snapshot.processes, **alices, **mallorys}))
+    doc = status_document(NodeReport(snapshot, report.findings), source="daemon")
+    limit = len(json.dumps(doc)) // 2
+    body, cut = bounded_json(doc, limit)
+    assert len(body) <= limit and cut is not None and "processes left out" in cut
+    shown = {p["pid"] for p in json.loads(body)["processes"]}
+    assert set(alices) <= shown
+    assert not set(mallorys) <= shown
 
 # One step report to agent.sock (argv[1]) of step 666, with a watched buffer; then it exits.
 _ONE_REPORT = r"""

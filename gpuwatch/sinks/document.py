@@ -7,6 +7,7 @@ every field; bump SCHEMA_VERSION on any incompatible change.
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections.abc import Callable, Collection, Mapping
 from types import MappingProxyType
@@ -232,9 +233,10 @@ def bounded_json(doc: StatusDocument, limit: int = MAX_DOCUMENT_BYTES
     Texts are cut at the read already (a command line to 4 KiB), so only a node of thousands of
     processes with long texts each comes near the limit. Then each process's command line, cgroup
     path and launch variables are shortened to _SHORT_TEXT characters; if that is not enough,
-    processes that neither hold GPU memory nor are named by a finding are left out, the largest
-    first. What was cut is said in `source_detail` and as an error of source "document", so both
-    `status` and a script reading the JSON see it.
+    processes that neither hold GPU memory nor are named by a finding are left out, shared by
+    user: the largest of the user whose such processes weigh most, first. What was cut is said
+    in `source_detail` and as an error of source "document", so both `status` and a script
+    reading the JSON see it.
     """
     body = json.dumps(doc).encode()
     if len(body) <= limit:
@@ -244,19 +246,36 @@ def bounded_json(doc: StatusDocument, limit: int = MAX_DOCUMENT_BYTES
     body = _json_with(doc, processes, cut)
     if len(body) > limit:
         named = {f["pid"] for f in doc["findings"]}
-        sizes = sorted(((len(json.dumps(p)), i) for i, p in enumerate(processes)
-                        if not p["holds_gpu"] and p["pid"] not in named), reverse=True)
+        droppable: dict[Optional[int], list[tuple[int, int]]] = {}
+        for i, p in enumerate(processes):
+            if not p["holds_gpu"] and p["pid"] not in named:
+                droppable.setdefault(p["uid"], []).append((len(json.dumps(p)), i))
         over = len(body) - limit + 4096  # room for the note saying so
-        dropped: set[int] = set()
-        for size, i in sizes:
-            if over <= 0:
-                break
-            dropped.add(i)
-            over -= size + 2
+        dropped = _dropped_by_user(droppable, over)
         processes = [p for i, p in enumerate(processes) if i not in dropped]
         cut += f", {len(dropped)} processes left out"
         body = _json_with(doc, processes, cut)
     return body, cut
+
+
+def _dropped_by_user(droppable: dict[Optional[int], list[tuple[int, int]]], over: int
+                     ) -> set[int]:
+    """Which processes to leave out (indexes) to save `over` bytes: always the largest of the
+    user whose droppable processes weigh most then, so one user's thousands of processes are
+    left out before another user's few, however long the few's texts."""
+    heap: list[tuple[int, int, Optional[int]]] = []
+    for order, (uid, entries) in enumerate(droppable.items()):
+        entries.sort()  # the largest last
+        heapq.heappush(heap, (-sum(size for size, _ in entries), order, uid))
+    dropped: set[int] = set()
+    while over > 0 and heap:
+        total, order, uid = heapq.heappop(heap)
+        size, i = droppable[uid].pop()
+        dropped.add(i)
+        over -= size + 2
+        if droppable[uid]:
+            heapq.heappush(heap, (total + size, order, uid))
+    return dropped
 
 
 def _json_with(doc: StatusDocument, processes: list[ProcessDoc], cut: str) -> bytes:

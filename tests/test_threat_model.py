@@ -12,6 +12,7 @@ fails on a daemon that does not hold the rule.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -1001,6 +1002,53 @@ def test_a_status_document_over_its_bound_leaves_out_the_processes_of_the_user_w
     shown = {p["pid"] for p in json.loads(body)["processes"]}
     assert set(alices) <= shown
     assert not set(mallorys) <= shown
+
+# Sends one step report to agent.sock (argv[1]) with SCM_CREDENTIALS naming each PID and UID of
+# argv[2:] in turn (alice's process, then its own child), and prints the errno of each sendmsg.
+_FORGER = r"""
+import json, os, socket, struct, sys, time
+path, claims = sys.argv[1], [tuple(map(int, c.split(":"))) for c in sys.argv[2:]]
+child = os.fork()
+if child == 0:
+    time.sleep(30)
+    os._exit(0)
+claims.append((child, os.getuid()))
+report = json.dumps({"v": 1, "kind": "step", "seq": 1, "step": 666}).encode()
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+for pid, uid in claims:
+    creds = struct.pack("3i", pid, uid, os.getgid())
+    try:
+        s.sendmsg([report], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)], 0, path)
+        print(0)
+    except OSError as exc:
+        print(exc.errno)
+os.kill(child, 9)
+os.waitpid(child, 0)
+"""
+
+
+def test_forged_credentials_are_refused_by_the_kernel_and_nothing_is_charged_to_alice(
+        alice: LocalUser, mallory: LocalUser, fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """A report's PID and UID are the kernel's: mallory's SCM_CREDENTIALS naming alice's process,
+    or her own child (a reporter that forks and reports as its child), fail at sendmsg with
+    EPERM, and alice's process has no agent in the daemon's view."""
+    with _watched_shared_node(fake_nvml_lib, tmp_path) as (node, env, daemon):
+        victim = alice.popen(["sleep", "300"], cwd="/")
+        try:
+            node.hold(victim.pid, device=0, used=1 * GIB)
+            sent = mallory.run([SYSTEM_PYTHON, "-c", _FORGER,
+                                str(daemon.runtime_dir / AGENT_SOCKET),
+                                f"{victim.pid}:{alice.uid}"], env=clean_env(), cwd="/")
+            assert sent.returncode == 0, sent.stderr
+            assert sent.stdout.split() == [str(errno.EPERM)] * 2, sent.stdout
+            samples = daemon.wait_for_metrics("alice's process read", lambda s: s if victim.pid in (
+                pids_with_series(s, "gpuwatch_process_gpu_memory_bytes")) else None)
+            assert _agent_step(samples, victim.pid) == -1.0
+            (process,) = [p for p in status_json(env)[1]["processes"] if p["pid"] == victim.pid]
+            assert process["agent"] is None
+        finally:
+            victim.kill()
+            victim.wait()
 
 # One step report to agent.sock (argv[1]) of step 666, with a watched buffer; then it exits.
 _ONE_REPORT = r"""

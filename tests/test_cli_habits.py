@@ -260,6 +260,15 @@ def test_status_on_a_terminal_fits_its_width(long_command_holder: int,
     assert "-END-OF-COMMAND" not in text
 
 
+def test_reap_with_nothing_to_do_on_a_terminal_fits_its_width(cli_env: dict[str, str]) -> None:
+    """Its first line (node, time, source, dry run) is wrapped as with a plan to show."""
+    with in_terminal(cli("reap", "--dry-run"), cli_env, columns=60) as (proc, screen):
+        text = screen.read_to_end()
+        assert proc.wait(30) == 3, text
+    assert "nothing to do" in text and "dry run" in text, text
+    assert max(map(len, text.splitlines())) <= 60, text
+
+
 def _rows_of(text: str, pid: int) -> list[str]:
     """The process-table rows of `pid` (a tree's branches come before the PID)."""
     return [line for line in text.splitlines() if re.match(rf"^[\s│├└─]*{pid}\s", line)]

@@ -42,16 +42,17 @@ def render_reap(report: NodeReport, rows: list[tuple[Any, str, str]], dry_run: b
     via = "from the running daemon" if report.source == "daemon" else "one poll"
     head = clean(f"gpuwatch reap · node {snapshot.hostname} · findings of {when:%H:%M:%S}Z, {via}"
                  + (" · dry run: nothing is sent" if dry_run else ""))
+    heads = wrap_text(head, width, subsequent_indent="  ") if width > 0 else [head]
     protected = [_spared_line(s) for s in spared]
     if width > 0:
         protected = [line for text in protected
                      for line in wrap_text(text, width, subsequent_indent="  ")]
     if not rows:
         if not protected:
-            return f"{head}\nnothing to do\n"
+            return "\n".join([*heads, "nothing to do"]) + "\n"
         still = ("" if dry_run else "\nGPU memory still held by PID "
                  + ", ".join(str(s.pid) for s in spared) + "\n")
-        return "\n".join([head, "", *protected]) + "\n" + still
+        return "\n".join([*heads, "", *protected]) + "\n" + still
     table: list[tuple[str, ...]] = [("PID", "NAME", "USER", "JOB", "KIND", "GPU MEMORY",
                                      "ACTION", "SIGNALS" if dry_run else "RESULT", "WHY")]
     for a, result, detail in rows:
@@ -71,7 +72,7 @@ def render_reap(report: NodeReport, rows: list[tuple[Any, str, str]], dry_run: b
     if width > 0:
         # Narrower than what every step above leaves (PID, name, kind, action): cut.
         rows_text = [line[:width] for line in rows_text]
-    lines = [*(wrap_text(head, width, subsequent_indent="  ") if width > 0 else [head]),
+    lines = [*heads,
              "", *rows_text, "", *protected, *_service_lines(rows, dry_run),
              f"{verb} up to {human_bytes(freed)} of GPU memory"]
     if not dry_run:

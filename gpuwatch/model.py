@@ -180,6 +180,11 @@ class Executable:
     root_controlled: bool
 
 
+#: The kernel's name of a process (`comm`) is at most 15 bytes; a longer `HostProcess.name` is
+#: psutil's, completed from the basename of argv[0], which is part of the command line.
+COMM_CHARS = 15
+
+
 @_frozen
 class HostProcess:
     """One process as /proc described it in one poll."""

@@ -1314,6 +1314,28 @@ def test_a_scraper_reads_each_of_alices_findings_summed_up_from_identity_and_fig
                 wait_for(f"alice's orphan {orphan} to end",
                          lambda: None if _running(orphan) else True, WAIT)
 
+def test_a_scraper_reads_the_kernels_15_byte_name_never_the_rest_of_argv_0(
+        alice: LocalUser, fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """A process name longer than the kernel's 15 bytes is psutil's, completed from argv[0]'s
+    basename: part of the command line. alice runs a program through a link whose name says
+    whom the run is for; /metrics names her process by the 15 bytes `ps` shows anyone."""
+    with users_directory(alice) as home, \
+            _watched_shared_node(fake_nvml_lib, tmp_path) as (node, _, daemon):
+        link = home / "train_for_customer_acme_7f3a"
+        link.symlink_to("/bin/sleep")
+        victim = alice.popen([str(link), "300"], cwd="/")
+        try:
+            node.hold(victim.pid, device=0, used=1 * GIB)
+            daemon.wait_for_metrics("alice's process exported", lambda s: victim.pid in (
+                pids_with_series(s, "gpuwatch_process_gpu_memory_bytes")) or None)
+            text = daemon.scrape_text()
+            assert f'pid="{victim.pid}"' in text and 'name="train_for_custo"' in text
+            assert "customer_acme" not in text
+        finally:
+            victim.kill()
+            victim.wait()
+
+
 # (section 5 ends)
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.launch_env import RUN_ID_KEY, WORKER_MARKER_KEYS, process_title, run_supervisor
-from gpuwatch.model import Finding, HostProcess, Job, Kind, NodeSnapshot
+from gpuwatch.model import COMM_CHARS, Finding, HostProcess, Job, Kind, NodeSnapshot
 from gpuwatch.units import human_bytes, short_command
 
 # Guards the climb against a corrupt or cyclic parent chain.
@@ -111,14 +111,20 @@ def command(p: HostProcess, limit: int = 80) -> str:
 
 
 def named(pid: Optional[int], name: Optional[str]) -> str:
-    """'4121 (python)': with the kernel's name (`comm`), this is public (a summary's words)."""
-    return f"{pid} ({name or '?'})"
+    """'4121 (python)': with the kernel's name (`comm`, the name cut to COMM_CHARS), this is
+    public (a summary's words)."""
+    return f"{pid} ({(name or '?')[:COMM_CHARS]})"
+
+
+def titled(pid: Optional[int], title: Optional[str]) -> str:
+    """'4121 (torchrun (pt_elastic))': a process as a reason names it (never a summary)."""
+    return f"{pid} ({title or '?'})"
 
 
 def named_process(p: Optional[HostProcess], pid: Optional[int]) -> str:
     """'4121 (python)', '4121 (torchrun (pt_elastic))' for a launcher that titled itself
-    (launch_env.process_title), '4121 (?)' for a process not read."""
-    return named(pid, process_title(p.name, p.cmdline) if p is not None else None)
+    (launch_env.process_title), '4121 (?)' for a process not read: a reason's words."""
+    return titled(pid, process_title(p.name, p.cmdline) if p is not None else None)
 
 
 def supervisor_gone(p: HostProcess, snapshot: NodeSnapshot) -> Optional[Evidence]:

@@ -31,6 +31,7 @@ from gpuwatch.detectors.common import (
     is_protected,
     named,
     supervisor_gone,
+    titled,
 )
 from gpuwatch.history import History, JobRecord
 from gpuwatch.jobtree import is_launcher, is_login_shell, is_service, lineage
@@ -71,7 +72,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                                     f"told the agent it finished after {ended} but still runs")
             else:
                 evidence = Evidence(f"`{command(p)}`{label} still runs; its trainer "
-                                    f"{named(trainer_pid, trainer_name)} ended after {ended}",
+                                    f"{titled(trainer_pid, trainer_name)} ended after {ended}",
                                     "still runs; its trainer "
                                     f"{named(trainer_pid, job.last_trainer_comm)} ended after "
                                     f"{ended}")

@@ -34,6 +34,7 @@ from gpuwatch.detectors.common import (
     named,
     named_process,
     supervisor_gone,
+    titled,
     worker_evidence,
 )
 from gpuwatch.history import History
@@ -86,7 +87,7 @@ def _lineage_reason(p: HostProcess, parent_pid: int, parent_start: float | None,
     elif unreaped is not None and unreaped.zombie_since is not None:
         when = f" before {clock_time(snapshot.wall(unreaped.zombie_since))} (not reaped yet)"
     adopter = snapshot.processes.get(p.ppid) if p.ppid else None
-    return Evidence(f"parent {named(parent_pid, parent_name)} exited{when}; "
+    return Evidence(f"parent {titled(parent_pid, parent_name)} exited{when}; "
                     f"now under {named_process(adopter, p.ppid)}",
                     f"parent {named(parent_pid, parent_comm)} exited{when}; "
                     f"now under {named(p.ppid, adopter.name if adopter else None)}")

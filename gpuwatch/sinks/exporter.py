@@ -38,7 +38,16 @@ from gpuwatch.agent_budget import (
     BudgetStats,
     fair_shares,
 )
-from gpuwatch.model import KINDS, Finding, HostProcess, Job, Kind, NodeReport, NodeSnapshot
+from gpuwatch.model import (
+    COMM_CHARS,
+    KINDS,
+    Finding,
+    HostProcess,
+    Job,
+    Kind,
+    NodeReport,
+    NodeSnapshot,
+)
 
 # Label names for a process. `job_id`, not `job`: Prometheus owns `job` (the scrape job) and
 # would rename ours to `exported_job` (docs/design-notes.md).
@@ -47,9 +56,11 @@ PROCESS_LABELS = ("pid", "name", "user", "job_id", "job_source")
 
 def process_labels(pid: Optional[int], name: Optional[str], user: Optional[str],
                    job: Optional[Job]) -> list[str]:
+    """pid, name, user, job_id, job_source. The name is the kernel's (`comm`, 15 characters),
+    as `ps` shows it to anyone: psutil's longer one goes on with argv[0], a command line's."""
     return [
         str(pid) if pid is not None else "",
-        name or "",
+        (name or "")[:COMM_CHARS],
         user or "",
         job.id if job else "",
         job.source if job else "",

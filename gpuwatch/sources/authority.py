@@ -10,6 +10,7 @@ are protected (gpuwatch.detectors.common.protected_by); nothing here judges.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
@@ -60,9 +61,8 @@ def _in_our_user_namespace(procfs: str, pid: int) -> bool:
     """Whether process `pid` is in gpuwatch's own user namespace (where a user cannot set their
     process's executable link). True where the kernel has no user namespaces (no ns/user for
     either); False where the process's cannot be read."""
-    try:
-        ours = os.stat("/proc/self/ns/user")
-    except OSError:
+    ours = _own_user_namespace()
+    if ours is None:
         return True
     try:
         theirs = os.stat(f"{procfs}/{pid}/ns/user")
@@ -70,7 +70,17 @@ def _in_our_user_namespace(procfs: str, pid: int) -> bool:
         return not os.path.isdir(f"{procfs}/{pid}/ns")  # a procfs that says nothing of them
     except OSError:
         return False
-    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+    return (theirs.st_dev, theirs.st_ino) == ours
+
+
+@functools.lru_cache(maxsize=1)
+def _own_user_namespace() -> Optional[tuple[int, int]]:
+    """This process's user namespace (it never changes), None where the kernel has none."""
+    try:
+        st = os.stat("/proc/self/ns/user")
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def _root_controlled(path: bytes, st: os.stat_result) -> bool:

@@ -578,7 +578,7 @@ class History:
             if job is None:
                 root_pid = int(h.job_key.split(":", 1)[0])
                 root = snapshot.processes.get(root_pid)
-                job = JobRecord(h.job_key, root_pid, root.name if root else None, p.job,
+                job = JobRecord(h.job_key, root_pid, root.name if root else None, None,
                                 root=root)
                 self._jobs[h.job_key] = job
             job.members.add(p.identity)

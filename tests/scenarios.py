@@ -578,6 +578,48 @@ def real_ray_actor(node: RealRayNode) -> Iterator[tuple[int, subprocess.Popen[st
         driver.wait(GONE_TIMEOUT)
 
 
+#: A Ray job with a runtime environment of its own, as `ray job submit --working-dir` gives
+#: one: Ray starts its workers for the job, with RAY_JOB_ID set to it. (Without one, a job's
+#: actor runs in a worker Ray started beforehand, whose RAY_JOB_ID is the nil id `ffffffff`.)
+RAY_JOB_DRIVER = """\
+import os, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False,
+         runtime_env={"env_vars": {"TRAINING_STAGE": "pretrain"}})
+
+@ray.remote(num_cpus=0)
+class Holder:
+    def pid(self):
+        return os.getpid()
+
+actor = Holder.remote()
+print(ray.get(actor.pid.remote()), ray.get_runtime_context().get_job_id(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@contextlib.contextmanager
+def real_ray_job_actor(node: RealRayNode) -> Iterator[tuple[int, str]]:
+    """A driver, a Ray job of `node` with a runtime environment (RAY_JOB_DRIVER), and an actor
+    of its own (not detached): yields the actor's PID and the job's id as Ray gives it
+    (`01000000`); the driver ends on the way out, and Ray ends the actor with it."""
+    driver = subprocess.Popen([node.python, "-c", RAY_JOB_DRIVER, node.address],
+                              env={**clean_env(), "RAY_USAGE_STATS_ENABLED": "0"},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    actor: Optional[int] = None
+    try:
+        assert driver.stdout is not None
+        said = driver.stdout.readline().split()
+        assert len(said) == 2 and said[0].isdigit(), f"the Ray driver said {said!r}"
+        actor = int(said[0])
+        yield actor, said[1]
+    finally:
+        driver.kill()
+        driver.wait(GONE_TIMEOUT)
+        if actor is not None:
+            wait_not_running([actor])
+
+
 @contextlib.contextmanager
 def orphaned_worker_under_pid1(tmp_path: Path, local_rank: int = 3, world_size: int = 4,
                                run_id: str = "orphaned-run") -> Iterator[int]:

@@ -204,6 +204,16 @@ def test_a_raylet_serving_two_ray_jobs_belongs_to_neither_and_each_worker_to_its
                                                12: "ray:02000000", 13: None}
 
 
+def test_a_ray_worker_read_before_its_raylet_does_not_name_the_raylets_tree() -> None:
+    from gpuwatch.model import Job
+
+    raylet = HostProcess(pid=10, ppid=1, start_time=1.0, name="raylet", cmdline=("raylet",))
+    worker = HostProcess(pid=11, ppid=10, start_time=2.0, name="ray::Holder",
+                         job=Job("01000000", "ray"))
+    agent = HostProcess(pid=12, ppid=10, start_time=2.0, name="ray::DashboardAgent")
+    assert _labels(worker, raylet, agent) == {10: None, 11: "ray:01000000", 12: None}
+
+
 def test_a_tree_whose_workers_carry_torchruns_default_run_id_is_named_by_its_launcher() -> None:
     env = MappingProxyType({"TORCHELASTIC_RUN_ID": "none", "LOCAL_RANK": "0"})
     launcher = HostProcess(pid=20, ppid=1, start_time=1.0, name="pt_elastic",

@@ -569,6 +569,11 @@ def test_a_ray_job_id_that_is_not_hex_is_ignored(value: str) -> None:
     assert attribute_job(None, {"RAY_JOB_ID": value}) is None
 
 
+@pytest.mark.parametrize("value", ["ffffffff", "FFFFFFFF"])
+def test_rays_nil_job_id_that_the_raylet_and_its_agents_carry_is_no_job(value: str) -> None:
+    assert attribute_job(None, {"RAY_JOB_ID": value}) is None
+
+
 def test_pod_beats_its_container() -> None:
     assert attribute_job(POD_IN_CONTAINER, {}) == Job(BURSTABLE_POD, "kubernetes")
 

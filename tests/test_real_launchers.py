@@ -1,5 +1,8 @@
 """Jobs started by real launchers, as they start them by default, judged by a real daemon.
 
+Ray's tests need Ray (`pip install ray`; too large to be the suite's dependency): skipped
+where `ray` is not on PATH.
+
 torchrun (torch's own console script) and `accelerate launch` (torch.distributed.run's agent run
 inside the `accelerate` program, as accelerate runs it) give their workers
 TORCHELASTIC_RUN_ID=none, an id every such run shares, and title their own process `pt_elastic`.
@@ -22,6 +25,8 @@ from tests.scenarios import (
     REAL_WORKER_WITH_LOADER,
     comm,
     descendants,
+    real_ray_job_actor,
+    real_ray_node,
     real_torchrun,
     sigkill_launcher,
     wait_not_running,
@@ -87,3 +92,19 @@ def test_a_worker_with_a_data_loader_is_in_its_launchers_job_and_reaped_by_its_n
         assert reaped.returncode == 0, reaped.stdout + reaped.stderr
         assert f"{worker} " in reaped.stdout, reaped.stdout
         wait_not_running([worker])
+
+
+def test_a_ray_jobs_actor_is_ray_job_id_and_the_raylet_and_its_agents_belong_to_no_job(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    """A job's actor in a worker Ray started for the job (it has a runtime environment) is
+    `ray:<job id>`; the raylet, its agents and the idle workers Ray starts beforehand, with its
+    nil job id (`ffffffff`), belong to none: they serve every job of the node."""
+    with real_ray_node(tmp_path) as node, real_ray_job_actor(node) as (actor, job_id):
+        watched.node.hold(actor, device=0, used=4 * GIB)
+        doc = watched.holding(actor)
+        jobs = {p["pid"]: p["job"] for p in doc["processes"]}
+        raylet = node.raylet()
+        assert raylet is not None
+        agents = [pid for pid in descendants(raylet) if pid != actor and pid in jobs]
+        assert jobs[actor] == {"id": job_id, "source": "ray"}, jobs
+        assert agents and [jobs[pid] for pid in (raylet, *agents)] == [None] * (1 + len(agents))

@@ -295,6 +295,9 @@ def parse_environ(raw: bytes) -> dict[str, str]:
 _SLURM_JOB_ID_VALUE = re.compile(r"[0-9]+")
 # Ray's job ids are hex (`01000000`); anything else in the variable is not one.
 _RAY_JOB_ID_VALUE = re.compile(r"[0-9a-fA-F]{2,64}")
+# Ray's nil id (`ffffffff`): no job. `ray start` leaves it to the raylet, its agents and the
+# workers of detached actors, which belong to no one job of the node.
+_RAY_NIL_JOB_ID = re.compile(r"[fF]+")
 
 # Units that are never a job. Their processes are either node infrastructure, or were started by a
 # launcher serving many unrelated users and stayed in its cgroup by inheritance (sshd without
@@ -387,7 +390,7 @@ def attribute_job(cgroup: Optional[CgroupInfo], launch_env: Mapping[str, str]) -
     if cgroup is not None and cgroup.container_id:
         return Job(cgroup.container_id[:12], "container")
     ray_job = _env_value(env, RAY_JOB_ID_KEY)
-    if _RAY_JOB_ID_VALUE.fullmatch(ray_job):
+    if _RAY_JOB_ID_VALUE.fullmatch(ray_job) and not _RAY_NIL_JOB_ID.fullmatch(ray_job):
         return Job(ray_job, RAY_JOB_SOURCE)
     if cgroup is None:
         return None

@@ -216,6 +216,28 @@ def test_2_mib_command_lines_of_mallorys_leave_the_daemon_small_and_are_shown_cu
             >= BATCHES * PER_BATCH else None))
         assert cut >= BATCHES * PER_BATCH
 
+
+def test_a_process_name_completed_from_argv_0_is_no_longer_than_a_file_name(
+        mallory: LocalUser, fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """A name the kernel cut at 15 bytes is completed from argv[0]'s basename, as psutil does;
+    argv[0] is mallory's to write (4 KiB of it read), and the name is kept with each process's
+    history, alive and departed. Her process run through a link of 16 characters, with an
+    argv[0] of 4,000 that starts the same, is named by its 15 bytes of comm."""
+    with users_directory(mallory) as home, \
+            _watched_shared_node(fake_nvml_lib, tmp_path) as (node, env, daemon):
+        link = home / ("n" * 16)
+        link.symlink_to("/bin/sleep")
+        long_name = mallory.popen(["n" * 4000, "300"], executable=str(link), cwd="/")
+        try:
+            node.hold(long_name.pid, device=0, used=1 * GIB)
+            shown = wait_for("mallory's process in the document", lambda: next((
+                p for p in status_json(env)[1]["processes"] if p["pid"] == long_name.pid), None),
+                WAIT, alive=daemon.proc)
+            assert shown["name"] == "n" * 15
+        finally:
+            long_name.kill()
+            long_name.wait()
+
 # (section 1 ends)
 
 

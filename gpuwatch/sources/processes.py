@@ -81,6 +81,8 @@ _FS_ERRORS = sys.getfilesystemencodeerrors()
 _UID_LINE = re.compile(rb"Uid:\t(\d+)\t(\d+)\t(\d+)")
 # The kernel keeps at most 15 bytes of a program's name.
 _COMM_LENGTH = 15
+#: The longest file name (NAME_MAX): a name completed from argv[0] past it is no program's.
+_NAME_MAX = 255
 #: The most of a command line read (/proc/PID/cmdline): its owner sets its size, up to the 2 MiB
 #: the kernel allows for arguments. One longer shows its first CMDLINE_BYTES, as arguments, and
 #: then CMDLINE_CUT as one more: `ps` and the kernel's own process name are cut the same way.
@@ -567,9 +569,11 @@ class ProcessSource:
             if cmdline_cut:
                 cmdline = (*cmdline, CMDLINE_CUT)
             if len(name) >= _COMM_LENGTH:
-                # The kernel cut the name: the program's own, as psutil gives it.
+                # The kernel cut the name: the program's own, as psutil gives it; but no longer
+                # than a file's name may be (argv[0] is the process's to write, up to the cut,
+                # and the name is kept with each process's history, alive or departed).
                 extended = os.path.basename(args[0])
-                if extended.startswith(name):
+                if extended.startswith(name) and len(extended) <= _NAME_MAX:
                     name = extended
         cgroup = (self._cgroup(cgroup_raw.decode(errors="replace"))
                   if cgroup_raw is not None else None)

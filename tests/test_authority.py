@@ -19,7 +19,7 @@ from gpuwatch.simulate.demo import wait_for
 from gpuwatch.sources.authority import system_unit
 from gpuwatch.sources.processes import ProcessSource
 from tests.localusers import LocalUser, local_user
-from tests.protected import roots_own_program, users_directory
+from tests.protected import exe_setter, roots_own_program, users_directory
 from tests.scenarios import START_TIMEOUT, wait_not_running
 
 
@@ -64,6 +64,26 @@ def test_a_program_only_root_could_have_put_there_is_roots_and_the_same_file_in_
     loose.chmod(0o755)
     with started([str(loose), "600"], str(loose)) as pid:
         assert exe_of(pid) == Executable(str(loose), owner_uid=0, root_controlled=False)
+
+
+def test_a_link_set_by_prctl_in_a_user_namespace_is_not_roots_even_for_a_root_process(
+        tmp_path: Path) -> None:
+    # prctl(PR_SET_MM_MAP) points /proc/PID/exe at any file, given CAP_CHECKPOINT_RESTORE in
+    # the caller's user namespace: here root's own `sleep`, from a namespace mapping root to
+    # root, points it at root's gpu-agent. The link names root's file in root's directory; the
+    # process is not in gpuwatch's user namespace, so nothing is proven by it.
+    library = exe_setter(tmp_path)
+    with roots_own_program("gpu-agent") as program:
+        proc = subprocess.Popen(["/bin/sleep", "600"], cwd="/", env={
+            "PATH": "/usr/bin:/bin", "LD_PRELOAD": str(library), "GWTEST_EXE": str(program)})
+        try:
+            wait_for("sleep to point its link at gpu-agent", lambda: True if os.readlink(
+                f"/proc/{proc.pid}/exe") == str(program) else None, START_TIMEOUT, alive=proc)
+            assert exe_of(proc.pid) == Executable(str(program), owner_uid=0,
+                                                  root_controlled=False)
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_users_own_copy_named_xorg_is_theirs_and_a_link_named_xorg_is_the_file_it_names(

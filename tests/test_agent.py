@@ -936,3 +936,90 @@ def test_tracing_can_be_refused_from_the_environment(
         (_, _, answer), = receiver.wait_for("a trace report",
                                             lambda rs: of_kind(rs, "trace")[:1], proc=proc)
     assert answer["trace"] == {"status": "refused", "why": "GPUWATCH_AGENT_TRACING=0"}
+
+
+# ---- where reports go: only to the daemon (docs/security.md, rule 3) -------------------------
+
+
+def test_reports_go_only_to_a_socket_of_root_this_user_or_the_daemon_where_no_one_else_writes(
+        runtime_dir: Path) -> None:
+    from gpuwatch.agent._transport import (
+        Refused,
+        check_private_dir,
+        check_socket,
+        checked_directory,
+    )
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give files to another user")
+    other = 65534
+    runtime_dir.chmod(0o755)
+    ok = runtime_dir / "ok"
+    ok.mkdir(mode=0o755)
+    daemons = Receiver(ok / "agent.sock")
+    try:
+        assert checked_directory(str(ok)) == (str(ok), frozenset({0}))
+        check_socket(str(ok / "agent.sock"), frozenset({0}))
+        # A link is followed, and what is checked and sent to is the directory it names.
+        link = runtime_dir / "link"
+        link.symlink_to(ok)
+        assert checked_directory(str(link))[0] == str(ok)
+        # The daemon's account's directory, where root put it (the directory above is root's
+        # alone): its sockets are believed.
+        theirs = ok / "placed"
+        theirs.mkdir(mode=0o755)
+        os.chown(theirs, other, other)
+        assert checked_directory(str(theirs)) == (str(theirs), frozenset({0, other}))
+
+        anyones = runtime_dir / "anyones"
+        anyones.mkdir()
+        anyones.chmod(0o777)
+        with pytest.raises(Refused, match=r"writable by others \(mode 0777\)"):
+            checked_directory(str(anyones))
+        with pytest.raises(Refused, match="not sticky"):
+            checked_directory(str(anyones / "below"))
+        # Another user's directory where any user may make one (a sticky one, as /tmp).
+        sticky = runtime_dir / "sticky"
+        sticky.mkdir()
+        sticky.chmod(0o1777)
+        planted = sticky / "run"
+        planted.mkdir(mode=0o755)
+        os.chown(planted, other, other)
+        with pytest.raises(Refused, match="in a directory any user may create in"):
+            checked_directory(str(planted))
+
+        os.chown(ok / "agent.sock", other, other)
+        with pytest.raises(Refused, match=r"owned by .*uid 65534.*not by root"):
+            check_socket(str(ok / "agent.sock"), frozenset({0}))
+        private = ok / "agent.d"
+        private.mkdir(mode=0o755)
+        os.chown(private, other, other)
+        with pytest.raises(Refused, match="owned by"):
+            check_private_dir(str(private), frozenset({0}))
+        os.chown(private, 0, 0)
+        private.chmod(0o777)
+        with pytest.raises(Refused, match="writable by others"):
+            check_private_dir(str(private), frozenset({0}))
+    finally:
+        daemons.close()
+
+
+def test_a_socket_in_a_runtime_directory_anyone_may_write_gets_no_report_and_one_line_why(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    """Anyone could have put agent.sock, or agent.d/<uid>.sock, in a directory of mode 0777:
+    not one report goes there, the program runs on, and stderr says why once."""
+    (runtime_dir / "agent.d").mkdir(mode=0o777)
+    mine = Receiver(runtime_dir / "agent.d" / f"{os.geteuid()}.sock")
+    runtime_dir.chmod(0o777)
+    try:
+        result = run(_no_daemon_program(3000), runtime_dir)
+        assert result.returncode == 0, result.stderr
+        stats = json.loads(result.stdout)
+        assert stats["sent"] == 0 and stats["refused"] >= 1 and stats["failed"] >= 1
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1, result.stderr
+        assert f"the runtime directory {runtime_dir} is writable by others" in lines[0]
+        for ear in (receiver, mine):
+            assert not ear._receive(0.2), ear.reports
+    finally:
+        mine.close()

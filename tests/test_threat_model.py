@@ -771,6 +771,84 @@ def test_the_audit_log_is_not_written_through_a_link_nor_in_a_directory_another_
     assert victim.read_text() == "root's\n"
     assert list(theirs.iterdir()) == []
 
+
+# mallory's ear: binds a socket at each path of argv[1:] (making agent.d, mode 0777, as needed),
+# prints `ready`, and receives until its stdin closes; then prints what it received, as JSON.
+_EAR = """
+import json, os, select, socket, sys
+socks = []
+for path in sys.argv[1:]:
+    if os.path.basename(os.path.dirname(path)) == "agent.d":
+        os.mkdir(os.path.dirname(path), 0o777)
+        os.chmod(os.path.dirname(path), 0o777)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(path)
+    os.chmod(path, 0o666)
+    socks.append(s)
+print("ready", flush=True)
+got = []
+while True:
+    ready = select.select(socks + [sys.stdin], [], [])[0]
+    for r in ready:
+        if r is sys.stdin:
+            if not os.read(0, 4096):
+                print(json.dumps(got), flush=True)
+                sys.exit(0)
+        else:
+            got.append(r.recv(65536).decode("utf-8", "replace"))
+"""
+
+# alice's training loop with the agent: a watched buffer, 3 s of steps (past the agent's look for
+# its own socket, and two backoffs), finished(); then the agent's counters.
+_ALICES_LOOP = """
+import json, time
+from gpuwatch import agent
+agent.watch("alices_private_buffer", [bytes(1024)] * 4)
+start = time.monotonic()
+step = 0
+while time.monotonic() - start < 3:
+    agent.step(step)
+    step += 1
+    time.sleep(0.01)
+agent.finished()
+print(json.dumps(agent._stats()))
+"""
+
+
+@pytest.mark.parametrize("planted, mode", [("agent.sock", 0o777), ("agent.d", 0o777),
+                                           ("agent.sock", 0o755)],
+                         ids=["agent.sock, mode 0777", "agent.d, mode 0777",
+                              "agent.sock, mallory's 0755"])
+def test_alices_agent_sends_nothing_to_a_socket_mallory_planted_in_her_runtime_directory(
+        mallory: LocalUser, alice: LocalUser, sticky_tmp: Path, planted: str,
+        mode: int) -> None:
+    """alice's GPUWATCH_RUNTIME_DIR is a directory mallory could write (or made): mallory binds
+    agent.sock there, or agent.d/<alice's uid>.sock, to read alice's reports (her buffer names,
+    culprits, threads) and answer them with trace requests. alice's program steps and finishes,
+    and mallory's socket receives nothing."""
+    run = mallorys_runtime_dir(mallory, sticky_tmp, mode)
+    path = run / (AGENT_SOCKET if planted == "agent.sock" else f"agent.d/{alice.uid}.sock")
+    ear = mallory.popen([SYSTEM_PYTHON, "-c", _EAR, str(path)], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert ear.stdout is not None and ear.stdin is not None
+        line = ear.stdout.readline()
+        assert line.strip() == b"ready", (line, ear.stderr.read() if ear.stderr else b"")
+        repo = str(Path(__file__).resolve().parent.parent)
+        loop = alice.run([SYSTEM_PYTHON, "-c", _ALICES_LOOP],
+                         env={**clean_env(), "PYTHONPATH": repo, "GPUWATCH_RUNTIME_DIR": str(run)},
+                         cwd="/", timeout=60)
+        out, err = ear.communicate(b"", timeout=30)
+    finally:
+        terminate(ear)
+    assert loop.returncode == 0, loop.stderr
+    assert json.loads(out) == [], err
+    stats = json.loads(loop.stdout)
+    assert stats["sent"] == 0 and stats["refused"] >= 1, stats
+    # Said once, naming the directory.
+    said = [line for line in loop.stderr.splitlines() if line.startswith("gpuwatch:")]
+    assert len(said) == 1 and str(run) in said[0], loop.stderr
+
 # (section 3 ends)
 
 

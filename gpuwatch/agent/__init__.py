@@ -262,7 +262,7 @@ def configure(socket_path: Union[str, os.PathLike[str], None] = None,
         _discover_on = (_env_on("GPUWATCH_AGENT_DISCOVERY") if discovery is None
                         else bool(discovery))
         st = _st
-        st.transport.path = None
+        st.transport.path = st.transport.target = st.transport.private = None
         st.transport.backoff = 0.0
         st.due = st.chores_due = 0.0 if _enabled else float("inf")
 
@@ -658,7 +658,8 @@ def _env_on(name: str) -> bool:
 
 
 def _stats() -> dict[str, int]:
-    """Counters for tests: reports sent, send attempts, failed (no daemon) and dropped (full)."""
+    """Counters for tests: reports sent, send attempts, failed (no daemon, or a socket refused),
+    dropped (full) and sockets refused (docs/security.md, rule 3)."""
     t = _st.transport
     return {"attempts": t.attempts, "sent": t.sent, "failed": t.failed, "dropped": t.dropped,
-            "seq": _st.seq}
+            "refused": t.refused, "seq": _st.seq}

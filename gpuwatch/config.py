@@ -327,7 +327,9 @@ class DetectorConfig:
         "protected when it runs the file at this path and that file is root's (as for "
         "protected_names)")
     protected_units: tuple[str, ...] = _setting(
-        (), _unit_names,
+        ("nvidia-persistenced.service", "nvidia-fabricmanager.service", "nvidia-dcgm.service",
+         "dcgm.service", "dcgm-exporter.service", "display-manager.service", "gdm.service",
+         "gpuwatch.service"), _unit_names,
         "systemd system units whose processes are never reported (nor reaped), from their "
         "cgroup (\"nvidia-persistenced.service\"); a user's own units never count")
     protected_users: tuple[str, ...] = _setting(

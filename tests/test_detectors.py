@@ -330,6 +330,21 @@ def test_a_protected_unit_or_user_protects_whatever_the_process_runs_or_reads() 
     assert protected_by(by_user, PROTECTING) == "its user svc is in detectors.protected_users"
 
 
+def test_by_default_nvidias_node_services_stay_protected_under_accounts_of_their_own() -> None:
+    # The persistence daemon drops root (--user nvidia-persistenced): by name it would no longer
+    # be protected, by its system unit it is, and a user's own unit of that name is not.
+    defaults = DetectorConfig()
+    own_account = worker(83, name="nvidia-persiste", user="nvidia-persistenced", uid=998,
+                         exe=Executable("/usr/bin/nvidia-persistenced", owner_uid=0,
+                                        root_controlled=True),
+                         system_unit="nvidia-persistenced.service")
+    users_unit = worker(84, name="nvidia-persiste", user="mallory", uid=1001,
+                        system_unit="user@1001.service")
+    assert protected_by(own_account, defaults) == (
+        "it runs in the system unit nvidia-persistenced.service (detectors.protected_units)")
+    assert protected_by(users_unit, defaults) is None
+
+
 def test_a_zombie_is_reported_only_after_its_grace_period() -> None:
     history = History()
     parent = proc(80, 1, gpu=GIB)

@@ -490,9 +490,9 @@ Exit codes:
 @click.option("--json", "as_json", is_flag=True,
               help="Print the checks as JSON (docs/doctor.md).")
 @click.option("--check", "only", multiple=True, metavar="NAME",
-              help="Run only this check (repeatable): config, nvml, privileges, proc-mount, "
-                   "pid-namespace, proc-children, cgroups, directories, daemon, agent-socket, "
-                   "metrics, systemd.")
+              help="Run only this check (repeatable): config, nvml, privileges, executables, "
+                   "proc-mount, pid-namespace, proc-children, cgroups, directories, daemon, "
+                   "agent-socket, metrics, systemd.")
 @click.option("--timeout", cls=Option, type=DURATION, default=2.0, metavar="DURATION",
               help="How long to wait for the daemon's sockets, its /metrics and systemctl: "
                    "500ms, 5s; at most 60s.")

@@ -399,6 +399,61 @@ def check_privileges(ctx: Context) -> list[Check]:
                   detail=detail)]
 
 
+def count_unreadable_executables(proc: Path, euid: int) -> tuple[int, list[int]]:
+    """(other users' processes, the PIDs of those whose /proc/PID/exe this process may not
+    read): the link is what protection by program is proven from (gpuwatch.sources.authority),
+    and reading another user's needs CAP_SYS_PTRACE. Kernel threads and processes gone have no
+    link and are not counted."""
+    others = 0
+    unreadable: list[int] = []
+    for entry in _pid_dirs(proc):
+        try:
+            if entry.stat().st_uid == euid:
+                continue
+        except OSError:
+            continue
+        if _is_kernel_thread(proc, entry.name) is not False:
+            continue
+        try:
+            os.readlink(proc / entry.name / "exe")
+        except PermissionError:
+            unreadable.append(int(entry.name))
+        except OSError:
+            continue  # exited meanwhile, or a zombie: neither counted nor hidden
+        others += 1
+    return others, unreadable
+
+
+def check_executables(ctx: Context) -> list[Check]:
+    me = read_identity(ctx.proc)
+    others, unreadable = count_unreadable_executables(ctx.proc, me.euid)
+    detail = (f"{others} processes of other users, {len(unreadable)} whose /proc/PID/exe is "
+              "unreadable")
+    if not others:
+        return [Check("executables", OK,
+                      f"{me.who}: no other user's process to try reading /proc/PID/exe of "
+                      f"({'with' if me.has(_CAP_SYS_PTRACE) else 'without'} CAP_SYS_PTRACE)",
+                      detail=detail)]
+    if not unreadable:
+        return [Check("executables", OK,
+                      f"{me.who} reads which program other users' processes run "
+                      f"(/proc/PID/exe of {plural(others, 'process')}): protected_executables "
+                      "and protected_names can protect root's programs", detail=detail)]
+    pids = ", ".join(str(pid) for pid in unreadable[:5]) + (", ..." if len(unreadable) > 5 else "")
+    if me.has(_CAP_SYS_PTRACE):
+        fix = ("a security module (AppArmor, SELinux) or a user namespace denies it: check the "
+               "audit log for denials of ptrace read")
+    else:
+        fix = ("give the daemon CAP_SYS_PTRACE: `AmbientCapabilities=CAP_SYS_PTRACE` in its "
+               "unit (and in `CapabilityBoundingSet=`), as systemd/gpuwatch.service has it, or "
+               "run it as root; for your own account, `sudo gpuwatch ...`")
+    return [Check("executables", WARN,
+                  f"{me.who} cannot read /proc/PID/exe of {len(unreadable)} of {others} other "
+                  f"users' processes (PID {pids}): none of them is protected by its program "
+                  "(detectors.protected_executables, protected_names); they are reported and "
+                  "reaped like any other", fix=fix, detail=detail)]
+
+
 # -- /proc's mount options -----------------------------------------------------------------------
 _HIDEPID = {"0": "off", "off": "off", "1": "noaccess", "noaccess": "noaccess",
             "2": "invisible", "invisible": "invisible", "4": "ptraceable",
@@ -925,6 +980,7 @@ CHECKS: tuple[Spec, ...] = (
          on_hang="NVML is blocked in the driver: a GPU may have fallen off the bus (`dmesg | "
                  "grep -i xid`); `nvidia-smi` probably hangs too"),
     Spec("privileges", check_privileges),
+    Spec("executables", check_executables),
     Spec("proc-mount", check_proc_mount),
     Spec("pid-namespace", check_pid_namespace),
     Spec("proc-children", check_proc_children),

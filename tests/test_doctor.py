@@ -43,6 +43,7 @@ from gpuwatch.doctor import (
     check_cgroups,
     check_config,
     check_daemon,
+    check_executables,
     check_metrics,
     check_nvml,
     check_pid_namespace,
@@ -58,7 +59,8 @@ from gpuwatch.simulate import fakenvml
 from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.sinks.doctor_view import render_doctor, summary_line
 from gpuwatch.sinks.state_socket import StateServer
-from tests.daemonproc import running_daemon
+from tests.daemonproc import running_daemon, setpriv_or_skip
+from tests.localusers import LocalUser, local_user
 from tests.realprocs import GIB, gpuwatch, proc_without_children_files, real_nvml_present
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -355,6 +357,54 @@ def test_as_another_user_the_environments_of_roots_processes_are_counted_hidden(
     others, unreadable = map(int, match.groups())
     assert others >= 1 and unreadable == others
     assert f"{unreadable} of {others} other users' processes hide" in result["summary"]
+
+
+# ---- executables ---------------------------------------------------------------------------------
+def _doctor_executables(user: Optional[LocalUser]) -> dict[str, Any]:
+    """`gpuwatch doctor --check executables --json` as root, or as `user` with no capability
+    (setpriv, as a user's own shell gives none)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GPUWATCH_CONFIG": "/dev/null",
+           "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "gpuwatch", "doctor", "--json", "--check", "executables"]
+    if user is not None:
+        argv = ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups",
+                *argv]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout, done.stderr
+    (check,) = json.loads(done.stdout)["checks"]
+    return dict(check)
+
+
+def test_who_cannot_read_another_users_proc_pid_exe_is_warned_that_protection_by_program_fails(
+        ) -> None:
+    """alice's process is another user's to mallory (and root's processes are too): without
+    CAP_SYS_PTRACE she cannot read which program they run, so none could be protected by it.
+    Root can."""
+    setpriv_or_skip()
+    alice, mallory = local_user("alice"), local_user("mallory")
+    alices = alice.popen(["sleep", "600"])
+    try:
+        check = _doctor_executables(mallory)
+        assert check["status"] == WARN, check
+        assert check["summary"].startswith(f"uid {mallory.uid} ({mallory.name}) cannot read "
+                                           "/proc/PID/exe of "), check
+        assert "protected_executables" in check["summary"], check
+        assert "AmbientCapabilities=CAP_SYS_PTRACE" in check["fix"], check
+        as_root = _doctor_executables(None)
+        assert as_root["status"] == OK, as_root
+        assert as_root["summary"].startswith("root reads which program other users' "
+                                             "processes run"), as_root
+    finally:
+        alices.kill()
+        alices.wait()
+
+
+def test_with_no_other_users_process_to_try_the_executables_check_says_so(tmp_path: Path
+                                                                          ) -> None:
+    proc = FakeProc(tmp_path, uid=STRANGER, caps=NO_CAPS)
+    check = one(check_executables(context(tmp_path, proc)))
+    assert check.status == OK, check
+    assert "no other user's process to try" in check.summary, check
 
 
 # ---- /proc's mount options -------------------------------------------------------------------

@@ -11,6 +11,13 @@ once they are all gone, the status document's size unloaded and at its largest, 
 time unloaded and with a batch alive (docs/security.md, "Bytes, not entries").
 
     python bench/argv_flood.py [--processes 1000] [--batch 100] [--interval 0.5]
+        [--against DIR [--against-processes 150] [--against-rss-limit 2048]]
+
+--against DIR runs the same flood, after this checkout's, on a daemon importing the gpuwatch
+package in DIR (another revision's checkout or worktree), and prints both side by side. Its own
+count of processes (--against-processes: a daemon that reads command lines whole takes about
+6 MiB of RSS for each), and its daemon is killed past --against-rss-limit MiB, which the figures
+then say.
 """
 
 from __future__ import annotations
@@ -28,15 +35,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from cmdline import arguments, write_figures
+from cmdline import options, parse_args, write_figures
 from node import (
+    ROOT,
+    BenchNode,
     bench_node,
     check_room_for,
     cli_env,
     free_port,
     rss_bytes,
     scrape,
-    start_daemon,
     stop,
     wait_http,
 )
@@ -109,47 +117,66 @@ def wait_until(what: str, probe: Callable[[], Optional[Any]], limit: float = 300
 
 
 class Peak(threading.Thread):
-    """The highest RSS of a process, sampled every 50 ms."""
+    """The highest RSS of a process, sampled every 50 ms; the process is killed past `limit`
+    bytes (0: no limit)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, limit: int = 0) -> None:
         super().__init__(daemon=True)
         self.pid = pid
+        self.limit = limit
         self.peak = 0
+        self.killed = False
         self.stopping = threading.Event()
 
     def run(self) -> None:
         while not self.stopping.wait(0.05):
             with contextlib.suppress(OSError):
                 self.peak = max(self.peak, rss_bytes(self.pid))
+                if self.limit and self.peak > self.limit and not self.killed:
+                    os.kill(self.pid, signal.SIGKILL)
+                    self.killed = True
+
+
+def start_daemon(b: BenchNode, port: int, interval: float,
+                 code: Optional[Path]) -> subprocess.Popen[bytes]:
+    """`gpuwatch daemon` on the fake node, importing gpuwatch from `code` (default: this
+    checkout), /metrics on 127.0.0.1:`port`."""
+    env = cli_env(b)
+    env["PYTHONPATH"] = str(code or ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "daemon", "--listen", f"127.0.0.1:{port}",
+         "--interval", str(interval), "--log-level", "warning"], env=env, cwd=b.tmp)
 
 
 def poll_seconds(runtime: Path) -> float:
     return float(json.loads(document(runtime))["poll_duration_seconds"])
 
 
-def main() -> None:
-    args = arguments(__doc__, quick={"processes": 100, "batch": 50}, processes=1000, batch=100,
-                     interval=0.5)
-    check_room_for(2 * args.batch + 16)
+def flood(processes: int, batch_size: int, interval: float, code: Optional[Path] = None,
+          rss_limit_mib: int = 0) -> dict[str, Any]:
+    """The flood on a daemon importing gpuwatch from `code` (default: this checkout): its
+    figures, in MiB, KiB and ms."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
-    batches = -(-args.processes // args.batch)
+    batches = -(-processes // batch_size)
+    mib = 2 ** 20
     with bench_node(gpus=2, gpu_procs=4) as b:
-        daemon = start_daemon(b, port, args.interval)
+        daemon = start_daemon(b, port, interval, code)
         procs: list[subprocess.Popen[bytes]] = []
+        peak = Peak(daemon.pid, rss_limit_mib * mib)
+        done = 0
         try:
             wait_http(url, daemon)
             os.chmod(b.tmp, 0o711)  # the flooders' user must reach agent.sock inside it
             runtime = Path(cli_env(b)["GPUWATCH_RUNTIME_DIR"])
             path = str(runtime / "agent.sock")
-            time.sleep(4 * args.interval)
+            time.sleep(4 * interval)
             before = rss_bytes(daemon.pid)
             unloaded_doc = len(document(runtime))
             unloaded_polls = []
             for _ in range(5):
                 unloaded_polls.append(poll_seconds(runtime))
-                time.sleep(args.interval)
-            peak = Peak(daemon.pid)
+                time.sleep(interval)
             peak.start()
             largest_doc = 0
             loaded_polls = []
@@ -157,7 +184,7 @@ def main() -> None:
             read_seconds = []
             started = time.monotonic()
             for batch in range(batches):
-                size = min(args.batch, args.processes - batch * args.batch)
+                size = min(batch_size, processes - batch * batch_size)
                 t0 = time.monotonic()
                 procs = start_batch(path, batch, size)
                 pids = {p.pid for p in procs}
@@ -170,56 +197,108 @@ def main() -> None:
                                  f"flood-{batch}-")]
                     return (body, shown) if len(shown) == len(pids) else None
 
-                body, shown = wait_until(f"batch {batch} read", all_read)
+                try:
+                    body, shown = wait_until(f"batch {batch} read", all_read)
+                except (OSError, ValueError):  # refused, or a cut answer, once it is killed
+                    if peak.killed:
+                        break
+                    raise
                 read_seconds.append(time.monotonic() - t0)
                 largest_doc = max(largest_doc, len(body))
                 cut_shown += sum(1 for p in shown if p["cmdline"][-1].startswith("…[cut"))
-                time.sleep(2 * args.interval)  # past the batch's first reads: polls as they run
-                loaded_polls.append(poll_seconds(runtime))
+                time.sleep(2 * interval)  # past the batch's first reads: polls as they run
+                with contextlib.suppress(OSError):
+                    loaded_polls.append(poll_seconds(runtime))
                 end_batch(procs)
                 procs = []
+                if peak.killed:
+                    break
 
                 def gone(pids: set[int] = pids) -> Optional[bool]:
                     left = [p for p in json.loads(document(runtime))["processes"]
                             if p["pid"] in pids]
                     return None if left else True
 
-                wait_until(f"batch {batch} gone", gone)
+                try:
+                    wait_until(f"batch {batch} gone", gone)
+                except (OSError, ValueError):  # refused, or a cut answer, once it is killed
+                    if peak.killed:
+                        break
+                    raise
+                done += size
             flood_seconds = time.monotonic() - started
-            time.sleep(4 * args.interval)
-            after = rss_bytes(daemon.pid)
+            time.sleep(4 * interval)
+            after = 0 if peak.killed else rss_bytes(daemon.pid)
             peak.stopping.set()
             peak.join()
-            metrics = scrape(url)[1].decode()
-            cut_counted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                              if line.startswith(CUT_SERIES))
+            cut_counted = 0.0
+            if not peak.killed:
+                metrics = scrape(url)[1].decode()
+                cut_counted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                                  if line.startswith(CUT_SERIES))
         finally:
+            peak.stopping.set()
             end_batch(procs)
             stop([daemon])
-    mib = 2 ** 20
-    who = f"UID {FLOODER_UID}" if os.geteuid() == 0 else "this user"
-    print(f"{args.processes} processes of one user ({who}) with 2 MiB command lines and 64 KiB "
-          f"environments, {batches} batches of {args.batch}, each reporting to agent.sock "
-          f"(polls every {args.interval:g} s); all in {flood_seconds:.0f} s, a batch read "
-          f"in {statistics.median(read_seconds):.1f} s (median)")
-    print(f"daemon RSS: unloaded {before / mib:.0f} MiB, peak {peak.peak / mib:.0f} MiB, "
-          f"after they are gone {after / mib:.0f} MiB ({(after - before) / mib:+.1f} MiB)")
-    print(f"status document: unloaded {unloaded_doc / 1024:.0f} KiB, largest "
-          f"{largest_doc / mib:.2f} MiB")
-    print(f"poll: unloaded {1000 * statistics.median(unloaded_polls):.1f} ms, with a batch "
-          f"alive {1000 * statistics.median(loaded_polls):.1f} ms (medians)")
-    print(f"command lines shown cut: {cut_shown} of {args.processes}; "
-          f"gpuwatch_text_truncated_total{{what=\"command_line\"}} {cut_counted:.0f}")
-    write_figures(args.figures, {
-        "processes": args.processes, "batch": args.batch,
+    return {
+        "processes": processes, "batch": batch_size, "done": done, "killed": peak.killed,
+        "rss_limit_mib": rss_limit_mib,
         "rss_before_mib": before / mib, "rss_peak_mib": peak.peak / mib,
         "rss_after_mib": after / mib, "document_unloaded_kib": unloaded_doc / 1024,
         "document_largest_mib": largest_doc / mib,
         "poll_unloaded_ms": 1000 * statistics.median(unloaded_polls),
-        "poll_loaded_ms": 1000 * statistics.median(loaded_polls),
-        "cut_shown": cut_shown, "cut_counted": cut_counted, "flood_seconds": flood_seconds})
-    if (peak.peak / mib >= RSS_LIMIT_MIB or (after - before) / mib > RSS_BACK_WITHIN_MIB
-            or largest_doc / mib >= DOCUMENT_LIMIT_MIB or cut_shown < args.processes):
+        "poll_loaded_ms": 1000 * statistics.median(loaded_polls) if loaded_polls else 0.0,
+        "read_seconds": statistics.median(read_seconds) if read_seconds else 0.0,
+        "cut_shown": cut_shown, "cut_counted": cut_counted, "flood_seconds": flood_seconds}
+
+
+def print_figures(label: str, f: dict[str, Any], interval: float) -> None:
+    who = f"UID {FLOODER_UID}" if os.geteuid() == 0 else "this user"
+    batches = -(-f["processes"] // f["batch"])
+    print(f"{label}{f['processes']} processes of one user ({who}) with 2 MiB command lines and "
+          f"64 KiB environments, {batches} batches of {f['batch']}, each reporting to agent.sock "
+          f"(polls every {interval:g} s); all in {f['flood_seconds']:.0f} s, a batch read "
+          f"in {f['read_seconds']:.1f} s (median)")
+    if f["killed"]:
+        print(f"{label}daemon killed past {f['rss_limit_mib']} MiB of RSS (this bench's limit), "
+              f"{f['done']} of the processes read and gone by then")
+    after = ("-" if f["killed"] else
+             f"{f['rss_after_mib']:.0f} MiB ({f['rss_after_mib'] - f['rss_before_mib']:+.1f} MiB)")
+    print(f"{label}daemon RSS: unloaded {f['rss_before_mib']:.0f} MiB, peak "
+          f"{f['rss_peak_mib']:.0f} MiB, after they are gone {after}")
+    print(f"{label}status document: unloaded {f['document_unloaded_kib']:.0f} KiB, largest "
+          f"{f['document_largest_mib']:.2f} MiB")
+    print(f"{label}poll: unloaded {f['poll_unloaded_ms']:.1f} ms, with a batch "
+          f"alive {f['poll_loaded_ms']:.1f} ms (medians)")
+    print(f"{label}command lines shown cut: {f['cut_shown']} of {f['processes']}; "
+          f"gpuwatch_text_truncated_total{{what=\"command_line\"}} {f['cut_counted']:.0f}")
+
+
+def main() -> None:
+    parser = options(__doc__, processes=1000, batch=100, interval=0.5,
+                     against_processes=(150, "processes of the --against run"),
+                     against_rss_limit=(2048, "MiB of RSS past which the --against daemon "
+                                        "is killed"))
+    parser.add_argument("--against", type=Path, default=None,
+                        help="also flood a daemon importing the gpuwatch package in this "
+                             "directory (another revision's checkout)")
+    args = parse_args(parser, quick={"processes": 100, "batch": 50, "against_processes": 50})
+    check_room_for(2 * args.batch + 16)
+    mine = flood(args.processes, args.batch, args.interval)
+    theirs = (flood(args.against_processes, args.batch, args.interval, args.against.resolve(),
+                    args.against_rss_limit) if args.against else None)
+    print_figures("this checkout: " if theirs else "", mine, args.interval)
+    if theirs is not None:
+        print_figures(f"{args.against}: ", theirs, args.interval)
+    figures = {k: v for k, v in mine.items() if k not in ("done", "killed", "rss_limit_mib",
+                                                          "read_seconds")}
+    if theirs is not None:
+        figures["against"] = theirs
+    write_figures(args.figures, figures)
+    mib_peak, back = mine["rss_peak_mib"], mine["rss_after_mib"] - mine["rss_before_mib"]
+    if (mib_peak >= RSS_LIMIT_MIB or back > RSS_BACK_WITHIN_MIB
+            or mine["document_largest_mib"] >= DOCUMENT_LIMIT_MIB
+            or mine["cut_shown"] < mine["processes"]):
         sys.exit(1)
 
 

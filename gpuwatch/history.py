@@ -465,8 +465,9 @@ class History:
             seen.add(key)
             h = self._by_identity.get(key)
             if h is None:
-                h = ProcessHistory(p, procs.get(p.ppid) if p.ppid else None,
-                                   _job_key(p.pid, snapshot), now, self.samples)
+                parent = procs.get(p.ppid) if p.ppid else None
+                h = ProcessHistory(p, parent, self._first_job_key(p, parent, snapshot), now,
+                                   self.samples)
                 self._by_identity[key] = h
             h.observe(p, now, self.sample_spacing)
             self._by_identity.move_to_end(key)
@@ -556,6 +557,20 @@ class History:
         if evicted:
             self.budget.evicted("history", reason, evicted)
         return freed
+
+    def _first_job_key(self, p: HostProcess, parent: Optional[HostProcess],
+                       snapshot: NodeSnapshot) -> Optional[str]:
+        """The job a process first seen belongs to: the tree the snapshot puts it in, except
+        under a trainer seen before it forked (its data loader's workers): the trainer is the
+        root of their tree now that it has children, but it and they are the job the trainer
+        was first seen in, whose trainer it is."""
+        key = _job_key(p.pid, snapshot)
+        if parent is None or snapshot.job_roots.get(p.pid) != parent.pid:
+            return key
+        known = self._by_identity.get(parent.identity)
+        if known is None or not known.held_gpu or known.job_key is None:
+            return key
+        return known.job_key
 
     def _update_jobs(self, snapshot: NodeSnapshot, seen: set[Identity]) -> None:
         now = snapshot.taken_at

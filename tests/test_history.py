@@ -242,3 +242,27 @@ def test_a_rank_with_data_loader_workers_and_a_helper_of_its_own_stays_in_its_la
                          launch_env=env, cmdline=("redis-server",))
     assert _labels(shell, launcher, rank, loader, helper) == {
         19: None, 20: "torchrun:20", 21: "torchrun:20", 22: "torchrun:20", 23: "torchrun:20"}
+
+
+def test_workers_a_trainer_forks_after_it_was_first_seen_are_in_the_trainers_job() -> None:
+    """A trainer first seen on its own, under a parent that is no boundary (a wrapper script,
+    a notebook server's kernel): its data loader's workers, forked later, make it the root of
+    a tree of their own in the snapshot, yet they belong to the job the trainer was seen in,
+    which has had a trainer (so their memory is judged with it)."""
+    from gpuwatch.jobtree import job_roots
+
+    holds = (GpuProcessUsage(0, "GPU-0", 32, 1 << 30),)
+    shell = HostProcess(pid=30, ppid=1, start_time=0.5, name="bash", sid=30)
+    script = HostProcess(pid=31, ppid=30, start_time=1.0, name="bash", sid=30,
+                         cmdline=("bash", "run.sh"))
+    trainer = HostProcess(pid=32, ppid=31, start_time=2.0, name="python", sid=30,
+                          cmdline=("python", "train.py"), gpu_usage=holds)
+    worker = HostProcess(pid=33, ppid=32, start_time=3.0, name="pt_data_worker", sid=30,
+                         cmdline=trainer.cmdline)
+    history = History()
+    for t, procs in ((1.0, (shell, script, trainer)), (2.0, (shell, script, trainer, worker))):
+        by_pid = {p.pid: p for p in procs}
+        history.record(replace(_snapshot(t, *procs),
+                               job_roots=MappingProxyType(job_roots(by_pid))))
+    job = history.job_of(worker)
+    assert job is not None and job is history.job_of(trainer) and job.had_trainer

@@ -117,6 +117,18 @@ def data_loader_job(mode: str, trainer: str = TRAINER) -> Iterator[tuple[int, in
         wait_not_running(pids)
 
 
+#: TRAINER, but it holds its GPU memory before it forks: it prints its PID, waits for SIGUSR1,
+#: then forks its workers and prints their PIDs, as a script that moves its model to the GPU
+#: before it iterates its DataLoader does.
+TRAINER_FORKING_WHEN_TOLD = TRAINER.replace("workers = []\n", """\
+import signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+print(os.getpid(), flush=True)
+signal.sigwait({signal.SIGUSR1})
+workers = []
+""").replace("print(os.getpid(), *workers, flush=True)", "print(*workers, flush=True)")
+
+
 @pytest.fixture
 def watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path
             ) -> Iterator[WatchedNode]:
@@ -205,3 +217,40 @@ def test_a_real_torch_data_loaders_workers_copying_a_list_dataset_are_copy_on_wr
         assert "copy-on-write after fork" in found["reason"], found
         assert set(found["details"]["worker_pids"]) <= {first, second}, found
         assert not {first, second} & set(by_pid(doc, "leak")), doc["findings"]
+
+
+@pytest.mark.parametrize("parent", ["launcher", "wrapper script"])
+def test_a_data_worker_forked_after_its_trainer_was_seen_holding_is_judged_with_its_job(
+        watched: WatchedNode, tmp_path: Path, parent: str) -> None:
+    """The trainer, under a parent that is no launcher (a Python launcher, `bash run.sh`), is
+    seen holding GPU memory before it forks: the worker whose RSS climbs is a leak all the
+    same."""
+    read, write = os.pipe()
+    if parent == "launcher":
+        argv = [sys.executable, "-c", LAUNCHER, TRAINER_FORKING_WHEN_TOLD, "leak"]
+    else:
+        script = tmp_path / "run.sh"
+        # Two commands: bash does not exec the last one in its own place.
+        script.write_text(f'{sys.executable} -c "$1" leak\nexit $?\n')
+        argv = ["bash", str(script), TRAINER_FORKING_WHEN_TOLD]
+    # A group of its own (for the kill), in this session: a shell leading a session is a login
+    # shell, a boundary of jobs, and its child the root of a job of its own.
+    launcher = subprocess.Popen(argv, stdout=write, env=clean_env(), process_group=0)
+    os.close(write)
+    pids: list[int] = []
+    try:
+        with os.fdopen(read) as out:
+            trainer = int(out.readline())
+            pids.append(trainer)
+            watched.node.hold(trainer, device=0, used=2 * GIB)
+            watched.holding(trainer)
+            os.kill(trainer, signal.SIGUSR1)
+            idle, leaking = (int(p) for p in out.readline().split())
+        pids += [idle, leaking]
+        found = watched.findings_of("leak", [leaking])[leaking]
+        assert found["reason"].startswith("RSS grows steadily (no agent)"), found
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        wait_not_running(pids)

@@ -117,3 +117,23 @@ def test_fair_shares_give_each_user_up_to_an_even_level_and_the_rest_to_those_as
     assert fair_shares({1: 3, None: 3}, 100) == {1: 3, None: 3}
     assert fair_shares({1: 3, 2: 3}, 0) == {1: 0, 2: 0}
     assert fair_shares({}, 5) == {}
+
+
+def test_one_user_s_thousands_of_findings_take_no_series_of_another_users_finding() -> None:
+    # mallory's reporters each raise a fake leak against themselves; alice's GPU holder has one
+    # finding. Under the cap, alice's finding keeps its series, mallory's get what is left,
+    # and the count by kind still counts every finding.
+    alice = _proc(10, ALICE, gpu=GIB)
+    flood = [_proc(100 + i, MALLORY) for i in range(200)]
+    report = _report([alice, *flood], reporters={p.pid for p in flood},
+                     flagged={alice.pid, *(p.pid for p in flood)})
+    families = {f.name: f for f in ReportCollector(lambda: report, max_process_series=8)
+                .collect()}
+    for name in ("gpuwatch_finding", "gpuwatch_finding_info"):
+        pids = [int(s.labels["pid"]) for s in families[name].samples]
+        assert alice.pid in pids, name
+        assert len(pids) <= 8, (name, len(pids))
+    leaks = [int(s.labels["pid"]) for s in families["gpuwatch_leak_growth_bytes_per_step"].samples]
+    assert len(leaks) <= 8
+    (count,) = [s for s in families["gpuwatch_findings"].samples if s.labels["kind"] == "leak"]
+    assert count.value == 201

@@ -245,9 +245,11 @@ class ReportCollector(Collector):
         yield _gauge("gpuwatch_agent_processes", "Processes with an agent slot at the last "
                      "poll (at most agent.max_processes).", [],
                      [([], float(len(report.snapshot.agents)))])
-        yield from self._processes(report)
-        yield from self._findings(report.findings)
-        yield from self._leaks(report)
+        exported, _ = exported_processes(report, self.max_process_series)
+        yield from self._processes(report, exported)
+        findings = _findings_with_series(report, exported)
+        yield from self._findings(findings, report.findings)
+        yield from self._leaks(report, findings)
 
     def _node(self, s: NodeSnapshot) -> Iterator[Metric]:
         node = InfoMetricFamily(
@@ -314,8 +316,8 @@ class ReportCollector(Collector):
                      "Share of the last sample period in which a kernel ran on the GPU (0-1).",
                      labels, util)
 
-    def _processes(self, report: NodeReport) -> Iterator[Metric]:
-        exported, _ = exported_processes(report, self.max_process_series)
+    def _processes(self, report: NodeReport, exported: list[HostProcess]
+                   ) -> Iterator[Metric]:
         gpu_labels = [*PROCESS_LABELS, "gpu", "uuid"]
         gpu_mem, rss, start, steps, step_at, items, sizes = [], [], [], [], [], [], []
         agents = report.snapshot.agents
@@ -402,14 +404,14 @@ class ReportCollector(Collector):
             "share: a reporting process's slot (process) or its step history (history), by "
             "reason (user_share, memory_budget).", EVICTED_WHAT, stats.evicted)
 
-    def _leaks(self, report: NodeReport) -> Iterator[Metric]:
+    def _leaks(self, report: NodeReport, findings: tuple[Finding, ...]) -> Iterator[Metric]:
         """One series per leaking process and metric: a leak finding is one per process, and
         its culprit and how it was found are labels of that one series, not series of their
         own."""
         labels = [*PROCESS_LABELS, "series", "culprit", "found_by"]
         per_step, oom_step, per_second, oom_at = [], [], [], []
         culprit_bytes, culprit_items = [], []
-        for f in report.findings:
+        for f in findings:
             if f.kind != Kind.LEAK:
                 continue
             d = f.details
@@ -450,8 +452,10 @@ class ReportCollector(Collector):
                      "Items added per training step to the container that explains a leak, "
                      "where it is counted.", labels, culprit_items)
 
-    def _findings(self, findings: tuple[Finding, ...]) -> Iterator[Metric]:
-        """The findings, by what identifies them (kind, process, job, GPU) and their severity.
+    def _findings(self, findings: tuple[Finding, ...], every: tuple[Finding, ...]
+                  ) -> Iterator[Metric]:
+        """The findings, by what identifies them (kind, process, job, GPU) and their severity:
+        a series for each of `findings`, the count by kind of `every`.
 
         A finding's reason is not served: it is words that quote what the process chose (its
         command line, launch variables), and /metrics shows identity only. `gpuwatch status`
@@ -461,8 +465,9 @@ class ReportCollector(Collector):
         labels = ["kind", "severity", *PROCESS_LABELS, "gpu"]
         open_, memory, info = [], [], []
         counts = dict.fromkeys(KINDS, 0)
-        for f in findings:
+        for f in every:
             counts[f.kind] = counts.get(f.kind, 0) + 1
+        for f in findings:
             key = [f.kind, f.severity, *process_labels(f.pid, f.name, f.user, f.job),
                    ",".join(map(str, f.gpus))]
             open_.append((key, 1.0))
@@ -481,6 +486,17 @@ class ReportCollector(Collector):
         yield _gauge("gpuwatch_finding_gpu_memory_bytes",
                      "GPU memory at stake in an open finding (what reaping it would free).",
                      labels, memory)
+
+
+def _findings_with_series(report: NodeReport, exported: list[HostProcess]
+                          ) -> tuple[Finding, ...]:
+    """The findings that get series of their own: those of the processes exported_processes
+    keeps, and those of no process (a ghost). Under exporter.max_process_series one user's
+    thousands of findings (fake leaks it raises against itself) take no other user's series and
+    do not grow the scrape past the cap; gpuwatch_findings still counts them all, and the
+    processes left out are counted in gpuwatch_process_series_dropped_total."""
+    kept = {p.pid for p in exported}
+    return tuple(f for f in report.findings if f.pid is None or f.pid in kept)
 
 
 def _by_what_and_reason(name: str, documentation: str, whats: Iterable[str],

@@ -26,7 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -338,6 +338,19 @@ def _is_kernel_thread(proc: Path, pid: str) -> Optional[bool]:
         return False
 
 
+def _other_users_processes(proc: Path, euid: int) -> Iterator[os.DirEntry[str]]:
+    """The /proc entries of processes (not kernel threads) of users other than `euid`; one
+    gone meanwhile is left out."""
+    for entry in _pid_dirs(proc):
+        try:
+            if entry.stat().st_uid == euid:
+                continue
+        except OSError:
+            continue
+        if _is_kernel_thread(proc, entry.name) is False:
+            yield entry
+
+
 def count_unreadable_environ(proc: Path, euid: int) -> tuple[int, int]:
     """(other users' processes, those whose /proc/PID/environ this process may not open).
 
@@ -345,14 +358,7 @@ def count_unreadable_environ(proc: Path, euid: int) -> tuple[int, int]:
     take the process's memory lock, which a process stuck in D state holds.
     """
     others = unreadable = 0
-    for entry in _pid_dirs(proc):
-        try:
-            if entry.stat().st_uid == euid:
-                continue
-        except OSError:
-            continue
-        if _is_kernel_thread(proc, entry.name) is not False:
-            continue
+    for entry in _other_users_processes(proc, euid):
         try:
             os.close(os.open(proc / entry.name / "environ", os.O_RDONLY | os.O_CLOEXEC))
         except PermissionError:
@@ -406,14 +412,7 @@ def count_unreadable_executables(proc: Path, euid: int) -> tuple[int, list[int]]
     link and are not counted."""
     others = 0
     unreadable: list[int] = []
-    for entry in _pid_dirs(proc):
-        try:
-            if entry.stat().st_uid == euid:
-                continue
-        except OSError:
-            continue
-        if _is_kernel_thread(proc, entry.name) is not False:
-            continue
+    for entry in _other_users_processes(proc, euid):
         try:
             os.readlink(proc / entry.name / "exe")
         except PermissionError:

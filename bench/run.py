@@ -34,7 +34,8 @@ from cmdline import columns, verdict
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "equal_work", "oneshot", "daemon_rss",
-           "agent_step", "culprit_torch", "agent_ingest", "run_overhead", "top_cpu", "daemon_poll",
+           "agent_step", "culprit_torch", "agent_ingest", "run_overhead", "agent_bootstrap",
+           "top_cpu", "daemon_poll",
            "agent_flood", "agent_junk_flood", "argv_flood", "web_auth_flood", "chaos"]
 #: Benches that run a script under another name, with arguments of their own (a --quick run
 #: still gives way to the script's quick sizes where these name none).
@@ -355,6 +356,17 @@ def run_overhead_rows(f: Figures) -> list[Row]:
     return rows
 
 
+def agent_bootstrap_rows(f: Figures) -> list[Row]:
+    w = f["wall_ms"]
+    off = w["bootstrap on PYTHONPATH, GPUWATCH_AGENT unset"]
+    on = w["bootstrap on PYTHONPATH, GPUWATCH_AGENT=auto"]
+    return [Row("`python -c pass` with the agent bootstrap on PYTHONPATH - without, wall: "
+                "GPUWATCH_AGENT unset / auto",
+                f"{off['over_median']:+.1f} / {on['over_median']:+.1f} ms "
+                f"(of {w['python -c pass']['median']:.1f} ms)", "< 5 ms",
+                max(off["over_median"], on["over_median"]) < 5)]
+
+
 def top_rows(f: Figures) -> list[Row]:
     d, w, o = f["daemon"]["80x24"], f["daemon"]["300x60"], f["own_polls"]
     return [
@@ -462,7 +474,8 @@ ROWS: dict[str, Callable[[Figures], list[Row]]] = {
     "oneshot": oneshot_rows, "daemon_rss": rss_rows, "agent_step": agent_step_rows,
     "culprit_torch": culprit_rows,
     "agent_ingest": ingest_rows,
-    "run_overhead": run_overhead_rows, "top_cpu": top_rows, "agent_flood": agent_flood_rows,
+    "run_overhead": run_overhead_rows, "agent_bootstrap": agent_bootstrap_rows,
+    "top_cpu": top_rows, "agent_flood": agent_flood_rows,
     "agent_junk_flood": agent_junk_rows, "argv_flood": argv_flood_rows,
     "web_auth_flood": web_auth_rows,
     "chaos": chaos_rows, "daemon_poll": daemon_poll_rows,

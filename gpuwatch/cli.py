@@ -661,7 +661,7 @@ def _run_options(f: F) -> F:
 @_run_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(command: tuple[str, ...], grace: float, job_name: Optional[str], keep_helpers: bool,
-        json: Optional[Path], no_cgroup: bool) -> None:
+        json: Optional[Path], no_cgroup: bool, no_agent: bool) -> None:
     """Run COMMAND so that Ctrl+C, a crash or a finished trainer leaves nothing behind: every
     process it starts is ended, by identity, and NVML is read to check its GPU memory was
     released.
@@ -672,7 +672,18 @@ def run(command: tuple[str, ...], grace: float, job_name: Optional[str], keep_he
     from gpuwatch.app.run import run as run_job
 
     sys.exit(run_job(RunArgs(command=command, grace=grace, job_name=job_name,
-                             keep_helpers=keep_helpers, json=json, no_cgroup=no_cgroup)))
+                             keep_helpers=keep_helpers, json=json, no_cgroup=no_cgroup,
+                             no_agent=no_agent)))
+
+
+@app.command("agent-path", short_help="Print the directory that loads the agent into a job.")
+def agent_path() -> None:
+    """Print the directory which, first on PYTHONPATH with GPUWATCH_AGENT=auto, has every Python
+    process load the agent at start (what `gpuwatch run` does for its job; docs/agent.md has
+    recipes for Slurm, Kubernetes and torchrun)."""
+    from gpuwatch.launch_env import AGENT_BOOTSTRAP_DIR
+
+    click.echo(AGENT_BOOTSTRAP_DIR)
 
 
 def status_exit_code(report: NodeReport) -> int:

@@ -10,6 +10,7 @@ and nothing of gpuwatch: the agent may import it as it imports gpuwatch.protocol
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Optional
 
@@ -29,6 +30,12 @@ RUN_ID_KEY = "GPUWATCH_RUN_ID"
 #: as ProcessSource computes it (seconds since the epoch, two decimals), so that a PID reused by
 #: another process is told apart from the supervisor.
 RUN_SUPERVISOR_KEY = "GPUWATCH_RUN_SUPERVISOR"
+#: Set by `gpuwatch run` for its whole job (with AGENT_BOOTSTRAP_DIR first on PYTHONPATH): "auto"
+#: or "1" has every Python process of the job load the agent at start; "0" or unset, none does.
+AGENT_KEY = "GPUWATCH_AGENT"
+#: The directory whose sitecustomize.py loads the agent at start (gpuwatch.agent.bootstrap).
+AGENT_BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent",
+                                   "bootstrap")
 #: Set by torchrun's elastic agent for the workers it starts: names the job as `torchelastic`.
 TORCHELASTIC_RUN_ID_KEY = "TORCHELASTIC_RUN_ID"
 #: The run id torchrun gives its workers without `--rdzv-id` (the default static rendezvous, and

@@ -28,7 +28,7 @@ from gpuwatch.simulate.fakenvml import FakeNode
 from tests.realprocs import GIB, gpuwatch, killed_after
 from tests.scenarios import orphaned_worker_under_pid1
 
-COMMANDS = ["status", "daemon", "reap", "top", "doctor", "demo", "run"]
+COMMANDS = ["status", "daemon", "reap", "top", "doctor", "demo", "run", "agent-path"]
 ANSI = "\033["
 
 
@@ -182,7 +182,7 @@ def test_every_default_help_shows_is_the_one_that_applies(command: str) -> None:
 
 def test_every_root_command_is_listed_with_a_whole_summary() -> None:
     text = gpuwatch(["-h"], os.environ).stdout
-    listed = re.findall(r"^  (\w+)\s{2,}(.+)$", text.split("Commands:")[1], re.M)
+    listed = re.findall(r"^  ([\w-]+)\s{2,}(.+)$", text.split("Commands:")[1], re.M)
     assert {name for name, _ in listed} == set(COMMANDS)
     assert not [line for _, line in listed if line.endswith("...")], listed
 
@@ -354,6 +354,7 @@ def test_an_address_in_use_is_named_with_what_to_do(cli_env: dict[str, str],
     ["--", "true"], ["true", "--grace", "5"],
     ["--grace", "1m", "--keep-helpers", "python", "-c", "x"],
     ["--grace=30s", "--job-name", "train-1", "--json", "out.json", "--no-cgroup", "--", "-x"],
+    ["--no-agent", "--", "python", "train.py"],
     ["--job-name=a:b@c", "sh"], ["--json=", "true"],
 ])
 def test_run_reads_its_command_line_as_click_does_without_click(argv: list[str]) -> None:

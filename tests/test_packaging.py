@@ -106,7 +106,7 @@ def test_the_wheel_is_typed_licensed_and_keeps_yaml_and_bcrypt_in_the_web_extra(
         metadata = email.message_from_bytes(whl.read(f"{info}/METADATA"))
         license_text = whl.read(f"{info}/licenses/LICENSE").decode()
     assert {"gpuwatch/py.typed", "gpuwatch/document_types.py", "gpuwatch/agent/__init__.py",
-            "gpuwatch/simulate/fake_nvml.c"} <= names
+            "gpuwatch/simulate/fake_nvml.c", "gpuwatch/agent/bootstrap/sitecustomize.py"} <= names
     assert license_text == (ROOT / "LICENSE").read_text()
     assert metadata["License-Expression"] == "Apache-2.0"
     requires = metadata.get_all("Requires-Dist") or []

@@ -41,6 +41,8 @@ from typing import Any, Callable, Optional
 from gpuwatch.actions.cgroup import CgroupUnavailable, JobCgroup
 from gpuwatch.actions.signals import OTHER, SAME, ZOMBIE, ProcessRef, Signaller
 from gpuwatch.launch_env import (
+    AGENT_BOOTSTRAP_DIR,
+    AGENT_KEY,
     DEFAULT_GRACE,
     EXIT_GPU_HELD,
     EXIT_NOT_EXECUTABLE,
@@ -169,12 +171,13 @@ class Supervisor:
 
     def __init__(self, command: Sequence[str], job_id: str, grace: float = DEFAULT_GRACE,
                  keep_helpers: bool = False, use_cgroup: bool = True,
-                 out: Any = sys.stderr) -> None:
+                 out: Any = sys.stderr, agent: bool = True) -> None:
         self.command = list(command)
         self.job_id = job_id
         self.grace = grace
         self.keep_helpers = keep_helpers
         self.use_cgroup = use_cgroup
+        self.agent = agent
         self.out = out
         self._procs = ProcessSource()
         self._signals = Signaller(self._procs)
@@ -255,6 +258,7 @@ class Supervisor:
         me = self._procs.stat("self")
         env = {**os.environ, RUN_ID_VARIABLE: self.job_id,
                SUPERVISOR_VARIABLE: f"{os.getpid()}:{me.start_time!r}" if me else ""}
+        agent_environment(env, self.agent)
         cgroup = self._cgroup
 
         def in_the_child() -> None:
@@ -628,6 +632,20 @@ def _wait(wakeup: int, timeout: Optional[float]) -> bool:
 
 def _exit_code_of(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def agent_environment(env: dict[str, str], on: bool) -> None:
+    """Have every Python process of the job load the agent at start (the bootstrap directory
+    first on PYTHONPATH, GPUWATCH_AGENT=auto), unless the job's environment already says
+    GPUWATCH_AGENT; with `on` false (--no-agent), GPUWATCH_AGENT=0, which also turns off a
+    bootstrap the environment already had (a Slurm prolog's)."""
+    if not on:
+        env[AGENT_KEY] = "0"
+        return
+    env.setdefault(AGENT_KEY, "auto")
+    old = env.get("PYTHONPATH", "")
+    paths = [p for p in old.split(os.pathsep) if p != AGENT_BOOTSTRAP_DIR] if old else []
+    env["PYTHONPATH"] = os.pathsep.join([AGENT_BOOTSTRAP_DIR, *paths])
 
 
 def job_id_for(command: Sequence[str]) -> str:

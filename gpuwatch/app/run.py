@@ -1,6 +1,7 @@
 """`gpuwatch run`'s command line: its options, said once, for click and for a fast path.
 
-    gpuwatch run [--grace DURATION] [--job-name NAME] [--keep-helpers] [--json FILE] -- COMMAND...
+    gpuwatch run [--grace DURATION] [--job-name NAME] [--keep-helpers] [--json FILE]
+                 [--no-cgroup] [--no-agent] -- COMMAND...
 
 A supervisor goes in front of every training command, so its start-up is paid on every job:
 click and the command definitions add about 15 ms. So the entry point hands `gpuwatch run` here
@@ -52,6 +53,9 @@ RUN_OPTIONS = (
     RunOption("--json", "json", "FILE", "Also write the summary to FILE as JSON."),
     RunOption("--no-cgroup", "no_cgroup", None, "Do not put the job in a cgroup of its own.",
               False),
+    RunOption("--no-agent", "no_agent", None,
+              "Do not load the agent into the job's Python processes (by default each one reports "
+              "its optimizer steps and RSS to the daemon: docs/agent.md).", False),
 )
 
 
@@ -63,6 +67,7 @@ class RunArgs:
     keep_helpers: bool = False
     json: Optional[Path] = None
     no_cgroup: bool = False
+    no_agent: bool = False
 
 
 def job_name_problem(name: str) -> Optional[str]:
@@ -133,7 +138,7 @@ def run(args: RunArgs) -> int:
 
     supervisor = Supervisor(list(args.command), args.job_name or job_id_for(args.command),
                             grace=args.grace, keep_helpers=args.keep_helpers,
-                            use_cgroup=not args.no_cgroup)
+                            use_cgroup=not args.no_cgroup, agent=not args.no_agent)
     result = supervisor.run()
     try:
         if result.started:

@@ -129,7 +129,7 @@ def test_a_torch_script_that_never_imports_gpuwatch_reports_its_optimizer_steps_
         assert later > first >= 1
 
 
-def test_a_torch_script_leaking_8_mib_a_step_into_a_dict_gets_a_leak_finding_under_run(
+def test_a_torch_script_leaking_8_mib_a_step_into_a_dict_gets_a_leak_finding_naming_it_under_run(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
@@ -147,7 +147,14 @@ def test_a_torch_script_leaking_8_mib_a_step_into_a_dict_gets_a_leak_finding_und
             return next((f for f in doc.get("findings", ()) if f["kind"] == "leak"
                          and f["pid"] == pid), None)
 
-        finding = wait_for("the leak finding", leak, WAIT, alive=d.proc)
+        def named() -> Optional[dict[str, Any]]:
+            found = leak()
+            return found if found is not None and found["details"].get("culprit") else None
+
+        # The agent's discovery names the dict the script never told it of.
+        finding = wait_for("the leak finding naming its culprit", named, WAIT, alive=d.proc)
+        assert finding["details"]["culprit"] == "__main__.CACHE", finding
+        assert finding["details"]["found_by"] == "discovered"
         growth = finding["details"]["growth_bytes_per_step"]
         assert 7 * 2**20 <= growth <= 9 * 2**20, finding
 

@@ -1,6 +1,7 @@
 # The two set-up commands of the README:
 #   make run   - the main job: the daemon on this node's GPUs, or on a simulated node without them
 #   make test  - the whole test suite (installs what it needs first)
+#   make test-fast - the tests of the pure layers alone, under a minute (docs/testing.md)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -18,7 +19,7 @@ export GPUWATCH_RUNTIME_DIR ?= $(CURDIR)/.run/runtime
 export GPUWATCH_STATE_DIR ?= $(CURDIR)/.run/state
 endif
 
-.PHONY: run test test-deps lint typecheck bench clean test-gpu bench-gpu gpu-venv
+.PHONY: run test test-fast test-deps lint typecheck bench clean test-gpu bench-gpu gpu-venv
 
 $(STAMP): pyproject.toml
 	@echo "make: creating the virtual environment $(VENV)"
@@ -74,6 +75,11 @@ $(TORCH_STAMP): $(STAMP)
 test: $(STAMP) $(TORCH_STAMP) test-deps lint typecheck
 	@echo "make test: running the test suite (about 15 minutes on 2 cores)"
 	$(BIN)/python -m pytest --durations=15 --durations-min=10
+
+# The tests not marked `slow` (tests/conftest.py SLOW: the end-to-end modules, listed in
+# docs/testing.md): the pure layers, in under a minute. `make test` still runs everything.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" -q
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

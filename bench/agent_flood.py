@@ -176,7 +176,9 @@ def by_label(s: dict[str, float], name: str) -> dict[str, float]:
 
 def main() -> None:
     args = arguments(
-        __doc__, quick={"processes": 60, "reports": 60}, processes=600, reports=520, buffers=64,
+        __doc__, quick={"processes": 60, "reports": 60},
+        smoke={"processes": 8, "reports": 8, "interval": 0.5},
+        processes=600, reports=520, buffers=64,
         discovered=(0, "discovered containers with fresh names in each report (max 8)"),
         rate=0.0, interval=2.0, victim_steps=600,
         junk=(False, "flood with junk datagrams until the end; time the second user's leak "

@@ -148,7 +148,8 @@ def measure_end_to_end(seconds: float, blocking: bool) -> dict[str, float]:
 
 
 def main() -> None:
-    args = arguments(__doc__, quick={"reports": 20_000, "seconds": 1.0}, reports=200_000,
+    args = arguments(__doc__, quick={"reports": 20_000, "seconds": 1.0},
+                     smoke={"reports": 2_000, "seconds": 0.2}, reports=200_000,
                      seconds=5.0)
 
     print(f"(a) handle() alone, {args.reports:,} reports from 8 processes, drained every 5,000")

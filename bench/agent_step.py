@@ -96,7 +96,8 @@ def _timer_overhead() -> float:
 
 def main() -> None:
     args = arguments(
-        __doc__, quick={"batches": 40, "modules": 200, "objects": 10_000}, batches=400,
+        __doc__, quick={"batches": 40, "modules": 200, "objects": 10_000},
+        smoke={"batches": 5, "modules": 20, "objects": 1_000}, batches=400,
         rate=(10_000.0, "steps/s of the paced loop"), modules=(2000, "generated modules loaded"),
         objects=(100_000, "module-level objects in the generated modules, in all"))
 

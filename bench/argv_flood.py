@@ -282,7 +282,8 @@ def main() -> None:
     parser.add_argument("--against", type=Path, default=None,
                         help="also flood a daemon importing the gpuwatch package in this "
                              "directory (another revision's checkout)")
-    args = parse_args(parser, quick={"processes": 100, "batch": 50, "against_processes": 50})
+    args = parse_args(parser, quick={"processes": 100, "batch": 50, "against_processes": 50},
+                      smoke={"processes": 10, "batch": 5, "against_processes": 5})
     check_room_for(2 * args.batch + 16)
     mine = flood(args.processes, args.batch, args.interval)
     theirs = (flood(args.against_processes, args.batch, args.interval, args.against.resolve(),

@@ -197,6 +197,13 @@ def quick_options(**changes: Any) -> ChaosOptions:
     return ChaosOptions(**base)
 
 
+def smoke_options() -> ChaosOptions:
+    """Every episode once, each as short as it goes, a tenth of the flood: does it run
+    (`--smoke`)."""
+    return quick_options(duration=15.0, memory_reporters=20, slot_processes=40, mixed_processes=4,
+                         driver_gone=1.5, state_full=1.5, clock_hold=1.5)
+
+
 # ---- small helpers -----------------------------------------------------------------------------
 
 
@@ -2390,10 +2397,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--idle-connections", type=int, default=d.idle_connections)
     run_arguments(p, seed=d.seed, keep="daemon logs, reap.jsonl, signal logs")
     sys.argv = [sys.argv[0], *argv]
-    a = node.parse_args(p, quick={"minutes": q.duration / 60})
+    a = node.parse_args(p, quick={"minutes": q.duration / 60},
+                        smoke={"minutes": 0.25, "idle_connections": 50})
     say = console(a.quiet)
 
-    base = q if a.quick else d
+    base = smoke_options() if a.smoke else q if a.quick else d
     opts = ChaosOptions(**{**base.__dict__, "duration": a.minutes * 60,
                            "storm_rate": a.storm_rate, "idle_connections": a.idle_connections,
                            "seed": a.seed, "work_dir": a.keep, "log": say})

@@ -1,5 +1,6 @@
 """The command line every bench shares: its flags written as keyword defaults, --quick (the
-small sizes of a smoke run) and --figures (the JSON file bench/run.py reads its figures from).
+small sizes of a smoke run), --smoke (the smallest sizes: does the bench run and print its
+figures, in seconds) and --figures (the JSON file bench/run.py reads its figures from).
 
     args = arguments(__doc__, quick={"rounds": 2}, rounds=15, gpus=8,
                      interval=(0.5, "seconds between polls"))
@@ -37,23 +38,30 @@ def options(doc: Optional[str], **flags: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(parser: argparse.ArgumentParser, quick: dict[str, Any]) -> argparse.Namespace:
-    """The bench's arguments; under --quick, `quick` replaces the full-size defaults (flags given
-    on the command line still win)."""
+def parse_args(parser: argparse.ArgumentParser, quick: dict[str, Any],
+               smoke: Optional[dict[str, Any]] = None) -> argparse.Namespace:
+    """The bench's arguments; under --quick, `quick` replaces the full-size defaults, and under
+    --smoke (which implies --quick) `smoke` replaces those in turn (flags given on the command
+    line still win)."""
     parser.add_argument("--quick", action="store_true",
                         help="small sizes and few repetitions: a smoke run, not a measurement")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest sizes (implies --quick): checks that the bench runs "
+                             "and prints its figures, in seconds; the figures mean nothing")
     parser.add_argument("--figures", type=Path, default=None,
                         help="also write the headline figures here, as JSON (for bench/run.py)")
     args = parser.parse_args()
-    if args.quick:
-        parser.set_defaults(**quick)
+    if args.quick or args.smoke:
+        sizes = {**quick, **(smoke or {})} if args.smoke else quick
+        parser.set_defaults(**sizes, quick=True)
         args = parser.parse_args()
     return args
 
 
-def arguments(doc: Optional[str], quick: dict[str, Any], **flags: Any) -> argparse.Namespace:
-    """options(doc, **flags), parsed with --quick and --figures."""
-    return parse_args(options(doc, **flags), quick)
+def arguments(doc: Optional[str], quick: dict[str, Any], smoke: Optional[dict[str, Any]] = None,
+              **flags: Any) -> argparse.Namespace:
+    """options(doc, **flags), parsed with --quick, --smoke and --figures."""
+    return parse_args(options(doc, **flags), quick, smoke)
 
 
 def write_figures(path: Optional[Path], figures: dict[str, Any]) -> None:

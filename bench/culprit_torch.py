@@ -225,7 +225,8 @@ def main() -> None:
     parser.add_argument("--max-leak-gib", type=float, default=6.0,
                         help="a case stops once its leak holds this much, named or not")
     parser.add_argument("--port", type=int, default=0)
-    args = parse_args(parser, quick={"cases": "0.3:8", "healthy_seconds": 20.0})
+    args = parse_args(parser, quick={"cases": "0.3:8", "healthy_seconds": 20.0},
+                      smoke={"healthy_seconds": 2.0, "closure": False, "after_named": 1})
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:

@@ -109,6 +109,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     args = arguments(__doc__, quick={"rounds": 20, "idle_rounds": 4, "window": 4.0},
+                     smoke={"rounds": 3, "idle_rounds": 1, "window": 1.0},
                      rounds=200, idle_rounds=30, interval=0.5, window=40.0, gpus=8, gpu_procs=64)
     f = measure(args)
     bare, idle = f["bare_ms"], f["poll_once_idle_ms"]

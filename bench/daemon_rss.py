@@ -29,7 +29,8 @@ from gpuwatch.simulate.fakenvml import FakeProcess
 
 
 def main() -> None:
-    args = arguments(__doc__, quick={"polls": 300, "early": 50}, polls=10_000, early=100,
+    args = arguments(__doc__, quick={"polls": 300, "early": 50},
+                     smoke={"polls": 30, "early": 10}, polls=10_000, early=100,
                      interval=0.005)
     port = free_port()
     with bench_node() as b:

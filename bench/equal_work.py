@@ -353,7 +353,8 @@ def main() -> None:
                      warmup=(5, "collections each worker makes before the rounds"), gpus=8,
                      gpu_procs=[64, 512])
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    args = parse_args(parser, quick={"rounds": 20, "warmup": 2, "gpu_procs": [64]})
+    args = parse_args(parser, quick={"rounds": 20, "warmup": 2, "gpu_procs": [64]},
+                      smoke={"rounds": 3, "warmup": 1})
     if args.worker:
         serve(args.worker, args.warmup)
         return

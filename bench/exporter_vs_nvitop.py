@@ -121,7 +121,8 @@ def main() -> None:
         paced=(20, "scrapes of the daemon one a second, after the alternating ones"), gpus=8,
         gpu_procs=[64, 512])
     args = parse_args(parser, quick={"window": 4.0, "scrapes": 5, "paced": 3,
-                                          "gpu_procs": [64]})
+                                          "gpu_procs": [64]},
+                      smoke={"window": 1.0, "scrapes": 2, "paced": 1})
 
     results = []
     for n in args.gpu_procs:

@@ -82,7 +82,8 @@ def wait_for_daemon(env: dict[str, str], daemon: subprocess.Popen[bytes],
 
 
 def main() -> None:
-    args = arguments(__doc__, quick={"rounds": 2}, rounds=15, gpus=8, gpu_procs=64)
+    args = arguments(__doc__, quick={"rounds": 2},
+                     smoke={"rounds": 1}, rounds=15, gpus=8, gpu_procs=64)
     commands = tools()
     wall: dict[str, list[float]] = {name: [] for name in commands}
     cpu: dict[str, list[float]] = {name: [] for name in commands}

@@ -333,7 +333,8 @@ def main() -> None:
                         help="a directory holding another revision's gpuwatch package: (c) and "
                              "(d) for it too, alternating with this one")
     args = parse_args(parser, quick={"polls": 40, "gpu_procs": [8, 64], "host_procs": [200, 1000],
-                                     "ratio_procs": [64], "rounds": 40})
+                                     "ratio_procs": [64], "rounds": 40},
+                      smoke={"polls": 5, "host_procs": [50, 100], "rounds": 5})
     if args.only_floors:
         floors(args)
         dataloader(args)

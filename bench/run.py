@@ -2,7 +2,8 @@
 and write BENCHMARKS.md (the machine, the command, the table, each bench's own figures).
 
     python bench/run.py            # the full run (`make bench`), writes BENCHMARKS.md
-    python bench/run.py --quick    # small sizes, a minute or two: a smoke run, writes nothing
+    python bench/run.py --quick    # small sizes, a few minutes: a smoke run, writes nothing
+    python bench/run.py --smoke --only oneshot   # the smallest sizes: does it run, in seconds
     python bench/run.py --only poll_cost oneshot --no-write
 
 Every bench runs in its own process on its own simulated node and hands its figures back as JSON
@@ -61,12 +62,15 @@ class Row:
         return verdict(self.met)
 
 
-def run_bench(name: str, quick: bool, figures_path: Path) -> tuple[int, str]:
+def run_bench(name: str, quick: bool, figures_path: Path, smoke: bool = False
+              ) -> tuple[int, str]:
     """Run one bench, its output shown as it comes and kept for BENCHMARKS.md."""
     script, full, small = SCRIPTS.get(name, (name, [], []))
     argv = [sys.executable, str(HERE / f"{script}.py"), "--figures", str(figures_path),
-            *(small if quick else full)]
-    if quick:
+            *(small if quick or smoke else full)]
+    if smoke:
+        argv.append("--smoke")
+    elif quick:
         argv.append("--quick")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None
@@ -571,7 +575,8 @@ def write_markdown(path: Path, command: str, info: dict[str, str], rows: list[Ro
         script, full, small = SCRIPTS.get(name, (name, [], []))
         source = (HERE / f"{script}.py").read_text()
         doc = (ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0].replace("\n", " ")
-        title = " ".join([f"bench/{script}.py", *(small if "--quick" in command else full)])
+        small_sizes = "--quick" in command or "--smoke" in command
+        title = " ".join([f"bench/{script}.py", *(small if small_sizes else full)])
         parts += ["", f"### `{title}`", "", doc, "", "```", out.rstrip(), "```"]
     path.write_text("\n".join(parts) + "\n")
 
@@ -597,6 +602,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="small sizes and few repetitions; writes nothing unless --write")
+    parser.add_argument("--smoke", action="store_true",
+                        help="each bench at its smallest sizes (seconds each): checks that it "
+                             "runs and prints its figures; implies --quick")
     parser.add_argument("--only", nargs="+", choices=BENCHES, default=BENCHES)
     parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=None,
                         help="write the markdown report (default: on a full run of everything)")
@@ -610,6 +618,7 @@ def main() -> None:
     parser.add_argument("--force", action="store_true",
                         help="run above --max-load anyway; the report flags it")
     args = parser.parse_args()
+    args.quick = args.quick or args.smoke
     write = args.write if args.write is not None else (not args.quick and args.only == BENCHES)
     command = "python bench/run.py" + "".join(
         f" {shlex.quote(a)}" for a in sys.argv[1:])
@@ -635,7 +644,7 @@ def main() -> None:
         for name in args.only:
             print(f"== {name}", flush=True)
             figures_path = Path(tmp) / f"{name}.json"
-            code, out = run_bench(name, args.quick, figures_path)
+            code, out = run_bench(name, args.quick, figures_path, args.smoke)
             outputs[name] = out
             # A bench that missed a goal still wrote its figures: its rows say MISSED.
             if not figures_path.exists():
@@ -648,7 +657,8 @@ def main() -> None:
     info["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     seconds = time.monotonic() - started
 
-    print(f"== summary ({'quick, not a measurement' if args.quick else 'full run'}, "
+    kind = "smoke" if args.smoke else "quick" if args.quick else ""
+    print(f"== summary ({kind + ', not a measurement' if kind else 'full run'}, "
           f"{seconds:.0f} s; {info['cores']} x {info['CPU']})")
     if "load warning" in info:
         print(f"note: {info['load warning']}")

@@ -269,7 +269,8 @@ def steady(window: float, variants: list[tuple[str, bool]], host_procs: int) -> 
 
 def main() -> None:
     args = arguments(
-        __doc__, quick={"rounds": 2, "window": 6.0, "host_procs": 0}, rounds=25,
+        __doc__, quick={"rounds": 2, "window": 6.0, "host_procs": 0},
+        smoke={"rounds": 1, "window": 1.0}, rounds=25,
         window=(60.0, "seconds of steady state measured"),
         host_procs=(1000, "unrelated host processes for the last steady-state run (0: skip)"),
         host_window=30.0)

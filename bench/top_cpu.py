@@ -204,7 +204,8 @@ def measure(term: Terminal, seconds: float, served: Optional[list[int]] = None
 
 
 def main() -> None:
-    args = arguments(__doc__, quick={"seconds": 6.0}, processes=512,
+    args = arguments(__doc__, quick={"seconds": 6.0},
+                     smoke={"seconds": 1.0, "processes": 32}, processes=512,
                      seconds=(30.0, "measuring window of each figure"))
     gpuwatch = [console_script("gpuwatch")]
     if not Path(gpuwatch[0]).exists():

@@ -147,7 +147,8 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=0.25)
     parser.add_argument("--flood-from", default="127.0.0.1")
     parser.add_argument("--interval", type=float, default=2.0)
-    args = parse_args(parser, quick={"connections": 40, "scrapes": 8})
+    args = parse_args(parser, quick={"connections": 40, "scrapes": 8},
+                      smoke={"connections": 5, "scrapes": 2})
     import bcrypt
 
     hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()

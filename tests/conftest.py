@@ -34,9 +34,87 @@ def _outside_any_gpuwatch_run() -> Iterator[None]:
 #: a chaos run): each test is named as it starts, so that a log that stays quiet for minutes
 #: says on what. `make test` lists the slowest tests at the end too (--durations).
 ANNOUNCED_MODULES = frozenset({
-    "tests/test_suite_robustness.py", "tests/test_bench_smoke.py", "tests/test_chaos.py",
-    "tests/test_soak.py",
+    "tests/test_suite_robustness.py", "tests/test_chaos.py", "tests/test_soak.py",
 })
+
+
+# ---- the fast tier ------------------------------------------------------------------------------
+
+#: The end-to-end tests, marked `slow` here and nowhere else: whole modules, and the few tests of
+#: an otherwise quick module that start a daemon or flood one. `make test-fast` (pytest -m "not
+#: slow") runs everything else, the pure layers, in under a minute; `make test` runs both.
+#: docs/testing.md says what each proves (tests/test_docs.py keeps the two lists the same).
+SLOW: tuple[str, ...] = (
+    "tests/test_agent.py",
+    "tests/test_agent_end_to_end.py",
+    "tests/test_alerting_e2e.py",
+    "tests/test_authority.py",
+    "tests/test_auto_reap.py",
+    "tests/test_bench_smoke.py",
+    "tests/test_chaos.py",
+    "tests/test_cli_habits.py",
+    "tests/test_clock_steps.py",
+    "tests/test_culprit_end_to_end.py",
+    "tests/test_culprit_seeds.py",
+    "tests/test_daemon.py",
+    "tests/test_dashboards_e2e.py",
+    "tests/test_demo.py",
+    "tests/test_detection_scenarios.py",
+    "tests/test_doctor.py",
+    "tests/test_epilog.py",
+    "tests/test_fake_nvml.py",
+    "tests/test_gpu_job_program.py",
+    "tests/test_hostile_text.py",
+    "tests/test_http_server.py",
+    "tests/test_job_members.py",
+    "tests/test_narrow_terminals.py",
+    "tests/test_nvml_recovery.py",
+    "tests/test_packaging.py",
+    "tests/test_peer_fidelity.py",
+    "tests/test_process_guard.py",
+    "tests/test_process_source_vs_psutil.py",
+    "tests/test_prometheus_e2e.py",
+    "tests/test_real_launchers.py",
+    "tests/test_reap.py",
+    "tests/test_reap_audit.py",
+    "tests/test_reap_services.py",
+    "tests/test_run.py",
+    "tests/test_scenario_workloads.py",
+    "tests/test_single_daemon.py",
+    "tests/test_soak.py",
+    "tests/test_status.py",
+    "tests/test_suite_robustness.py",
+    "tests/test_supervised_jobs.py",
+    "tests/test_threat_model.py",
+    "tests/test_top.py",
+    "tests/test_unreadable_process_list.py",
+    "tests/test_web_tls.py",
+    "tests/test_worker_memory.py",
+    "tests/gpu",
+    "tests/test_agent_budget.py::test_one_users_flood_neither_grows_the_daemon_nor_hides_another_users_leak",
+    "tests/test_agent_socket.py::test_a_flood_from_one_user_does_not_starve_another_user_s_reports",
+    "tests/test_agent_tracing.py::test_costs_of_tracing_a_step_and_of_the_final_snapshot",
+    "tests/test_config_paths.py::test_a_fifo_as_the_config_on_reload_is_refused_and_polls_go_on",
+    "tests/test_config_paths.py::test_a_fifo_as_the_web_config_on_reload_is_refused_and_scrapes_go_on",
+    "tests/test_docs.py::test_every_metric_family_served_is_documented",
+    "tests/test_exposition.py::test_the_daemon_serves_scrapes_between_two_polls_the_same_bytes",
+    "tests/test_kubernetes.py::test_the_daemon_runs_and_answers_its_probes_as_root_with_only_the_three_capabilities",
+)
+
+
+def is_slow(nodeid: str) -> bool:
+    """Whether SLOW names this test: its module, a folder above it, or the test itself (any of
+    its parameters)."""
+    path, _, name = nodeid.partition("::")
+    function = name.split("[", 1)[0]
+    return any(entry in (path, f"{path}::{function}") or path.startswith(entry + "/")
+               for entry in SLOW)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, Optional[int], str]) -> None:

@@ -163,3 +163,19 @@ def test_the_readme_links_every_doc() -> None:
     readme = (ROOT / "README.md").read_text()
     for doc in sorted(DOCS.glob("*.md")):
         assert f"](docs/{doc.name}" in readme, f"the README does not link docs/{doc.name}"
+
+
+def test_every_slow_test_is_named_in_the_testing_doc_and_exists() -> None:
+    """`make test-fast` leaves out what tests/conftest.py marks `slow`: docs/testing.md says
+    what each of those proves, and none names a module or test that is gone."""
+    from tests.conftest import SLOW
+
+    root = DOCS.parent
+    section = (DOCS / "testing.md").read_text().split("## The fast tier", 1)[1]
+    named = re.findall(r"^- `([^`]+)`", section, re.M)
+    assert sorted(named) == sorted(SLOW)
+    for entry in SLOW:
+        path, _, test = entry.partition("::")
+        assert (root / path).exists(), entry
+        if test:
+            assert f"def {test}(" in (root / path).read_text(), entry

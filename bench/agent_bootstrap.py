@@ -33,7 +33,8 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    args = arguments(__doc__, quick={"rounds": 10}, rounds=(200, "interleaved rounds"))
+    args = arguments(__doc__, quick={"rounds": 10}, smoke={"rounds": 2},
+                     rounds=(200, "interleaved rounds"))
     plain = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GPUWATCH_AGENT")}
     envs = {
         "python -c pass": plain,

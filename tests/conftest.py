@@ -46,6 +46,7 @@ ANNOUNCED_MODULES = frozenset({
 #: docs/testing.md says what each proves (tests/test_docs.py keeps the two lists the same).
 SLOW: tuple[str, ...] = (
     "tests/test_agent.py",
+    "tests/test_agent_bootstrap.py",
     "tests/test_agent_end_to_end.py",
     "tests/test_alerting_e2e.py",
     "tests/test_authority.py",

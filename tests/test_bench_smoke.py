@@ -26,6 +26,7 @@ ROWS: dict[str, tuple[str, ...]] = {
     "agent_step": ("`agent.step()` / bare `sendto`",),
     "culprit_torch": ("PyTorch program",),
     "agent_ingest": ("daemon ingest",),
+    "agent_bootstrap": ("`python -c pass` with the agent bootstrap on PYTHONPATH - without",),
     "run_overhead": ("`gpuwatch run -- true` - `true`", "`gpuwatch run` supervisor CPU"),
     "top_cpu": ("`gpuwatch top` CPU",),
     "daemon_poll": ("daemon process CPU per poll / its poll after an idle interval",),

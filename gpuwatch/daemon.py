@@ -56,7 +56,7 @@ from gpuwatch.runtime_dir import (
 from gpuwatch.sinks.daemon_metrics import DaemonMetrics
 from gpuwatch.sinks.document import SOURCE_DAEMON, bounded_json, status_document
 from gpuwatch.sinks.exit_reports import ExitReportLog
-from gpuwatch.sinks.exporter import SERIES_DROPPED_REASONS, ReportCollector, dropped_by_cap
+from gpuwatch.sinks.exporter import SERIES_DROPPED_REASONS, ReportCollector
 from gpuwatch.sinks.exposition import RenderedMetrics
 from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
 from gpuwatch.sinks.listener import ConnectionCollector, ConnectionStats
@@ -313,7 +313,7 @@ class Daemon:
         self.agents.note_node_memory(self._mem_total, sum(
             g.memory_total_bytes or 0 for g in snapshot.gpus) if snapshot.nvml.available else None)
         self.metrics.count_poll(snapshot,
-                                dropped_by_cap(report, self.collector.max_process_series),
+                                self.collector.exported(report)[1],
                                 self.history.rss_disagreements)
         self.collector.count_poll(report)
         self._log_nvml_transition(snapshot)

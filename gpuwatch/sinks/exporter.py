@@ -212,11 +212,24 @@ class ReportCollector(Collector):
         #: agent.max_series_per_user.
         self.max_agent_series = max_agent_series
         self._agent_series_dropped = 0
+        #: (report, cap, exported_processes of it): the poll's counts and every scrape of one
+        #: report share one selection. Replaced whole, so a scrape's thread reads it safely.
+        self._exported: Optional[tuple[NodeReport, int,
+                                       tuple[list[HostProcess], dict[str, int]]]] = None
+
+    def exported(self, report: NodeReport) -> tuple[list[HostProcess], dict[str, int]]:
+        """exported_processes of `report` under max_process_series, worked out once a report."""
+        memo = self._exported
+        if memo is not None and memo[0] is report and memo[1] == self.max_process_series:
+            return memo[2]
+        result = exported_processes(report, self.max_process_series)
+        self._exported = (report, self.max_process_series, result)
+        return result
 
     def count_poll(self, report: NodeReport) -> int:
         """Count the agent series the per-user cap leaves out of this poll's report (summed
         over polls, as gpuwatch_agent_series_dropped_total); the number."""
-        exported, _ = exported_processes(report, self.max_process_series)
+        exported, _ = self.exported(report)
         _, dropped = agent_series_cap(report, exported, self.max_agent_series)
         self._agent_series_dropped += dropped
         return dropped
@@ -245,7 +258,7 @@ class ReportCollector(Collector):
         yield _gauge("gpuwatch_agent_processes", "Processes with an agent slot at the last "
                      "poll (at most agent.max_processes).", [],
                      [([], float(len(report.snapshot.agents)))])
-        exported, _ = exported_processes(report, self.max_process_series)
+        exported, _ = self.exported(report)
         yield from self._processes(report, exported)
         findings = _findings_with_series(report, exported)
         yield from self._findings(findings, report.findings)

@@ -30,7 +30,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Optional
@@ -1262,13 +1262,24 @@ def _scrape_as(user: LocalUser, url: str) -> str:
     return done.stdout
 
 
-def test_a_scraper_learns_alices_identity_never_her_command_lines_environment_or_paths(
-        alice: LocalUser, mallory: LocalUser, fake_nvml_lib: Path, tmp_path: Path) -> None:
+@dataclass
+class _AlicesJob:
+    """alice's job as the rule 5 scrapes find it: its trainer killed, its helper a leftover
+    and a rank of hers an orphan (`doc`, the status document that shows both)."""
+
+    home: Path
+    daemon: RunningDaemon
+    job: dict[str, int]
+    orphan: int
+    doc: dict[str, Any]
+
+
+@contextlib.contextmanager
+def _alices_job_with_findings(alice: LocalUser, fake_nvml_lib: Path, tmp_path: Path
+                              ) -> Iterator[_AlicesJob]:
     """alice runs a job whose environment holds a secret and whose helper's command line holds
     an API key; its trainer ends (the helper is a leftover), and another rank of hers is
-    orphaned (its reason names launch variables). mallory scrapes /metrics: alice's PIDs, user
-    and job id are there, as `ps` would show them; none of her command lines, environment values
-    (the job id aside) or source paths are."""
+    orphaned (its reason names launch variables). Everything of hers ended on leaving."""
     config = "[detectors]\nleftover_grace = 0.5\nmin_age = 0\n"
     with _watched_shared_node(fake_nvml_lib, tmp_path, config) as (node, env, daemon):
         home = Path(env["HOME"])
@@ -1303,25 +1314,7 @@ def test_a_scraper_learns_alices_identity_never_her_command_lines_environment_or
             doc = reader.doc_when("the helper a leftover and the rank an orphan", lambda d:
                                   job["helper"] in by_pid(d, "leftover")
                                   and orphan in by_pid(d, "orphan"))
-            # The evidence in words quotes her command line and launch variables: it is on the
-            # state socket (the daemon's group), as it should be.
-            # (secret-looking values in it masked: tests/test_redact.py)
-            assert "helper.py --api-key=" in by_pid(doc, "leftover")[job["helper"]]["reason"]
-            assert "LOCAL_RANK=3" in by_pid(doc, "orphan")[orphan]["reason"]
-
-            body = _scrape_as(mallory, daemon.metrics_url)
-            # Identity, as ps shows it: PIDs, user, job id.
-            for pid in (job["helper"], orphan):
-                assert f'pid="{pid}"' in body
-            assert f'user="{alice.name}"' in body and 'job_id="424242"' in body
-            # Never private text.
-            leaks = [text for text in (
-                "s3cr3t", "--api-key", "--token", "import time", "sleep(600)", str(home),
-                "helper.py", "rank3.py", "torchrun\"", "10.98.76.54", "29517",
-                *(f"{k}={v}" for k, v in _ALICE_ENV.items()),
-                "RANK=0", "RANK=3", "WORLD_SIZE=4") if text in body]
-            assert not leaks, (leaks, [line for line in body.splitlines()
-                                       if any(text in line for text in leaks)][:5])
+            yield _AlicesJob(home, daemon, job, orphan, doc)
         finally:
             for pid in (orphan, *(job.values() if "job" in locals() else ())):
                 if pid is not None:
@@ -1331,6 +1324,37 @@ def test_a_scraper_learns_alices_identity_never_her_command_lines_environment_or
             if orphan is not None:
                 wait_for(f"alice's orphan {orphan} to end",
                          lambda: None if _running(orphan) else True, WAIT)
+
+
+def test_a_scraper_learns_alices_identity_never_her_command_lines_environment_or_paths(
+        alice: LocalUser, mallory: LocalUser, fake_nvml_lib: Path, tmp_path: Path) -> None:
+    """alice runs a job whose environment holds a secret and whose helper's command line holds
+    an API key; its trainer ends (the helper is a leftover), and another rank of hers is
+    orphaned (its reason names launch variables). mallory scrapes /metrics: alice's PIDs, user
+    and job id are there, as `ps` would show them; none of her command lines, environment values
+    (the job id aside) or source paths are."""
+    with _alices_job_with_findings(alice, fake_nvml_lib, tmp_path) as alices:
+        home, daemon, job, orphan, doc = (alices.home, alices.daemon, alices.job, alices.orphan,
+                                          alices.doc)
+        # The evidence in words quotes her command line and launch variables: it is on the
+        # state socket (the daemon's group), as it should be.
+        # (secret-looking values in it masked: tests/test_redact.py)
+        assert "helper.py --api-key=" in by_pid(doc, "leftover")[job["helper"]]["reason"]
+        assert "LOCAL_RANK=3" in by_pid(doc, "orphan")[orphan]["reason"]
+
+        body = _scrape_as(mallory, daemon.metrics_url)
+        # Identity, as ps shows it: PIDs, user, job id.
+        for pid in (job["helper"], orphan):
+            assert f'pid="{pid}"' in body
+        assert f'user="{alice.name}"' in body and 'job_id="424242"' in body
+        # Never private text.
+        leaks = [text for text in (
+            "s3cr3t", "--api-key", "--token", "import time", "sleep(600)", str(home),
+            "helper.py", "rank3.py", "torchrun\"", "10.98.76.54", "29517",
+            *(f"{k}={v}" for k, v in _ALICE_ENV.items()),
+            "RANK=0", "RANK=3", "WORLD_SIZE=4") if text in body]
+        assert not leaks, (leaks, [line for line in body.splitlines()
+                                   if any(text in line for text in leaks)][:5])
 
 
 #: What alice chose, in her command lines, environment and paths: never in a summary.
@@ -1346,77 +1370,37 @@ def test_a_scraper_reads_each_of_alices_findings_summed_up_from_identity_and_fig
     finding's evidence as `gpuwatch_finding_info{summary=...}`: what happened, in PIDs, process
     names, clock times and gpuwatch's words, as `gpuwatch status` gives it in `summary`; none of
     what her reasons quote (her command lines, environment values, paths)."""
-    config = "[detectors]\nleftover_grace = 0.5\nmin_age = 0\n"
-    with _watched_shared_node(fake_nvml_lib, tmp_path, config) as (node, env, daemon):
-        home = Path(env["HOME"])
-        launcher_script, helper_script = home / "torchrun", home / "helper.py"
-        # Where alice's launcher writes its PIDs: a directory of hers beside the daemon's
-        # (theirs lie in the one above, which must stay root's: rule 3).
-        alices = home / "alice"
-        alices.mkdir()
-        os.chown(alices, alice.uid, alice.gid)
-        orphan_script, started = home / "rank3.py", alices / "job.json"
-        launcher_script.write_text(_ALICE_LAUNCHER)
-        for script in (helper_script, orphan_script):
-            script.write_text("import time\ntime.sleep(600)\n")
-        launcher = alice.popen(["/usr/bin/python3", str(launcher_script), str(started),
-                                str(helper_script)], env=_ALICE_ENV, start_new_session=True)
-        orphan: Optional[int] = None
-        try:
-            job = wait_for("alice's job", lambda: json.loads(started.read_text())
-                           if started.exists() else None, WAIT, alive=launcher)
-            forked = alice.run(["/usr/bin/python3", "-c", _ALICE_ORPHAN, str(orphan_script)],
-                               env={**_ALICE_ENV, "RANK": "3", "LOCAL_RANK": "3",
-                                    "WORLD_SIZE": "4"})
-            assert forked.returncode == 0, forked.stderr
-            orphan = int(forked.stdout)
-            node.hold(job["trainer"], device=0, used=8 << 30)
-            node.hold(orphan, device=1, used=6 << 30)
-            reader = DaemonReader()
-            reader.env, reader.daemon = env, daemon
-            reader.doc_when("the trainer and the rank holding GPU memory", lambda d: {
-                job["trainer"], orphan} <= {p["pid"] for p in d["processes"] if p["holds_gpu"]})
-            os.kill(job["trainer"], signal.SIGKILL)
-            doc = reader.doc_when("the helper a leftover and the rank an orphan", lambda d:
-                                  job["helper"] in by_pid(d, "leftover")
-                                  and orphan in by_pid(d, "orphan"))
-            leftover = by_pid(doc, "leftover")[job["helper"]]
-            orphaned = by_pid(doc, "orphan")[orphan]
-            # The reasons quote her command line and launch variables (the state socket's).
-            assert "helper.py --api-key=" in leftover["reason"]
-            assert "LOCAL_RANK=3" in orphaned["reason"]
-            # The summaries say what happened by PID, process name and clock time.
-            assert re.fullmatch(rf"still runs; its trainer {job['trainer']} \(python3\) ended "
-                                r"after \d\d:\d\d:\d\dZ", leftover["summary"]), leftover
-            # (the names of the variables that mark a worker, never their values)
-            assert re.fullmatch(r"reparented to PID 1; environment has LOCAL_RANK, MASTER_ADDR, "
-                                r"RANK, WORLD_SIZE|parent \d+ \(python3\) exited after "
-                                r"\d\d:\d\d:\d\dZ; now under 1 \(\S+\)",
-                                orphaned["summary"]), orphaned
+    with _alices_job_with_findings(alice, fake_nvml_lib, tmp_path) as alices:
+        home, daemon, job, orphan, doc = (alices.home, alices.daemon, alices.job, alices.orphan,
+                                          alices.doc)
+        leftover = by_pid(doc, "leftover")[job["helper"]]
+        orphaned = by_pid(doc, "orphan")[orphan]
+        # The reasons quote her command line and launch variables (the state socket's).
+        assert "helper.py --api-key=" in leftover["reason"]
+        assert "LOCAL_RANK=3" in orphaned["reason"]
+        # The summaries say what happened by PID, process name and clock time.
+        assert re.fullmatch(rf"still runs; its trainer {job['trainer']} \(python3\) ended "
+                            r"after \d\d:\d\d:\d\dZ", leftover["summary"]), leftover
+        # (the names of the variables that mark a worker, never their values)
+        assert re.fullmatch(r"reparented to PID 1; environment has LOCAL_RANK, MASTER_ADDR, "
+                            r"RANK, WORLD_SIZE|parent \d+ \(python3\) exited after "
+                            r"\d\d:\d\d:\d\dZ; now under 1 \(\S+\)",
+                            orphaned["summary"]), orphaned
 
-            def served() -> Optional[dict[str, dict[str, str]]]:
-                body = _scrape_as(mallory, daemon.metrics_url)
-                info = {s.labels["pid"]: s.labels for family in text_string_to_metric_families(
-                    body) for s in family.samples if s.name == "gpuwatch_finding_info"}
-                return info if {str(job["helper"]), str(orphan)} <= info.keys() else None
+        def served() -> Optional[dict[str, dict[str, str]]]:
+            body = _scrape_as(mallory, daemon.metrics_url)
+            info = {s.labels["pid"]: s.labels for family in text_string_to_metric_families(
+                body) for s in family.samples if s.name == "gpuwatch_finding_info"}
+            return info if {str(job["helper"]), str(orphan)} <= info.keys() else None
 
-            info = wait_for("both findings on /metrics", served, WAIT)
-            for finding, kind in ((leftover, "leftover"), (orphaned, "orphan")):
-                labels = info[str(finding["pid"])]
-                assert (labels["kind"], labels["user"], labels["summary"]) == (
-                    kind, alice.name, finding["summary"]), labels
-            private = [(pid, text) for pid, labels in info.items() for text in _ALICE_PRIVATE
-                       if text in labels["summary"] or str(home) in labels["summary"]]
-            assert not private, (private, info)
-        finally:
-            for pid in (orphan, *(job.values() if "job" in locals() else ())):
-                if pid is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-            launcher.wait(30)
-            if orphan is not None:
-                wait_for(f"alice's orphan {orphan} to end",
-                         lambda: None if _running(orphan) else True, WAIT)
+        info = wait_for("both findings on /metrics", served, WAIT)
+        for finding, kind in ((leftover, "leftover"), (orphaned, "orphan")):
+            labels = info[str(finding["pid"])]
+            assert (labels["kind"], labels["user"], labels["summary"]) == (
+                kind, alice.name, finding["summary"]), labels
+        private = [(pid, text) for pid, labels in info.items() for text in _ALICE_PRIVATE
+                   if text in labels["summary"] or str(home) in labels["summary"]]
+        assert not private, (private, info)
 
 def test_a_scraper_reads_the_kernels_15_byte_name_never_the_rest_of_argv_0(
         alice: LocalUser, fake_nvml_lib: Path, tmp_path: Path) -> None:

@@ -11,6 +11,9 @@ STAMP := $(VENV)/.installed
 # saying why, where it cannot. TORCH_PIP_ARGS says where from: on a machine that would get the
 # CUDA build from PyPI, `--index-url https://download.pytorch.org/whl/cpu` gets the CPU one.
 TORCH ?= torch==2.13.0
+# accelerate, whose own `accelerate launch` the real-launcher tests run (installed beside torch,
+# which it needs; they skip, saying why, where it is not).
+ACCELERATE ?= accelerate==1.15.0
 TORCH_PIP_ARGS ?=
 TORCH_STAMP := $(VENV)/.torch
 # Not root: keep the daemon's sockets and audit log in the checkout instead of /run and /var/lib.
@@ -68,6 +71,11 @@ $(TORCH_STAMP): $(STAMP)
 		     $(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) '$(TORCH)'; } \
 		|| echo "make test: could not install $(TORCH) (pip says why above):" \
 			"the tests that run PyTorch programs will skip"
+	@$(BIN)/python -c 'import torch' 2>/dev/null && { $(BIN)/python -c 'import accelerate' 2>/dev/null \
+		|| { echo "make test: installing $(ACCELERATE) for the tests of its real launcher"; \
+		     $(BIN)/python -m pip install -q '$(ACCELERATE)'; } \
+		|| echo "make test: could not install $(ACCELERATE) (pip says why above):" \
+			"the test of its real launcher will skip"; } || true
 	@touch $@
 
 # The slowest tests are listed at the end (--durations); tests/conftest.py names each test of

@@ -1292,7 +1292,8 @@ def hung_at_exit(env: Mapping[str, str], program: str = HUNG_AT_EXIT_PROGRAM
 # ---- real torchrun -------------------------------------------------------------------------------
 
 #: `accelerate launch` as accelerate runs it: torch.distributed.run's agent in its own process,
-#: from a console script named `accelerate` (accelerate itself is not installed here).
+#: from a console script named `accelerate`: the stand-in where accelerate is not installed
+#: (`real_torchrun(..., "accelerate (real)")` runs accelerate's own).
 ACCELERATE_LIKE = """\
 import sys
 from torch.distributed.run import get_args_parser, run
@@ -1328,7 +1329,8 @@ def _free_port() -> int:
 def real_torchrun(tmp_path: Path, launcher: str = "torchrun", worker: str = REAL_WORKER
                   ) -> Iterator[JobPids]:
     """torch's real torchrun (`launcher="torchrun"`, the console script) or an `accelerate
-    launch` (`"accelerate"`, ACCELERATE_LIKE) with one worker, started without a run id as both
+    launch` (`"accelerate"`, ACCELERATE_LIKE; `"accelerate (real)"`, accelerate's own, with two
+    workers, skipped where it is not installed) with one worker, started without a run id as both
     are by default (its workers get TORCHELASTIC_RUN_ID=none), and its agent titled `pt_elastic`
     as torch titles it. `worker` is the worker's program. Yields once the worker runs; skips
     where torch is not installed. Its worker leads a session of its own (torch starts workers
@@ -1338,11 +1340,24 @@ def real_torchrun(tmp_path: Path, launcher: str = "torchrun", worker: str = REAL
     worker_script.write_text(worker)
     args = ["--nnodes", "1", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
             "--master-port", str(_free_port()), str(worker_script)]
+    nproc = 1
     if launcher == "torchrun":
         program = Path(sys.executable).with_name("torchrun")
         if not program.exists():
             pytest.skip(f"no torchrun beside {sys.executable}")
         argv = [str(program), *args]
+    elif launcher == "accelerate (real)":
+        # accelerate's own `accelerate launch`: on a node without GPUs --multi_gpu still runs
+        # torch.distributed.run's agent in the accelerate process, as on a GPU node; it wants
+        # at least 2 processes for it.
+        program = Path(sys.executable).with_name("accelerate")
+        if not program.exists():
+            pytest.skip(f"accelerate not installed (no accelerate beside {sys.executable})")
+        nproc = 2
+        argv = [str(program), "launch", "--multi_gpu", "--num_processes", str(nproc),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
+                str(worker_script)]
     else:
         program = _unique(tmp_path, "bin") / "accelerate"
         program.parent.mkdir()
@@ -1354,9 +1369,9 @@ def real_torchrun(tmp_path: Path, launcher: str = "torchrun", worker: str = REAL
     _reap_in_background(proc)
     workers: list[int] = []
     try:
-        workers = wait_for(f"{launcher}'s worker", lambda: _children_with(
-            proc.pid, "TORCHELASTIC_RUN_ID") or None if proc.poll() is None else [],
-            START_TIMEOUT)
+        workers = wait_for(f"{launcher}'s workers", lambda: (
+            found if len(found := _children_with(proc.pid, "TORCHELASTIC_RUN_ID")) >= nproc
+            else None) if proc.poll() is None else [], START_TIMEOUT)
         assert workers, f"{launcher} exited with {proc.returncode} before starting its worker"
         wait_for(f"{launcher}'s title", lambda: True if comm(proc.pid) == "pt_elastic" else None,
                  START_TIMEOUT)

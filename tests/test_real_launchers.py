@@ -67,6 +67,34 @@ def test_a_job_launched_without_a_run_id_is_named_by_its_launcher_and_reaped_by_
         wait_not_running([worker])
 
 
+def test_a_job_of_accelerates_own_launch_is_named_by_its_launcher_and_reaped_by_that_name(
+        watched: WatchedNode, tmp_path: Path) -> None:
+    """accelerate itself (`accelerate launch --multi_gpu`, TORCHELASTIC_RUN_ID=none for its
+    workers): both ranks and the launcher are `torchrun:<launcher PID>`; after the launcher is
+    SIGKILLed the ranks are orphans naming it `accelerate (pt_elastic)`, and `reap --job` with
+    that name frees their memory."""
+    with real_torchrun(tmp_path, "accelerate (real)") as job:
+        for device, worker in enumerate(job.workers):
+            watched.node.hold(worker, device=device, used=4 * GIB)
+        doc = watched.doc_when("both ranks holding", lambda d: set(job.workers) <= {
+            p["pid"] for p in d["processes"] if p["holds_gpu"]})
+        label = {"id": str(job.launcher), "source": "torchrun"}
+        jobs = {p["pid"]: p["job"] for p in doc["processes"]}
+        assert [jobs[pid] for pid in (job.launcher, *job.workers)] == [label] * 3, jobs
+
+        sigkill_launcher(job)
+        orphans = watched.findings_of("orphan", job.workers)
+        for orphan in orphans.values():
+            assert orphan["job"] == label
+            assert orphan["reason"].startswith(
+                f"parent {job.launcher} (accelerate (pt_elastic)) exited after "), orphan
+        reaped = gpuwatch(["reap", "--job", f"torchrun:{job.launcher}", "--yes", "--grace", "5"],
+                          watched.env)
+        assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+        assert "GPU memory released" in reaped.stdout, reaped.stdout
+        wait_not_running(job.workers)
+
+
 def test_a_worker_with_a_data_loader_is_in_its_launchers_job_and_reaped_by_its_name(
         watched: WatchedNode, tmp_path: Path) -> None:
     """The worker forks its DataLoader's workers: they and the worker are all the job

@@ -25,13 +25,14 @@ pytest.importorskip("torch", reason="the optimizer hook needs torch")
 WAIT = 90.0
 INTERVAL = 0.2
 
-#: A training loop that knows nothing of gpuwatch. argv: PIDFILE LEAK_MIB STEPS. Writes its PID
-#: to PIDFILE, then trains STEPS steps (0: until killed), 0.2 s each, keeping LEAK_MIB MiB a
-#: step in a module-level dict (a cache that is never evicted).
+#: A training loop that knows nothing of gpuwatch. argv: PIDFILE LEAK_MIB STEPS [SECONDS].
+#: Writes its PID to PIDFILE, then trains STEPS steps (0: until killed), SECONDS each (0.2 s),
+#: keeping LEAK_MIB MiB a step in a module-level dict (a cache that is never evicted).
 TRAIN = """\
 import os, sys, time
 import torch
 pidfile, leak_mib, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+seconds = float(sys.argv[4]) if len(sys.argv) > 4 else 0.2
 CACHE = {}
 model = torch.nn.Linear(16, 4)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -46,7 +47,35 @@ while steps == 0 or i < steps:
     if leak_mib:
         CACHE[i] = bytearray(leak_mib << 20)
     i += 1
-    time.sleep(0.2)
+    time.sleep(seconds)
+"""
+
+#: The same loop driven by accelerate (Accelerator().prepare, accelerator.backward), knowing
+#: nothing of gpuwatch. argv: PIDFILE LEAK_MIB SECONDS; trains until killed.
+ACCELERATE_TRAIN = """\
+import os, sys, time
+import torch
+from accelerate import Accelerator
+pidfile, leak_mib, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+CACHE = {}
+accelerator = Accelerator(cpu=True)
+model = torch.nn.Linear(16, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 16)),
+                                   batch_size=8)
+model, optimizer, data = accelerator.prepare(model, optimizer, data)
+with open(pidfile + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(pidfile + ".tmp", pidfile)
+i = 0
+while True:
+    for (batch,) in data:
+        optimizer.zero_grad()
+        accelerator.backward(model(batch).sum())
+        optimizer.step()
+        CACHE[i] = bytearray(leak_mib << 20)
+        i += 1
+        time.sleep(seconds)
 """
 
 #: Two optimizers a step (a GAN's discriminator, then its generator), ITERATIONS steps; then,
@@ -129,34 +158,74 @@ def test_a_torch_script_that_never_imports_gpuwatch_reports_its_optimizer_steps_
         assert later > first >= 1
 
 
-def test_a_torch_script_leaking_8_mib_a_step_into_a_dict_gets_a_leak_finding_naming_it_under_run(
-        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
-    pidfile = tmp_path / "train.pid"
+#: Steps from a leak raised to its culprit named, at most (the goal in docs/agent.md).
+NAMED_WITHIN_STEPS = 15
+
+
+def _leak_named_within_steps(cli_env: dict[str, str], tmp_path: Path, fake_node: FakeNode,
+                             command: list[str], expected: str) -> dict[str, Any]:
+    """Run `command` (a leaking training script that writes its PID to tmp_path/train.pid) under
+    `gpuwatch run` against a daemon; wait for its leak finding to name `expected`, and check
+    that it did so at most NAMED_WITHIN_STEPS steps after the leak was first shown. Each step
+    is the one the finding's test window ends at, read off the daemon's state socket."""
+    from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+
+    state = Path(cli_env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME
     config = "[detectors]\nleak_warmup_steps = 10\n"
+    raised: Optional[int] = None
     with running_daemon(cli_env, tmp_path / "daemon", config=config,
                         args=("--interval", str(INTERVAL))) as d, \
-            supervised(tmp_path, cli_env, [sys.executable, "-W", "ignore", str(script),
-                                           str(pidfile), "8", "0"], "--no-cgroup") as run:
-        pid = _job_pid(pidfile, run.proc)
+            supervised(tmp_path, cli_env, command, "--no-cgroup") as run:
+        pid = _job_pid(tmp_path / "train.pid", run.proc)
         fake_node.hold(pid, device=0, used=GIB)
 
-        def leak() -> Optional[dict[str, Any]]:
-            _, doc = status_json(cli_env)
-            return next((f for f in doc.get("findings", ()) if f["kind"] == "leak"
-                         and f["pid"] == pid), None)
-
         def named() -> Optional[dict[str, Any]]:
-            found = leak()
-            return found if found is not None and found["details"].get("culprit") else None
+            nonlocal raised
+            try:
+                doc = fetch_status(state)
+            except StateUnavailable:
+                return None
+            found = next((f for f in doc.get("findings", ()) if f["kind"] == "leak"
+                          and f["pid"] == pid), None)
+            if found is None:
+                return None
+            if raised is None:
+                raised = found["details"]["window_steps"][1]
+            return found if found["details"].get("culprit") else None
 
-        # The agent's discovery names the dict the script never told it of.
-        finding = wait_for("the leak finding naming its culprit", named, WAIT, alive=d.proc)
-        assert finding["details"]["culprit"] == "__main__.CACHE", finding
-        assert finding["details"]["found_by"] == "discovered"
-        growth = finding["details"]["growth_bytes_per_step"]
-        assert 7 * 2**20 <= growth <= 9 * 2**20, finding
+        finding = wait_for("the leak finding naming its culprit", named, 4 * WAIT,
+                           alive=d.proc)
+    details = finding["details"]
+    assert details["culprit"] == expected, finding
+    assert details["found_by"] == "discovered"
+    assert 7 * 2**20 <= details["growth_bytes_per_step"] <= 9 * 2**20, finding
+    assert raised is not None
+    assert details["window_steps"][1] - raised <= NAMED_WITHIN_STEPS, (raised, finding)
+    return finding
+
+
+@pytest.mark.parametrize("seconds", [0.3, 2.0], ids=["0.3s-steps", "2s-steps"])
+def test_a_torch_script_leaking_8_mib_a_step_into_a_dict_has_it_named_within_15_steps_under_run(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path, seconds: float) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    # The agent's discovery names the dict the script never told it of.
+    _leak_named_within_steps(
+        cli_env, tmp_path, fake_node,
+        [sys.executable, "-W", "ignore", str(script), str(tmp_path / "train.pid"), "8", "0",
+         str(seconds)], "__main__.CACHE")
+
+
+def test_an_accelerate_loop_leaking_8_mib_a_step_has_it_named_within_15_steps_under_run(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    pytest.importorskip("accelerate", reason="accelerate is not installed here (make test "
+                        "installs it beside torch)")
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE_TRAIN)
+    _leak_named_within_steps(
+        cli_env, tmp_path, fake_node,
+        [sys.executable, "-W", "ignore", str(script), str(tmp_path / "train.pid"), "8", "0.3"],
+        "__main__.CACHE")
 
 
 def test_with_no_agent_the_jobs_python_makes_no_agent_report(

@@ -574,9 +574,9 @@ class History:
 
     def _update_jobs(self, snapshot: NodeSnapshot, seen: set[Identity]) -> None:
         now = snapshot.taken_at
-        # A GPU whose process lists could not be read hides its holders: a trainer last seen
-        # holding stays a trainer while alive, or a driver fault would turn every job's helpers
-        # into leftovers once it outlasted the grace.
+        # A GPU whose holders are unknown (its process lists unread, or no handle to ask them
+        # of) hides them: a trainer last seen holding stays a trainer while alive, or a driver
+        # fault would turn every job's helpers into leftovers once it outlasted the grace.
         blind = not snapshot.nvml.available or any(g.holders_unknown for g in snapshot.gpus)
         last_trainers: dict[str, set[Identity]] = {}
         for job in self._jobs.values():

@@ -86,9 +86,16 @@ class GpuDevice:
         return not self.errors
 
     @property
-    def holders_unknown(self) -> bool:
-        """A process list could not be read: who holds memory on this GPU is not known."""
+    def process_list_unread(self) -> bool:
+        """A process list was asked for and could not be read (or the GPU is lost)."""
         return self.lost or any("RunningProcesses" in e.call for e in self.errors)
+
+    @property
+    def holders_unknown(self) -> bool:
+        """Who holds memory on this GPU is not known: a process list could not be read, the GPU
+        is lost, or not even its handle could be had (so no list was asked for)."""
+        return self.process_list_unread or any(e.call.startswith("nvmlDeviceGetHandle")
+                                               for e in self.errors)
 
     @property
     def attributed_memory_bytes(self) -> int:
@@ -108,13 +115,6 @@ class GpuDevice:
         if any(p.memory_bytes is None for p in self.processes):
             return None
         return max(0, self.memory_used_bytes - self.attributed_memory_bytes)
-
-
-def holders_unknown(gpu: GpuDevice) -> bool:
-    """Who holds memory on `gpu` is not known: a process list could not be read, the GPU is
-    lost, or not even its handle could be had (so no list was asked for)."""
-    return gpu.holders_unknown or any(e.call.startswith("nvmlDeviceGetHandle")
-                                      for e in gpu.errors)
 
 
 @_frozen
@@ -526,7 +526,7 @@ class NodeSnapshot:
     @property
     def blind_gpus(self) -> frozenset[int]:
         """The GPUs whose holders are unknown in this poll (`holders_unknown`)."""
-        return frozenset(g.index for g in self.gpus if holders_unknown(g))
+        return frozenset(g.index for g in self.gpus if g.holders_unknown)
 
     @property
     def gpu_holders(self) -> list[HostProcess]:

@@ -401,6 +401,24 @@ def test_trainers_hidden_by_a_driver_fault_keep_their_helpers_from_being_leftove
         == [("leftover", 11), ("leftover", 12)]
 
 
+def test_a_gpu_whose_handle_failed_keeps_its_jobs_trainer_from_being_a_leftover() -> None:
+    """A GPU that fell off the bus answers no handle, so no process list is even asked for:
+    who holds its memory is as unknown as when the list itself fails, and the trainer last
+    seen on it still trains."""
+    history = History()
+    launcher = proc(10, 1, pgid=10, name="torchrun")
+    trainer = proc(11, 10, gpu=GIB, pgid=10)
+    helper = proc(12, 10, pgid=10, cmdline=("redis-server",))
+    hidden = proc(11, 10, pgid=10)  # alive, its memory not visible
+    no_handle = GpuDevice(index=0, errors=(NvmlCallError(
+        "nvmlDeviceGetHandleByIndex_v2", 15, "GPU is lost"),))
+    assert no_handle.holders_unknown and not no_handle.process_list_unread
+    run(history, snapshot(1.0, launcher, trainer, helper, gpus=(GpuDevice(index=0),)))
+    for t in (2.0, 30.0, 60.0):
+        assert kinds(run(history, snapshot(t, launcher, hidden, helper,
+                                           gpus=(no_handle,)))) == []
+
+
 # -- leftovers need evidence of one finished job ---------------------------------------------------
 def ended(history: History, root: HostProcess, trainer: HostProcess,
           *others: HostProcess, observer: Optional[int] = None) -> list[tuple[str, Optional[int]]]:

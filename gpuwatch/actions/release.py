@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
-from gpuwatch.model import NvmlReading, holders_unknown
+from gpuwatch.model import NvmlReading
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource
 
@@ -62,7 +62,7 @@ def holders(reading: NvmlReading) -> set[int]:
 def unreadable(reading: NvmlReading) -> list[int]:
     """The GPUs whose holders are unknown (a process list, or the GPU itself, could not be
     read)."""
-    return [g.index for g in reading.gpus if holders_unknown(g)]
+    return [g.index for g in reading.gpus if g.holders_unknown]
 
 
 def still_held(results: Iterable[Result], reading: NvmlReading,

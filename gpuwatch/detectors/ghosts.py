@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import Evidence, finding
 from gpuwatch.history import History
-from gpuwatch.model import Finding, Kind, NodeSnapshot, holders_unknown
+from gpuwatch.model import Finding, Kind, NodeSnapshot
 from gpuwatch.units import human_bytes
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
@@ -30,7 +30,7 @@ EMITS = frozenset({Kind.GHOST})
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
     now, grace = snapshot.taken_at, config.ghost_grace
-    blind = {g.index for g in snapshot.gpus if holders_unknown(g)}
+    blind = {g.index for g in snapshot.gpus if g.holders_unknown}
     for p in snapshot.processes.values():
         if not p.in_procfs and p.holds_gpu:
             # Only carried over from a GPU's last good read: NVML does not list it now.

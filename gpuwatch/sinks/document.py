@@ -41,7 +41,6 @@ from gpuwatch.model import (
     SourceError,
     StepPoint,
     gpu_memory,
-    holders_unknown,
     holds_gpu,
 )
 
@@ -113,7 +112,7 @@ def _gpu(g: GpuDevice) -> GpuDoc:
         "utilization_memory_percent": g.utilization_memory_percent,
         "mig_enabled": g.mig_enabled,
         "process_count": len(g.processes),
-        "holders_unknown": holders_unknown(g),
+        "holders_unknown": g.holders_unknown,
         "lost": g.lost,
         "errors": [{"call": e.call, "code": e.code, "message": e.message} for e in g.errors],
     }

@@ -19,7 +19,6 @@ from gpuwatch.model import (
     Job,
     Kind,
     NodeReport,
-    holders_unknown,
     holds_gpu,
 )
 from gpuwatch.sinks.colour import paint
@@ -212,7 +211,7 @@ def _gpu_table(report: NodeReport, width: int = 0, glyphs: Glyphs = UNICODE) -> 
             _memory_cell(g.memory_used_bytes, g.memory_total_bytes),
             human_bytes(g.unattributed_memory_bytes),
             f"{g.utilization_gpu_percent}%" if g.utilization_gpu_percent is not None else "?",
-            "?" if holders_unknown(g) else str(len(g.processes)),
+            "?" if g.holders_unknown else str(len(g.processes)),
             clean(note),
         ))
     widths = fit_widths(natural_widths(rows), width, _GPU_NARROWING, 20)
@@ -392,7 +391,7 @@ def no_holders_sentence(report: NodeReport) -> str:
     """What to say when no process is shown: nothing holds GPU memory, or who does is unknown
     (a GPU's process list could not be read), or, without NVML, nothing looks like GPU work."""
     snapshot = report.snapshot
-    unread = [str(g.index) for g in snapshot.gpus if holders_unknown(g)]
+    unread = [str(g.index) for g in snapshot.gpus if g.holders_unknown]
     if snapshot.nvml.available and unread:
         return (f"process list unreadable on GPU {', '.join(unread)}: who holds its memory is "
                 "unknown")

@@ -27,7 +27,6 @@ from gpuwatch.model import (
     Kind,
     NodeReport,
     gpu_memory,
-    holders_unknown,
 )
 from gpuwatch.sinks.status_view import (
     agent_phrase,
@@ -484,7 +483,7 @@ class TopView:
                    f" {f'{share * 100:3.0f}%' if share is not None else '  ?'}"
                    f"  util {f'{util:3d}%' if util is not None else '   ?'}")
         count = len(g.processes)
-        extra = ("  ? processes" if holders_unknown(g)
+        extra = ("  ? processes" if g.holders_unknown
                  else f"  {count} process{'es' if count != 1 else ''}").ljust(15)
         line = Line().add(f"GPU{g.index:>2} ", TITLE)
         if name_width:

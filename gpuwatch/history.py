@@ -30,17 +30,13 @@ import math
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import NamedTuple, Optional
 
 from gpuwatch.agent_budget import AgentBudget, fair_shares
-from gpuwatch.launch_env import (
-    RAY_JOB_SOURCE,
-    TORCHELASTIC_DEFAULT_RUN_ID,
-    TORCHELASTIC_RUN_ID_KEY,
-    TORCHRUN_JOB_SOURCE,
-    process_title,
-)
+from gpuwatch.jobs.key import JobKey
+from gpuwatch.jobs.records import Identity, JobRecord, JobTrees
+from gpuwatch.launch_env import process_title
 from gpuwatch.model import (
     NO_DISCOVERY,
     BufferSize,
@@ -53,7 +49,6 @@ from gpuwatch.model import (
 )
 from gpuwatch.protocol import MAX_BUFFERS  # buffer names followed per process
 
-Identity = tuple[int, Optional[float]]
 _NAN = math.nan
 #: How many exited processes are remembered (for "parent 4121 (torchrun) exited" reasons).
 _DEPARTED = 4096
@@ -64,8 +59,6 @@ STEP_POINTS = 512
 #: The leak test reads at most the newest 2 x detectors.leak_window points of a series (128 at
 #: the default window of 64); these are most of what a process with many buffers costs.
 SERIES_POINTS = 160
-#: Guards a climb up the process tree against a corrupt or cyclic parent chain.
-_MAX_CLIMB = 64
 #: Unattributed-memory readings kept per GPU: enough to cover a ghost grace at a fast interval.
 GPU_READINGS = 64
 
@@ -252,7 +245,7 @@ class ProcessHistory:
                  "reparented_at", "rss", "start_time", "steps", "steps_refused", "times",
                  "uid", "uss", "zombie_since")
 
-    def __init__(self, p: HostProcess, parent: Optional[HostProcess], job_key: Optional[str],
+    def __init__(self, p: HostProcess, parent: Optional[HostProcess], job_key: Optional[JobKey],
                  first_seen: float, capacity: int) -> None:
         self.pid = p.pid
         self.start_time = p.start_time
@@ -336,43 +329,6 @@ def _since(since: Optional[float], now_in_state: bool, taken_at: float) -> Optio
     return since if since is not None else taken_at
 
 
-@dataclass
-class JobRecord:
-    """A group of processes hanging from one launcher (gpuwatch.jobtree)."""
-
-    key: str
-    root_pid: int
-    root_name: Optional[str]
-    label: Optional[Job]
-    members: set[Identity] = field(default_factory=set)
-    #: Members that held GPU memory while watched, alive now.
-    trainers: set[Identity] = field(default_factory=set)
-    had_trainer: bool = False
-    #: When the last trainer was found gone (None while one lives, or if none ever did).
-    finished_at: Optional[float] = None
-    last_trainer: Optional[tuple[int, Optional[str]]] = None
-    #: The last trainer's kernel name (`comm`), for a finding's summary: `last_trainer` names it
-    #: as a sentence does (launch_env.process_title), from its command line.
-    last_trainer_comm: Optional[str] = None
-    #: The root as first seen.
-    root: Optional[HostProcess] = None
-    #: The launch variables (launch_env.LAUNCH_ENV_KEYS, names only) its trainers carried.
-    trainer_env: frozenset[str] = frozenset()
-    #: Of those, the ones a trainer's parent did not carry: its parent set them, as a
-    #: launcher's agent does for each rank it starts (inherited ones say nothing of who).
-    launcher_set_env: frozenset[str] = frozenset()
-    #: A trainer told the agent it finished (agent.finished()).
-    agent_finished: bool = False
-    #: The processes that started its trainers (each trainer's parent, where that is a member
-    #: of the job), as first seen: whether one was a launcher still shows once it has exited.
-    launchers: dict[Identity, HostProcess] = field(default_factory=dict)
-    #: Members seen under a trainer or a trainer's launcher, while that one ran: the nearest
-    #: such ancestor. Kept after they are reparented. Only these can be the job's leftovers:
-    #: what else shares the tree (a login shell's editor in a Slurm allocation) was started
-    #: by something else.
-    launched_by: dict[Identity, Identity] = field(default_factory=dict)
-
-
 class History:
     """`sample_spacing`: the least seconds between two samples kept of a process (0: every
     poll's), so that `samples` of them span a stretch of time whatever the poll interval
@@ -391,7 +347,7 @@ class History:
         #: The processes that have a step history, for the poll's pass over them.
         self._stepped: dict[Identity, ProcessHistory] = {}
         self._departed: OrderedDict[Identity, Departed] = OrderedDict()
-        self._jobs: dict[str, JobRecord] = {}
+        self._jobs = JobTrees()
         # Identity -> (first seen, reason, summary, whether the reason may still take a culprit).
         self._open_findings: dict[tuple[object, ...], tuple[float, str, str, bool]] = {}
         self._unattributed: dict[int, deque[tuple[float, Optional[int]]]] = {}
@@ -410,11 +366,11 @@ class History:
     def departed(self, identity: Identity) -> Optional[Departed]:
         return self._departed.get(identity)
 
-    def job(self, key: Optional[str]) -> Optional[JobRecord]:
-        return self._jobs.get(key) if key is not None else None
+    def job(self, key: Optional[JobKey]) -> Optional[JobRecord]:
+        return self._jobs.get(key)
 
     def jobs(self) -> Iterable[JobRecord]:
-        return self._jobs.values()
+        return self._jobs
 
     def job_of(self, p: HostProcess) -> Optional[JobRecord]:
         h = self._by_identity.get(p.identity)
@@ -449,8 +405,7 @@ class History:
 
     def watch_pids(self) -> set[int]:
         """Members of jobs that have had trainers: read them every poll, even reparented."""
-        return {pid for job in self._jobs.values() if job.had_trainer
-                for pid, _ in job.members}
+        return self._jobs.watch_pids()
 
     # -- one poll ------------------------------------------------------------------------------
     def record(self, snapshot: NodeSnapshot) -> None:
@@ -479,7 +434,7 @@ class History:
             self._departed.popitem(last=False)
         self._trim()
         self._record_agents(snapshot)
-        self._update_jobs(snapshot, seen)
+        self._jobs.update(snapshot, lambda p: self._by_identity.get(p.identity))
         self._record_gpus(snapshot)
 
     def _record_gpus(self, snapshot: NodeSnapshot) -> None:
@@ -559,83 +514,18 @@ class History:
         return freed
 
     def _first_job_key(self, p: HostProcess, parent: Optional[HostProcess],
-                       snapshot: NodeSnapshot) -> Optional[str]:
+                       snapshot: NodeSnapshot) -> Optional[JobKey]:
         """The job a process first seen belongs to: the tree the snapshot puts it in, except
         under a trainer seen before it forked (its data loader's workers): the trainer is the
         root of their tree now that it has children, but it and they are the job the trainer
         was first seen in, whose trainer it is."""
-        key = _job_key(p.pid, snapshot)
+        key = JobKey.of(p.pid, snapshot)
         if parent is None or snapshot.job_roots.get(p.pid) != parent.pid:
             return key
         known = self._by_identity.get(parent.identity)
         if known is None or not known.held_gpu or known.job_key is None:
             return key
         return known.job_key
-
-    def _update_jobs(self, snapshot: NodeSnapshot, seen: set[Identity]) -> None:
-        now = snapshot.taken_at
-        # A GPU whose holders are unknown (its process lists unread, or no handle to ask them
-        # of) hides them: a trainer last seen holding stays a trainer while alive, or a driver
-        # fault would turn every job's helpers into leftovers once it outlasted the grace.
-        blind = not snapshot.nvml.available or any(g.holders_unknown for g in snapshot.gpus)
-        last_trainers: dict[str, set[Identity]] = {}
-        for job in self._jobs.values():
-            if blind:
-                last_trainers[job.key] = set(job.trainers)
-            job.members.clear()
-            job.trainers.clear()
-        trainers: list[tuple[JobRecord, HostProcess]] = []
-        for p in snapshot.processes.values():
-            h = self._by_identity.get(p.identity)
-            if h is None or h.job_key is None:
-                continue
-            job = self._jobs.get(h.job_key)
-            if job is None:
-                root_pid = int(h.job_key.split(":", 1)[0])
-                root = snapshot.processes.get(root_pid)
-                job = JobRecord(h.job_key, root_pid, root.name if root else None, None,
-                                root=root)
-                self._jobs[h.job_key] = job
-            job.members.add(p.identity)
-            job.label = job.label or _tree_label(p, h, job)
-            agent = snapshot.agents.get(p.pid)
-            done = agent is not None and agent.finished_at is not None
-            holds = p.holds_gpu or p.identity in last_trainers.get(job.key, ())
-            if holds and p.state != "zombie" and not done:
-                job.trainers.add(p.identity)
-                job.had_trainer = True
-                job.last_trainer = (p.pid, process_title(p.name, p.cmdline))
-                job.last_trainer_comm = p.name
-                trainers.append((job, p))
-            elif done and p.state != "zombie":
-                job.agent_finished = True
-        for job, p in trainers:  # once every member is known, its parent included
-            self._note_trainer(job, p, snapshot)
-        for key in [k for k, job in self._jobs.items() if not job.members]:
-            del self._jobs[key]
-        for job in self._jobs.values():
-            if job.had_trainer:
-                _mark_launched(job, snapshot)
-        for job in self._jobs.values():
-            if job.trainers:
-                job.finished_at = None
-            elif job.had_trainer and job.finished_at is None:
-                job.finished_at = now
-
-    @staticmethod
-    def _note_trainer(job: JobRecord, p: HostProcess, snapshot: NodeSnapshot) -> None:
-        """What a live trainer shows of the job: its launch variables, those its parent lacks,
-        and its parent as the job's launcher where that is a member of the job."""
-        keys = p.launch_env.keys()
-        if not job.trainer_env >= keys:
-            job.trainer_env = job.trainer_env | keys
-        parent = snapshot.processes.get(p.ppid) if p.ppid else None
-        parent_keys = parent.launch_env.keys() if parent is not None else frozenset()
-        if not job.launcher_set_env >= keys - parent_keys:
-            job.launcher_set_env = job.launcher_set_env | (keys - parent_keys)
-        if (parent is not None and parent.identity in job.members
-                and parent.identity not in job.launchers):
-            job.launchers[parent.identity] = parent
 
     def _trim(self) -> None:
         """Forget processes past `max_processes`, shared by user (max-min fair): a user with
@@ -716,52 +606,3 @@ class History:
             stamped.append(replace(f, since=since, reason=reason, summary=summary, job=job))
         self._open_findings = open_now
         return stamped
-
-
-def _tree_label(p: HostProcess, h: ProcessHistory, job: JobRecord) -> Optional[Job]:
-    """The label a member gives its job tree: its own job, but never a Ray job (one raylet
-    serves many, so the raylet and its idle workers belong to none of them), and for a worker
-    torchrun started without a run id (TORCHELASTIC_RUN_ID=none: `accelerate launch`, torchrun
-    without --rdzv-id) the launcher that started it, the tree's root: `torchrun:<its PID>`.
-    The tree itself is keyed by the launcher's PID and start time, so a PID reused later starts
-    another tree."""
-    if p.job is not None:
-        return p.job if p.job.source != RAY_JOB_SOURCE else None
-    if (h.first_ppid == job.root_pid and job.root_pid != p.pid
-            and p.launch_env.get(TORCHELASTIC_RUN_ID_KEY, "").strip()
-            == TORCHELASTIC_DEFAULT_RUN_ID):
-        return Job(str(job.root_pid), TORCHRUN_JOB_SOURCE)
-    return None
-
-
-def _mark_launched(job: JobRecord, snapshot: NodeSnapshot) -> None:
-    """Mark the members now under one of the job's live trainers or launchers (the nearest one
-    above each), and forget the marks of members gone."""
-    procs = snapshot.processes
-    anchors = {i for i in (*job.trainers, *job.launchers)
-               if (a := procs.get(i[0])) is not None and a.identity == i}
-    launched = job.launched_by
-    for identity in [i for i in launched if i not in job.members]:
-        del launched[identity]
-    if not anchors:
-        return
-    for identity in job.members:
-        if identity in launched:
-            continue
-        p = procs.get(identity[0])
-        for _ in range(_MAX_CLIMB):
-            up = procs.get(p.ppid) if p is not None and p.ppid else None
-            if up is None or up.identity not in job.members:
-                break
-            if up.identity in anchors:
-                launched[identity] = up.identity
-                break
-            p = up
-
-
-def _job_key(pid: int, snapshot: NodeSnapshot) -> Optional[str]:
-    root = snapshot.job_roots.get(pid)
-    if root is None:
-        return None
-    root_proc = snapshot.processes.get(root)
-    return f"{root}:{root_proc.start_time if root_proc else ''}"

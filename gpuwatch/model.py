@@ -491,7 +491,7 @@ class NodeSnapshot:
     processes: Mapping[int, HostProcess]
     errors: tuple[SourceError, ...] = ()
     poll_duration_seconds: float = 0.0
-    #: The launcher each process's job tree hangs from (see gpuwatch.jobtree), by PID.
+    #: The launcher each process's job tree hangs from (see gpuwatch.jobs.tree), by PID.
     job_roots: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
     #: Instrumented processes (gpuwatch.agent), by PID.
     agents: Mapping[int, AgentReading] = field(default_factory=lambda: MappingProxyType({}))

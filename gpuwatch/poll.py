@@ -19,11 +19,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
-from typing import NamedTuple, Optional, Protocol
+from typing import Optional, Protocol
 
 from gpuwatch.clock import SteadyClock
 from gpuwatch.frozen import evolve
-from gpuwatch.jobtree import job_root, job_roots
+from gpuwatch.jobs.tree import job_root, job_roots
+from gpuwatch.jobs.walker import JobWalker
 from gpuwatch.launch_env import run_supervisor
 from gpuwatch.model import (
     AgentReading,
@@ -31,7 +32,6 @@ from gpuwatch.model import (
     GpuProcessUsage,
     HostProcess,
     NodeSnapshot,
-    ProcessReading,
     SourceError,
 )
 from gpuwatch.sources.memory import CgroupMemory, read_mem_available
@@ -44,38 +44,6 @@ class AgentSource(Protocol):
     def drain(self) -> dict[int, AgentReading]: ...
 
     def forget(self, pids: Iterable[int]) -> None: ...
-
-#: Bounds the walk down job trees, so a fork bomb under a launcher cannot stall a poll.
-MAX_JOB_MEMBERS = 4096
-#: New PIDs looked at, at least, to find the children job trees gained since the last walk (as
-#: many as the trees hold members, if more); beyond that many processes started between two
-#: polls the trees are walked again.
-MAX_NEW_PIDS = 64
-#: The job trees are walked again after this many polls whatever the evidence says: a bound on
-#: how long any case the evidence misses could last.
-WALK_EVERY = 64
-#: PIDs before the one last handed out when a walk starts that are looked at after it: a fork
-#: that had its PID but was not yet in its parent's children list when the walk read it.
-WALK_SLACK = 16
-
-
-class _Walk(NamedTuple):
-    """The job members found by one walk of the trees under `roots`, and what would show that
-    the trees have changed since."""
-
-    roots: frozenset[int]
-    members: set[int]
-    #: The PID last handed out when the walk started (less WALK_SLACK), or when the trees were
-    #: last found unchanged: a child forked since has a later one.
-    last_pid: int
-    #: Each member's and root's start time and parent: a PID reused, or a child reparented
-    #: (its parent exited), shows in these.
-    shape: dict[int, tuple[Optional[float], Optional[int]]]
-    #: New PIDs that /proc did not have yet when last looked at (a fork not yet complete),
-    #: looked at once more.
-    unseen: frozenset[int]
-    polls: int
-
 
 class Poller:
     def __init__(self, nvml: Optional[NvmlSource] = None,
@@ -97,7 +65,8 @@ class Poller:
         self.clock = clock or SteadyClock()
         #: PIDs NVML listed at the last poll that /proc did not have.
         self._unlisted: set[int] = set()
-        self._walk: Optional[_Walk] = None
+        #: The job trees' members, found again at each poll from what the last one found.
+        self.job_walker = JobWalker(self.processes)
 
     @property
     def truncated(self) -> Mapping[str, int]:
@@ -123,8 +92,8 @@ class Poller:
         seeds |= agents.keys()
         host = self.processes.read(seeds | set(watch), gpu_usage)
         roots = {job_root(pid, host.processes) for pid in seeds}
-        more = self._read_members(frozenset(root for root in roots if root is not None),
-                                  gpu_usage, host.processes)
+        more = self.job_walker.read_members(
+            frozenset(root for root in roots if root is not None), gpu_usage, host.processes)
         processes = more.processes
         self.processes.forget_others(processes.values())
         processes, private_errors = self._with_private_memory(
@@ -255,155 +224,6 @@ class Poller:
         if gone and self.agents is not None:
             self.agents.forget(gone)
         return {pid: a for pid, a in agents.items() if pid not in gone}
-
-    def _read_members(self, roots: frozenset[int],
-                      gpu_usage: Mapping[int, tuple[GpuProcessUsage, ...]],
-                      known: Mapping[int, HostProcess]) -> ProcessReading:
-        """Read every process under the roots, with what `known` holds already.
-
-        Walking the trees reads a children file per member, a third of a poll on a node of
-        dataloader workers, and most polls find the trees as they were. So the last walk's
-        members are read again, with the processes started since whose parent is in a tree
-        (PIDs are handed out in order; /proc/loadavg names the last), and the members are
-        worked out again from each one's parent as read: a member that exited, or was
-        reparented out of its tree, leaves it; a child forked since joins it. Each new PID
-        costs one stat line, about what a member costs a walk, so the trees are walked again
-        when more processes started than they hold, when a record cannot say who its parent
-        is, when the roots change, and every WALK_EVERY polls whatever the evidence says.
-        """
-        last = self._walk
-        last_pid = self.processes.last_pid()
-        if (last is not None and last_pid is not None and last.roots == roots
-                and last.polls < WALK_EVERY):
-            forks = self._forks_since(last, last_pid)
-            if forks is not None:
-                born, unseen = forks
-                candidates = last.members | born if born else last.members
-                reading = self.processes.read(candidates - known.keys(), gpu_usage, known=known)
-                members = self._members_now(last, born, reading.processes)
-                if members is last.members:  # most polls: the trees as they were
-                    self._walk = last._replace(last_pid=last_pid, unseen=unseen,
-                                               polls=last.polls + 1)
-                    return reading
-                if members is not None and len(members) <= MAX_JOB_MEMBERS:
-                    self._walk = _Walk(roots, members, last_pid,
-                                       self._shape(roots | members, reading.processes),
-                                       unseen, last.polls + 1)
-                    return self._without(reading, candidates - members - known.keys())
-                # Read again from the new walk, as if this read had not been.
-        members = self._descendants(roots)
-        reading = self.processes.read(members - known.keys(), gpu_usage, known=known)
-        self._walk = None if last_pid is None else _Walk(
-            roots, members, max(0, last_pid - WALK_SLACK),
-            self._shape(roots | members, reading.processes), frozenset(), 0)
-        return reading
-
-    def _forks_since(self, walk: _Walk, last_pid: int
-                     ) -> Optional[tuple[set[int], frozenset[int]]]:
-        """The processes started since `walk` whose parent is in a tree (children of members,
-        their children in turn), and the PIDs to look at again next time; None when too many
-        started to tell for less than a walk costs."""
-        if last_pid < walk.last_pid:
-            return None  # PIDs wrapped around
-        if last_pid - walk.last_pid > max(MAX_NEW_PIDS, len(walk.members)) + WALK_SLACK:
-            return None  # a busy host: a walk costs less than looking at every new PID
-        tree = walk.shape.keys()
-        born: set[int] = set()
-        listed: dict[int, set[int]] = {}
-        unseen = []
-        # In order: a child's PID follows its parent's, so a new child of a new member is found
-        # (the PIDs looked at again are older than the new ones).
-        for pid in sorted({*range(walk.last_pid + 1, last_pid + 1), *walk.unseen}):
-            if pid in tree:
-                continue  # found before (a PID reused since shows in the shape)
-            try:
-                stat = self.processes.stat(pid)
-            except (OSError, ValueError, IndexError):
-                return None
-            if stat is None:
-                # Exited already, or not in /proc yet: a fork that is not complete. Looked at
-                # once more at the next poll, by when a fork has long completed.
-                if pid not in walk.unseen:
-                    unseen.append(pid)
-            elif stat.ppid in tree or stat.ppid in born:
-                # A child as a walk finds it, in its parent's children file: not a thread (its
-                # stat line names the process's parent too), nor a child another thread forked.
-                kids = listed.get(stat.ppid)
-                if kids is None:
-                    kids = listed[stat.ppid] = set(self.processes.children(stat.ppid))
-                if pid in kids:
-                    born.add(pid)
-        return born, frozenset(unseen)
-
-    @staticmethod
-    def _shape(pids: Iterable[int], processes: Mapping[int, HostProcess]
-               ) -> dict[int, tuple[Optional[float], Optional[int]]]:
-        shape = {}
-        for pid in pids:
-            p = processes.get(pid)
-            if p is not None and p.in_procfs:
-                shape[pid] = (p.start_time, p.ppid)
-        return shape
-
-    @staticmethod
-    def _members_now(walk: _Walk, born: set[int],
-                     processes: Mapping[int, HostProcess]) -> Optional[set[int]]:
-        """The members among the last walk's and the processes born since, from each one's
-        parent as read now; None when a root is not the process it was, or when a record
-        cannot say who its parent is."""
-        for root in walk.roots:
-            p = processes.get(root)
-            if p is None or not p.in_procfs or walk.shape.get(root) != (p.start_time, p.ppid):
-                return None
-        shape = walk.shape
-        if not born and all(
-                (p := processes.get(pid)) is not None and p.in_procfs
-                and shape.get(pid) == (p.start_time, p.ppid) for pid in walk.members):
-            return walk.members  # most polls: nothing changed
-        # Whether each process is under a root, worked out once per process.
-        under: dict[int, bool] = dict.fromkeys(walk.roots, True)
-        for pid in walk.members | born:
-            chain = []
-            while pid not in under:
-                p = processes.get(pid)
-                if p is None or not p.in_procfs:
-                    under[pid] = False  # exited: out of the trees, its children reparented
-                    break
-                was = shape.get(pid)
-                if p.ppid is None or (was is not None and was[0] != p.start_time):
-                    return None  # unreadable, or a PID reused since the walk
-                if pid not in born and was is None:
-                    return None  # unreadable at the walk: its children were never looked at
-                chain.append(pid)
-                pid = p.ppid
-                if pid in chain:
-                    return None  # parents read at different moments disagree: walk
-                if pid not in walk.members and pid not in born and pid not in walk.roots:
-                    under[pid] = False  # a parent outside the trees
-            verdict = under[pid]
-            for link in chain:
-                under[link] = verdict
-        return {pid for pid in walk.members | born if under[pid]}
-
-    @staticmethod
-    def _without(reading: ProcessReading, pids: set[int]) -> ProcessReading:
-        """`reading` less processes that left the trees. Their ancestors stay: each is an
-        ancestor of a root too (an orphan goes to init or to a subreaper above it)."""
-        if not pids:
-            return reading
-        kept = {pid: p for pid, p in reading.processes.items() if pid not in pids}
-        return ProcessReading(processes=MappingProxyType(kept), errors=reading.errors)
-
-    def _descendants(self, roots: frozenset[int]) -> set[int]:
-        """Every process under the roots (each root's children file read once)."""
-        found: set[int] = set(roots)
-        todo = list(roots)
-        while todo and len(found) < MAX_JOB_MEMBERS:
-            for child in self.processes.children(todo.pop()):
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-        return found - roots
 
     def close(self) -> None:
         self.nvml.close()

@@ -25,7 +25,7 @@ from gpuwatch.agent._discovery import Scanner
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
-from gpuwatch.jobtree import job_roots
+from gpuwatch.jobs.tree import job_roots
 from gpuwatch.model import (
     AgentReading,
     BufferSize,

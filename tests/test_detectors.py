@@ -10,7 +10,7 @@ from typing import Any, Optional
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import DETECTORS, assess, protected_by
 from gpuwatch.history import History
-from gpuwatch.jobtree import is_service, job_roots
+from gpuwatch.jobs.tree import is_service, job_roots
 from gpuwatch.model import (
     KINDS,
     REAPABLE_KINDS,

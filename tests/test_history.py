@@ -184,7 +184,7 @@ def test_discovered_series_follow_the_newest_pass_and_are_capped_least_recent_fi
 
 
 def _labels(*procs: HostProcess) -> dict[int, Optional[str]]:
-    from gpuwatch.jobtree import job_roots
+    from gpuwatch.jobs.tree import job_roots
 
     snapshot = replace(_snapshot(100.0, *procs), job_roots=MappingProxyType(
         job_roots({p.pid: p for p in procs})))
@@ -249,7 +249,7 @@ def test_workers_a_trainer_forks_after_it_was_first_seen_are_in_the_trainers_job
     a notebook server's kernel): its data loader's workers, forked later, make it the root of
     a tree of their own in the snapshot, yet they belong to the job the trainer was seen in,
     which has had a trainer (so their memory is judged with it)."""
-    from gpuwatch.jobtree import job_roots
+    from gpuwatch.jobs.tree import job_roots
 
     holds = (GpuProcessUsage(0, "GPU-0", 32, 1 << 30),)
     shell = HostProcess(pid=30, ppid=1, start_time=0.5, name="bash", sid=30)

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from gpuwatch.jobs.walker import MAX_NEW_PIDS, JobWalker
 from gpuwatch.model import GpuDevice, GpuProcessUsage, NodeSnapshot, NvmlReading, NvmlStatus
-from gpuwatch.poll import MAX_NEW_PIDS, Poller
+from gpuwatch.poll import Poller
 from gpuwatch.simulate.demo import wait_for
 from tests.realprocs import EMPTY_COMMAND_LINE
 from tests.scenarios import parent, wait_not_running
@@ -81,15 +82,15 @@ for line in sys.stdin:
 """
 
 
-class _CountingPoller(Poller):
-    """The real poller, counting its walks of the job trees (each reads every member's children
+class _CountingWalker(JobWalker):
+    """The real walker, counting its walks of the job trees (each reads every member's children
     file)."""
 
     walks = 0
 
-    def _descendants(self, roots: frozenset[int]) -> set[int]:
+    def descendants(self, roots: frozenset[int]) -> set[int]:
         self.walks += 1
-        return super()._descendants(roots)
+        return super().descendants(roots)
 
 
 class _Holds:
@@ -171,7 +172,8 @@ def _members(snap: NodeSnapshot, root: int) -> set[int]:
 def test_a_job_tree_that_changes_is_followed_without_walking_it_again(
         launcher: _Launcher) -> None:
     holder = launcher.ask("spawn")
-    poller = _CountingPoller(nvml=_Holds(holder), hostname="n")  # type: ignore[arg-type]
+    poller = Poller(nvml=_Holds(holder), hostname="n")  # type: ignore[arg-type]
+    walker = poller.job_walker = _CountingWalker(poller.processes)
     root = launcher.proc.pid
     mark = _last_pid()
     snap = poller.poll()
@@ -194,7 +196,7 @@ def test_a_job_tree_that_changes_is_followed_without_walking_it_again(
             launcher.ask(step)
         # The poller walks when more PIDs were handed out since its last poll than a walk
         # costs (a busy host): counted from before that poll to after this one.
-        before, walked, mark = mark, poller.walks, _last_pid()
+        before, walked, mark = mark, walker.walks, _last_pid()
         snap = poller.poll()
         fresh = Poller(nvml=_Holds(holder), hostname="n").poll()  # type: ignore[arg-type]
         truth = _tree(root)
@@ -202,7 +204,7 @@ def test_a_job_tree_that_changes_is_followed_without_walking_it_again(
         assert set(snap.processes) == set(fresh.processes), step
         assert not set(orphaned) & set(snap.processes), "an orphan left the job's tree"
         if _last_pid() - before <= MAX_NEW_PIDS:  # else the host was too busy to look: walked
-            assert poller.walks == walked, f"{step}: the tree was walked again"
+            assert walker.walks == walked, f"{step}: the tree was walked again"
 
 
 def test_a_member_that_was_reparented_out_of_the_tree_leaves_the_snapshot(

@@ -14,7 +14,7 @@ import pytest
 from gpuwatch.config import Config, DetectorConfig, HistoryConfig, sample_spacing
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
-from gpuwatch.jobtree import job_roots
+from gpuwatch.jobs.tree import job_roots
 from gpuwatch.model import (
     NO_DISCOVERY,
     AgentReading,

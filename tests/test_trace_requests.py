@@ -19,7 +19,7 @@ from gpuwatch.actions.trace_requests import RESULTS, TraceRequests
 from gpuwatch.clock import SteadyClock
 from gpuwatch.config import AgentConfig, load_config
 from gpuwatch.daemon import Daemon
-from gpuwatch.jobtree import job_roots
+from gpuwatch.jobs.tree import job_roots
 from gpuwatch.model import (
     AgentReading,
     Finding,

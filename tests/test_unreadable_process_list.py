@@ -16,7 +16,7 @@ from typing import Any, Optional
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
-from gpuwatch.jobtree import job_roots
+from gpuwatch.jobs.tree import job_roots
 from gpuwatch.model import (
     GpuDevice,
     GpuProcessUsage,

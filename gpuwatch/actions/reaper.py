@@ -9,7 +9,7 @@ so `reap --dry-run` shows exactly what the daemon sees. Safety, in order of prec
   name); another user's process only with CAP_KILL (what the kernel asks, not uid 0) and only
   where the policy allows it; a protected GPU holder that a reap's --job or --pid names is said
   (`Spared`), so that its caller knows the memory stays held;
-- a `leftover` that is a service's own process (jobtree.is_service: a raylet's agent, a notebook
+- a `leftover` that is a service's own process (jobs.tree.is_service: a raylet's agent, a notebook
   kernel) or that runs under a live service or under the daemon, and an `orphan` that runs under
   one (a service that adopted it as a subreaper: its own work), is refused (`refuse-service`),
   whatever the findings say: they may come from a document (an earlier daemon's, a status
@@ -62,7 +62,7 @@ from gpuwatch.actions.signals import (
 )
 from gpuwatch.config import Config
 from gpuwatch.detectors import protected_by
-from gpuwatch.jobtree import service_over
+from gpuwatch.jobs.tree import service_over
 from gpuwatch.model import KINDS, REAPABLE_KINDS, Finding, HostProcess, Job, Kind, NodeReport
 from gpuwatch.runtime_dir import TrustedDir, UnsafeDirectory, open_daemon_dir, open_private_dir
 from gpuwatch.sources.processes import ProcessSource
@@ -361,7 +361,7 @@ class Reaper:
 
     def _serving(self, kind: str, pid: int) -> Optional[str]:
         """Why a `leftover` or an `orphan` must not be ended: it is live work of a service or of
-        the daemon (jobtree.service_over), read from /proc now, not from the findings' snapshot;
+        the daemon (jobs.tree.service_over), read from /proc now, not from the findings' snapshot;
         None where it is not (or is gone: the identity check before each signal says so)."""
         if kind not in SERVICE_CHECKED:
             return None

@@ -14,7 +14,7 @@ job (`job_evidence`): its trainers were started by a distributed launcher, as ra
 variable only a launcher's agent sets, which their parent lacks) or under `gpuwatch run`, or a
 trainer told the agent it finished. Only what the job started counts (seen under a trainer or
 their launcher, not a login shell's other children). And never where the tree still holds a
-service (jobtree.is_service: a raylet, a notebook server, a kernel), nor the process that took
+service (jobs.tree.is_service: a raylet, a notebook server, a kernel), nor the process that took
 the snapshot, the daemon itself.
 """
 
@@ -33,8 +33,9 @@ from gpuwatch.detectors.common import (
     supervisor_gone,
     titled,
 )
-from gpuwatch.history import History, JobRecord
-from gpuwatch.jobtree import is_launcher, is_login_shell, is_service, lineage
+from gpuwatch.history import History
+from gpuwatch.jobs.records import JobRecord
+from gpuwatch.jobs.tree import is_launcher, is_login_shell, is_service, lineage
 from gpuwatch.launch_env import LAUNCHER_SET_KEYS, RUN_ID_KEY
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time

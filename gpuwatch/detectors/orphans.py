@@ -38,7 +38,7 @@ from gpuwatch.detectors.common import (
     worker_evidence,
 )
 from gpuwatch.history import History
-from gpuwatch.jobtree import is_launcher, is_namespace_init, is_supervisor
+from gpuwatch.jobs.tree import is_launcher, is_namespace_init, is_supervisor
 from gpuwatch.launch_env import LAUNCHER_SET_KEYS, TORCHELASTIC_RUN_ID_KEY, WORKER_MARKER_KEYS
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time

@@ -1,6 +1,6 @@
 """The human view of a node report: GPUs, GPU holders as process trees, then findings.
 
-A tree is rooted at the holder's job root (gpuwatch.jobtree): its launcher, climbed further while
+A tree is rooted at the holder's job root (gpuwatch.jobs.tree): its launcher, climbed further while
 the ancestors belong to the same job, never PID 1. Processes with findings are marked in the tree
 and listed with their reasons below it.
 """

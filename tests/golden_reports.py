@@ -15,7 +15,7 @@ from types import MappingProxyType
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
-from gpuwatch.jobtree import job_roots
+from gpuwatch.jobs.tree import job_roots
 from gpuwatch.model import (
     BufferSize,
     GpuDevice,

@@ -30,20 +30,18 @@ import math
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import replace
 from typing import NamedTuple, Optional
 
 from gpuwatch.agent_budget import AgentBudget, fair_shares
 from gpuwatch.jobs.key import JobKey
 from gpuwatch.jobs.records import Identity, JobRecord, JobTrees
 from gpuwatch.launch_env import process_title
+from gpuwatch.ledger import FindingsLedger
 from gpuwatch.model import (
     NO_DISCOVERY,
     BufferSize,
-    Finding,
     HostProcess,
     Job,
-    Kind,
     NodeSnapshot,
     StepPoint,
 )
@@ -348,8 +346,8 @@ class History:
         self._stepped: dict[Identity, ProcessHistory] = {}
         self._departed: OrderedDict[Identity, Departed] = OrderedDict()
         self._jobs = JobTrees()
-        # Identity -> (first seen, reason, summary, whether the reason may still take a culprit).
-        self._open_findings: dict[tuple[object, ...], tuple[float, str, str, bool]] = {}
+        #: The findings open at the last poll (gpuwatch.ledger).
+        self.findings = FindingsLedger()
         self._unattributed: dict[int, deque[tuple[float, Optional[int]]]] = {}
         self._unlisted_since: dict[int, float] = {}
         #: Polls at which a process's newest step report claimed an RSS the kernel's figure did
@@ -499,7 +497,7 @@ class History:
     def _reclaim(self, uid: int, nbytes: int, reason: str) -> int:
         """The budget's reclaimer: drop `uid`'s step histories until `nbytes` are freed,
         those of processes without an open finding first, then the least recently reporting."""
-        flagged = {(identity[1], identity[2]) for identity in self._open_findings}
+        flagged = self.findings.processes()
         candidates = sorted(
             (h for h in self._stepped.values() if h.steps is not None and h.steps.uid == uid),
             key=lambda h: (h.identity in flagged, h.steps.last_report_at if h.steps else 0.0))
@@ -557,52 +555,3 @@ class History:
         self.samples = samples
         self.max_processes = max_processes
         self._trim()
-
-    # -- findings ------------------------------------------------------------------------------
-    def open_since(self, identity: tuple[object, ...]) -> Optional[float]:
-        """When the finding with this identity (Finding.identity) opened, if it was open at the
-        last poll."""
-        kept = self._open_findings.get(identity)
-        return kept[0] if kept is not None else None
-
-    def stamp(self, findings: Iterable[Finding], processes: Mapping[int, HostProcess],
-              now: float) -> list[Finding]:
-        """Give each finding the time it was first seen, the reason it was first given and its
-        job; forget findings that closed.
-
-        A reason is the evidence when the finding opened ("exited before 10:00:00Z (not reaped
-        yet)"); the same process may be described otherwise a poll later (its launcher reaped,
-        a leak's culprit named by another means), but what people and alerts saw must not
-        change under them. Figures that move belong in `details`.
-
-        One exception: a leak that opened without a culprit takes the reason of the first poll
-        that names one (details["culprit"]), and keeps that one. Naming the culprit is what the
-        daemon works towards after the leak opened (a discovery pass, a trace it asked for), so
-        "RSS grows every step" would otherwise stay the reason for the whole life of a leak
-        whose cause became known minutes later. The reason changes at most once, from saying
-        less to saying more; a culprit named differently later only shows in `details`. So
-        does a step stall's, once the process reports hung at exit (details["hung_at_exit"]):
-        what holds it is then known. The summary (the same evidence from identity and figures)
-        is kept and refined with the reason, so the two always say the same.
-        """
-        stamped = []
-        open_now: dict[tuple[object, ...], tuple[float, str, str, bool]] = {}
-        for f in findings:
-            kept = self._open_findings.get(f.identity)
-            if kept is None:
-                since, reason, summary = now, f.reason, f.summary
-                refinable = ((f.kind == Kind.LEAK and f.details.get("culprit") is None)
-                             or (f.kind == Kind.STALLED and not f.details.get("hung_at_exit")))
-            else:
-                since, reason, summary, refinable = kept
-                if refinable and (f.details.get("culprit") is not None
-                                  or f.details.get("hung_at_exit")):
-                    reason, summary, refinable = f.reason, f.summary, False
-            open_now[f.identity] = (since, reason, summary, refinable)
-            job = f.job
-            p = processes.get(f.pid) if f.pid is not None else None
-            if job is None and p is not None and p.identity == (f.pid, f.start_time):
-                job = self.job_label(p)
-            stamped.append(replace(f, since=since, reason=reason, summary=summary, job=job))
-        self._open_findings = open_now
-        return stamped

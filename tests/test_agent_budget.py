@@ -302,7 +302,7 @@ def test_a_process_with_an_open_finding_keeps_its_step_history_longest() -> None
     history = History(budget=AgentBudget(2 * STEP_BYTES))
     history.record(_snapshot(0.0, {10: _reading(10, A, 0), 11: _reading(11, A, 5)}))
     leak = Finding(kind="leak", severity="warning", pid=10, start_time=1.0, reason="RSS grows")
-    history.stamp([leak], {10: _proc(10, A)}, 0.0)
+    history.findings.stamp([leak], {10: _proc(10, A)}, 0.0)
     for t in (1.0, 2.0):  # B: refused over the ceiling, then granted once A gave back
         history.record(_snapshot(t, {10: _reading(10, A, 1), 11: _reading(11, A, 6),
                                      20: _reading(20, B, 1)}))

@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any, Optional
 
 from gpuwatch.history import MAX_DISCOVERED, STEP_POINTS, History, StepSeries
+from gpuwatch.ledger import FindingsLedger
 from gpuwatch.model import (
     NO_DISCOVERY,
     BufferSize,
@@ -97,7 +98,7 @@ def _leak(reason: str, culprit: Optional[str], kind: str = "leak") -> Finding:
 
 def test_a_leak_opened_without_a_culprit_takes_the_reason_that_first_names_one_then_keeps_it(
         ) -> None:
-    history = History()
+    ledger = FindingsLedger()
     procs = {10: _proc(10, 1.0)}
     polls = [
         (_leak("RSS grows every step", None), "RSS grows every step"),
@@ -115,39 +116,39 @@ def test_a_leak_opened_without_a_culprit_takes_the_reason_that_first_names_one_t
          "RSS grows every step; allocations at `leaky.py:42` explain it (traced)"),
     ]
     for t, (f, expected) in enumerate(polls):
-        (stamped,) = history.stamp([f], procs, 100.0 + t)
+        (stamped,) = ledger.stamp([f], procs, 100.0 + t)
         assert (stamped.reason, stamped.since) == (expected, 100.0), t
         assert stamped.details == f.details
-    assert history.open_since(f.identity) == 100.0
+    assert ledger.open_since(f.identity) == 100.0
 
 
 def test_a_leak_opened_with_its_culprit_and_other_findings_keep_their_first_reason() -> None:
-    history = History()
+    ledger = FindingsLedger()
     procs = {10: _proc(10, 1.0)}
     first = _leak("RSS grows every step; buffer `a` explains it (watched)", "a")
-    history.stamp([first], procs, 100.0)
-    (stamped,) = history.stamp([_leak("RSS grows every step; `m.b` explains it (discovered)",
-                                      "m.b")], procs, 101.0)
+    ledger.stamp([first], procs, 100.0)
+    (stamped,) = ledger.stamp(
+        [_leak("RSS grows every step; `m.b` explains it (discovered)", "m.b")], procs, 101.0)
     assert stamped.reason == first.reason
 
     orphan = _leak("parent 4121 (torchrun) exited after 10:00:00Z", None, kind="orphan")
-    history.stamp([orphan], procs, 102.0)
-    (stamped,) = history.stamp([replace(orphan, reason="something else entirely",
-                                        details=MappingProxyType({"culprit": "x"}))],
-                               procs, 103.0)
+    ledger.stamp([orphan], procs, 102.0)
+    (stamped,) = ledger.stamp([replace(orphan, reason="something else entirely",
+                                       details=MappingProxyType({"culprit": "x"}))],
+                              procs, 103.0)
     assert (stamped.reason, stamped.since) == (orphan.reason, 102.0)
 
 
 def test_a_leak_that_closes_opens_afresh_and_may_take_a_culprit_again() -> None:
-    history = History()
+    ledger = FindingsLedger()
     procs = {10: _proc(10, 1.0)}
-    history.stamp([_leak("RSS grows every step; `m.a` explains it (discovered)", "m.a")],
-                  procs, 100.0)
-    history.stamp([], procs, 101.0)
-    assert history.open_since(_leak("", None).identity) is None
-    history.stamp([_leak("RSS grows every step", None)], procs, 102.0)
-    (stamped,) = history.stamp([_leak("RSS grows every step; `m.b` explains it (discovered)",
-                                      "m.b")], procs, 103.0)
+    ledger.stamp([_leak("RSS grows every step; `m.a` explains it (discovered)", "m.a")],
+                 procs, 100.0)
+    ledger.stamp([], procs, 101.0)
+    assert ledger.open_since(_leak("", None).identity) is None
+    ledger.stamp([_leak("RSS grows every step", None)], procs, 102.0)
+    (stamped,) = ledger.stamp(
+        [_leak("RSS grows every step; `m.b` explains it (discovered)", "m.b")], procs, 103.0)
     assert (stamped.reason, stamped.since) == (
         "RSS grows every step; `m.b` explains it (discovered)", 102.0)
 

@@ -35,8 +35,8 @@ __all__ = ["DETECTORS", "KINDS", "assess", "detect", "is_protected", "protected_
 def assess(snapshot: NodeSnapshot, history: History, config: DetectorConfig) -> NodeReport:
     """Record the snapshot in the history, then run every detector over both."""
     history.record(snapshot)
-    findings = history.stamp(detect(snapshot, history, config), snapshot.processes,
-                             snapshot.taken_at)
+    findings = history.findings.stamp(detect(snapshot, history, config), snapshot.processes,
+                                      snapshot.taken_at, history.job_label)
     jobs = {pid: job for pid, p in snapshot.processes.items()
             if (job := history.job_label(p)) is not None}
     return NodeReport(snapshot, tuple(findings), MappingProxyType(jobs))

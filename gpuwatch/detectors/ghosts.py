@@ -29,14 +29,14 @@ EMITS = frozenset({Kind.GHOST})
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
-    now, grace = snapshot.taken_at, config.ghost_grace
+    now, grace, ledger = snapshot.taken_at, config.ghost_grace, history.findings
     blind = {g.index for g in snapshot.gpus if g.holders_unknown}
     for p in snapshot.processes.values():
         if not p.in_procfs and p.holds_gpu:
             # Only carried over from a GPU's last good read: NVML does not list it now.
             unlisted = all(u.gpu_index in blind and u.memory_bytes is None for u in p.gpu_usage)
             if unlisted:
-                if history.open_since(Finding.identity_of(Kind.GHOST, p.pid, p.start_time)) is None:
+                if ledger.open_since(Finding.identity_of(Kind.GHOST, p.pid, p.start_time)) is None:
                     continue
             else:
                 since = history.unlisted_since(p.pid)
@@ -47,7 +47,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                 "(exited without releasing its memory, or another PID namespace)"))
     for g in snapshot.gpus:
         unattributed = g.unattributed_memory_bytes
-        was_open = history.open_since(Finding.identity_of(Kind.GHOST, None, None, (g.index,)))
+        was_open = ledger.open_since(Finding.identity_of(Kind.GHOST, None, None, (g.index,)))
         if unattributed is None:
             held = was_open is not None  # unknown: not released
         else:

@@ -279,7 +279,7 @@ def _trace_of(p: HostProcess, g: Growth, steps: StepSeries, snapshot: NodeSnapsh
     if trace is None:
         return None
     start = _time_at(steps, g.first_x)
-    opened = history.open_since(Finding.identity_of(Kind.LEAK, p.pid, p.start_time))
+    opened = history.findings.open_since(Finding.identity_of(Kind.LEAK, p.pid, p.start_time))
     if opened is not None:
         start = min(start, opened)
     return trace if trace.received_at >= start else None

@@ -22,7 +22,7 @@ from typing import Any, Optional
 from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics
 
 from gpuwatch import __version__, systemd_notify
-from gpuwatch.actions.reaper import OUTCOMES, REAPABLE_KINDS
+from gpuwatch.actions.reap_plan import OUTCOMES, REAPABLE_KINDS
 from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
 from gpuwatch.actions.trace_requests import SEARCH_RESULTS, TraceRequests
 from gpuwatch.agent_budget import AgentBudget

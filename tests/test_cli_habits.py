@@ -119,7 +119,7 @@ def _applied_default(command: str, option: str) -> object:
     default for `run --grace`, the reaper's kinds for `reap --kind`, the click default else."""
     import inspect
 
-    from gpuwatch.actions.reaper import REAPABLE_KINDS
+    from gpuwatch.actions.reap_plan import REAPABLE_KINDS
     from gpuwatch.actions.supervisor import Supervisor
     from gpuwatch.cli import app
     from gpuwatch.config import DEFAULT_CONFIG_PATH, Config

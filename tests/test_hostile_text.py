@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from gpuwatch.actions.reaper import Action
+from gpuwatch.actions.reap_plan import Action
 from gpuwatch.model import Job, NodeReport, NodeSnapshot, NvmlStatus
 from gpuwatch.simulate.demo import SimulatedNode, simulated_node, wait_for
 from gpuwatch.simulate.job import launch_env

@@ -767,7 +767,7 @@ def test_job_reaps_only_that_jobs_leftovers_and_then_has_nothing_to_do(
 def test_still_held_counts_memory_the_plan_named_not_lines_of_the_plan_left_undone() -> None:
     """release.still_held, on NVML readings as `nvml_after` returns them and real PIDs: this
     process stands for one still running, and for a newcomer on a reused PID."""
-    from gpuwatch.actions.reaper import Action, Result
+    from gpuwatch.actions.reap_plan import Action, Result
     from gpuwatch.actions.release import still_held
     from gpuwatch.model import GpuDevice, GpuProcessUsage, NvmlReading, NvmlStatus
     from gpuwatch.sources.processes import ProcessSource

@@ -538,7 +538,8 @@ def test_a_process_the_log_records_as_ended_is_not_planned_again(tmp_path: Path)
     """An exited orphan stays a finding until its new parent collects it, and a daemon started
     again after a reap recovered its actions: neither ends the process a second time, nor counts
     it twice in gpuwatch_reaped_total."""
-    from gpuwatch.actions.reaper import TERMINATE, Action, AuditFollower, AuditWriter
+    from gpuwatch.actions.reap_audit import AuditFollower, AuditWriter
+    from gpuwatch.actions.reap_plan import TERMINATE, Action
 
     path = tmp_path / "reap.jsonl"
     writer = AuditWriter(path, "daemon", os.geteuid())

@@ -756,7 +756,7 @@ def test_a_lock_file_of_another_user_or_with_another_name_is_replaced_not_locked
 
 def test_the_audit_log_is_not_written_through_a_link_nor_in_a_directory_another_user_may_write(
         mallory: LocalUser, sticky_tmp: Path, tmp_path: Path) -> None:
-    from gpuwatch.actions.reaper import AuditWriter
+    from gpuwatch.actions.reap_audit import AuditWriter
 
     victim = tmp_path / "victim"
     victim.write_text("root's\n")

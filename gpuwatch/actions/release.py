@@ -20,7 +20,7 @@ from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource
 
 if TYPE_CHECKING:
-    from gpuwatch.actions.reaper import Result
+    from gpuwatch.actions.reap_plan import Result
 
 #: How long the driver gets to release an ended process's memory before it counts as held.
 RELEASE_WAIT = 3.0
@@ -78,7 +78,7 @@ def still_held(results: Iterable[Result], reading: NvmlReading,
     (a zombie's parent). Where NVML cannot say (`status.available` False), an ended process
     counts as freed and any other as holding: unknown is not free.
     """
-    from gpuwatch.actions.reaper import FREED
+    from gpuwatch.actions.reap_plan import FREED
 
     source = procs or ProcessSource()
     listed = holders(reading) if reading.status.available else None

@@ -1,8 +1,9 @@
 """Reaping, wired once: plan -> confirm -> execute -> NVML check -> audit.
 
 `gpuwatch reap`, `gpuwatch top` and the daemon's auto-reap reap through `Reap`: the same
-Reaper (gpuwatch.actions.reaper: the filters, the safety checks, the one signalling path), the
-same audit log (reap.jsonl in the state directory, written by the Reaper as it plans and acts)
+Reaper (gpuwatch.actions.reaper, planning with gpuwatch.actions.reap_plan: the filters, the
+safety checks; the one signalling path), the same audit log (gpuwatch.actions.reap_audit:
+reap.jsonl in the state directory, written by the Reaper as it plans and acts)
 and, where the caller asks what the next job would find, the same NVML check afterwards
 (gpuwatch.actions.release). Confirmation is the caller's: a prompt (`reap`), a dialog (`top`) or
 a policy (`DaemonReaping`, below: only the configured kinds, findings open long enough, a rate
@@ -21,18 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from gpuwatch.actions.reaper import (
-    AUDIT_NAME,
-    TERMINATE,
-    VIA_PARENT,
-    Action,
-    AuditFollower,
-    AuditWriter,
-    Filters,
-    Reaper,
-    Result,
-    Spared,
-)
+from gpuwatch.actions.reap_audit import AUDIT_NAME, AuditFollower, AuditWriter
+from gpuwatch.actions.reap_plan import TERMINATE, VIA_PARENT, Action, Filters, Result, Spared
+from gpuwatch.actions.reaper import Reaper
 from gpuwatch.config import Config
 from gpuwatch.model import NodeReport
 from gpuwatch.units import plural

@@ -182,7 +182,7 @@ class Reaping:
 
     @staticmethod
     def reapable(findings: Any) -> Optional[str]:
-        from gpuwatch.actions.reaper import REAPABLE_KINDS
+        from gpuwatch.actions.reap_plan import REAPABLE_KINDS
 
         return next((f.kind for f in findings if f.kind in REAPABLE_KINDS), None)
 
@@ -194,7 +194,7 @@ class Reaping:
     def plan(self, report: NodeReport, pid: int, kind: str) -> Plan:
         """The dry run's plan (audited as `reap --dry-run` audits it). Raises OSError when
         the audit log cannot be written."""
-        from gpuwatch.actions.reaper import Filters
+        from gpuwatch.actions.reap_plan import Filters
         from gpuwatch.sinks.reap_view import render_reap
 
         filters = Filters(kinds=frozenset({kind}), pids=frozenset({pid}))
@@ -483,7 +483,7 @@ class Top:
             return
         kind = self.reaping.reapable(row.findings)
         if kind is None:
-            from gpuwatch.actions.reaper import REAPABLE_KINDS
+            from gpuwatch.actions.reap_plan import REAPABLE_KINDS
 
             have = ", ".join(f.kind for f in row.findings) or "no finding"
             self.say(f"PID {row.pid} has nothing to reap ({have}); `r` reaps "

@@ -113,7 +113,7 @@ def service_over(p: HostProcess, processes: Mapping[int, HostProcess],
     """The nearest of `p`'s ancestors that is a service (is_service) or the process `observer`
     names (the daemon), whose live work `p` is as far as anyone can tell; else, with `itself`,
     `p` where it is a service; else None. The reaper's own check before it ends a leftover or
-    an orphan (gpuwatch.actions.reaper), whatever the findings say."""
+    an orphan (gpuwatch.actions.reap_plan), whatever the findings say."""
     for q in lineage(p, processes):
         if q is not p and ((observer is not None and q.pid == observer) or is_service(q)):
             return q

@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 from node import GIB, MIB, ROOT, bench_node, cli_env, parse_args, start_daemon, stop, write_figures
 
-from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 
 WARMUP = 10  # the daemon's default leak_warmup_steps
 

@@ -26,7 +26,7 @@ from typing import Any
 from cmdline import arguments, write_figures
 from node import bench_node, cli_env, console_script, free_port, start_daemon
 
-from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 
 OURS = "gpuwatch status --json"
 OURS_POLL = "gpuwatch status --json --poll"

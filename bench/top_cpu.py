@@ -34,7 +34,7 @@ from typing import Any, Optional
 from cmdline import arguments, write_figures
 from node import GIB, MIB, bench_node, cli_env, console_script, cpu_seconds, rss_bytes
 
-from gpuwatch.sinks.state_socket import StateServer
+from gpuwatch.serve.state_socket import StateServer
 
 INTERVAL = 2.0  # top's default
 

@@ -53,14 +53,14 @@ from gpuwatch.runtime_dir import (
     open_private_dir,
     remove_own_daemon_info,
 )
+from gpuwatch.serve.exposition import RenderedMetrics
+from gpuwatch.serve.http_server import MetricsServer, bind_tcp
+from gpuwatch.serve.listener import ConnectionCollector, ConnectionStats
+from gpuwatch.serve.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sinks.daemon_metrics import DaemonMetrics
 from gpuwatch.sinks.document import SOURCE_DAEMON, bounded_json, status_document
 from gpuwatch.sinks.exit_reports import ExitReportLog
 from gpuwatch.sinks.exporter import SERIES_DROPPED_REASONS, ReportCollector
-from gpuwatch.sinks.exposition import RenderedMetrics
-from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
-from gpuwatch.sinks.listener import ConnectionCollector, ConnectionStats
-from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sources.agent_socket import AgentReceiver
 from gpuwatch.sources.memory import read_mem_total
 from gpuwatch.sources.nvml import NvmlSource
@@ -212,7 +212,7 @@ class Daemon:
         address = f"{_url_host(host) if host else '0.0.0.0'}:{port}"
         web = None
         if self.config.daemon.web_config:  # PyYAML and bcrypt only for a daemon that has one
-            from gpuwatch.sinks.web_config import WebSettings
+            from gpuwatch.serve.web_config import WebSettings
 
             web = WebSettings(Path(self.config.daemon.web_config))
         try:

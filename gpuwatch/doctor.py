@@ -44,7 +44,7 @@ from gpuwatch.model import GpuDevice, NvmlReading
 from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET_NAME
 from gpuwatch.runtime_dir import DAEMON_INFO_NAME, UnsafeDirectory, open_daemon_dir
 from gpuwatch.runtime_dir import read_daemon_info as runtime_daemon_info
-from gpuwatch.sinks.state_socket import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+from gpuwatch.serve.state_socket import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 from gpuwatch.sources.jobs import parse_cgroup
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.proc_stat import is_kernel_thread, parse_stat

@@ -111,7 +111,7 @@ def wait_first_poll(runtime: Path, proc: subprocess.Popen[bytes], timeout: float
     document. The daemon writes daemon.json and opens its sockets before it polls: until the
     first poll is done, its state socket answers "has not finished its first poll" and its
     /metrics has no GPU or process yet. Every test helper that starts a daemon waits here."""
-    from gpuwatch.sinks.state_client import StateUnavailable, fetch_status
+    from gpuwatch.serve.state_client import StateUnavailable, fetch_status
 
     def first_document() -> Optional[dict[str, Any]]:
         try:

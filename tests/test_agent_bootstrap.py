@@ -168,7 +168,7 @@ def _leak_named_within_steps(cli_env: dict[str, str], tmp_path: Path, fake_node:
     `gpuwatch run` against a daemon; wait for its leak finding to name `expected`, and check
     that it did so at most NAMED_WITHIN_STEPS steps after the leak was first shown. Each step
     is the one the finding's test window ends at, read off the daemon's state socket."""
-    from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 
     state = Path(cli_env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME
     config = "[detectors]\nleak_warmup_steps = 10\n"

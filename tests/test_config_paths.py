@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.config import EXIT_CONFIG, ConfigError, load_config
+from gpuwatch.serve.web_config import load_web_config
 from gpuwatch.simulate.fakenvml import FakeNode
-from gpuwatch.sinks.web_config import load_web_config
 from tests.daemonproc import running_daemon, value
 
 SECRET = "s3cr3tC0ntent"

@@ -37,7 +37,7 @@ def test_a_daemon_a_test_starts_has_finished_its_first_poll_when_the_test_gets_i
     """The daemon writes daemon.json and opens its sockets before its first poll; a test that
     asked it at once could get "has not finished its first poll" on a loaded machine. Every
     helper that starts one (running_daemon, the simulated node's fixtures) waits for the poll."""
-    from gpuwatch.sinks.state_client import fetch_status
+    from gpuwatch.serve.state_client import fetch_status
 
     with running_daemon(cli_env, tmp_path, args=("--interval", "60")) as d:
         doc = fetch_status(d.runtime_dir / "state.sock")  # once, no retry

@@ -55,10 +55,10 @@ from gpuwatch.doctor import (
     run_checks,
 )
 from gpuwatch.model import GpuDevice, GpuProcessUsage, NvmlReading, NvmlStatus
+from gpuwatch.serve.state_socket import StateServer
 from gpuwatch.simulate import fakenvml
 from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.sinks.doctor_view import render_doctor, summary_line
-from gpuwatch.sinks.state_socket import StateServer
 from tests.daemonproc import running_daemon, setpriv_or_skip
 from tests.localusers import LocalUser, local_user
 from tests.realprocs import GIB, gpuwatch, proc_without_children_files, real_nvml_present

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
+from gpuwatch.serve.exposition import Encoder, RenderedMetrics
 from gpuwatch.simulate.demo import wait_for
-from gpuwatch.sinks.exposition import Encoder, RenderedMetrics
 from tests.daemonproc import running_daemon
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"

@@ -27,13 +27,13 @@ from typing import Any, Optional
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gpuwatch.serve.http_server import MetricsServer, bind_tcp
+from gpuwatch.serve.listener import ConnectionStats
+from gpuwatch.serve.state_client import MAX_RESPONSE
+from gpuwatch.serve.state_socket import StateServer, StateUnavailable, fetch_status
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.sinks.document import MAX_DOCUMENT_BYTES
-from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
-from gpuwatch.sinks.listener import ConnectionStats
-from gpuwatch.sinks.state_client import MAX_RESPONSE
-from gpuwatch.sinks.state_socket import StateServer, StateUnavailable, fetch_status
 from tests.daemonproc import running_daemon, value
 
 #: The systemd unit's TasksMax=.
@@ -183,7 +183,7 @@ def state_server(tmp_path: Path, body: bytes, **limits: Any) -> StateServer:
 
 def test_a_client_that_stops_reading_the_state_socket_is_closed_quietly(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="gpuwatch.sinks.listener")
+    caplog.set_level(logging.DEBUG, logger="gpuwatch.serve.listener")
     body = json.dumps({"padding": "x" * (16 << 20)}).encode()  # more than socket buffers hold
     server = state_server(tmp_path, body, response_timeout=0.5)
     try:

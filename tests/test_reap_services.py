@@ -221,7 +221,7 @@ def test_a_process_under_a_service_by_the_time_of_the_sigkill_gets_none(
 def serving(doc: dict[str, Any], path: Path) -> Iterator[None]:
     """A state socket at `path` that answers `doc`: an earlier daemon, whose findings the CLI
     takes as they come."""
-    from gpuwatch.sinks.state_socket import StateServer
+    from gpuwatch.serve.state_socket import StateServer
 
     path.parent.mkdir(parents=True, exist_ok=True)
     server = StateServer(path, lambda: json.dumps(doc).encode(), group=None)

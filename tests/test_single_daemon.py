@@ -25,9 +25,9 @@ from gpuwatch.runtime_dir import (
     file_identity,
     refuse_if_held,
 )
+from gpuwatch.serve.state_socket import StateServer, fetch_status
 from gpuwatch.simulate.demo import read_json
 from gpuwatch.simulate.fakenvml import FakeNode
-from gpuwatch.sinks.state_socket import StateServer, fetch_status
 from gpuwatch.sources.agent_socket import AgentReceiver
 from tests.daemonproc import RunningDaemon, running_daemon, value
 from tests.realprocs import gpuwatch, status_json

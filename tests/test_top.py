@@ -26,9 +26,9 @@ import pytest
 
 from gpuwatch import __version__
 from gpuwatch.model import NodeReport
+from gpuwatch.serve.state_socket import StateServer
 from gpuwatch.simulate.demo import SimulatedNode, simulated_node, wait_for
 from gpuwatch.sinks.document import from_json, status_document
-from gpuwatch.sinks.state_socket import StateServer
 from gpuwatch.sinks.top.feed import Feed, Samples
 from gpuwatch.sinks.top.view import (
     ASCII,

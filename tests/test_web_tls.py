@@ -32,10 +32,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from gpuwatch.config import EXIT_CONFIG, ConfigError
+from gpuwatch.serve.http_server import MetricsServer, bind_tcp
+from gpuwatch.serve.listener import ConnectionStats
+from gpuwatch.serve.web_config import WebSettings, load_web_config
 from gpuwatch.simulate.demo import wait_for
-from gpuwatch.sinks.http_server import MetricsServer, bind_tcp
-from gpuwatch.sinks.listener import ConnectionStats
-from gpuwatch.sinks.web_config import WebSettings, load_web_config
 from tests.daemonproc import running_daemon
 from tests.promserver import api, needs_prometheus, prometheus_scraping
 from tests.realprocs import gpuwatch
@@ -281,7 +281,7 @@ def test_client_certificates_are_required_and_their_names_checked(pki: Pki,
 @needs_openssl
 def test_a_renewed_certificate_is_served_without_a_restart_and_a_broken_one_is_refused(
         pki: Pki, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="gpuwatch.sinks.web_config")
+    caplog.set_level(logging.INFO, logger="gpuwatch.serve.web_config")
     d = tmp_path / "certs"
     shutil.copytree(pki.dir, d)
     web = WebSettings(web_file(tmp_path, "tls_server_config:\n  cert_file: certs/server.crt\n"
@@ -457,7 +457,7 @@ def test_a_wrong_password_flood_never_delays_the_authenticated_scraper_even_afte
 
 def test_a_peer_that_keeps_failing_is_refused_checks_and_others_are_checked_first(
         tmp_path: Path) -> None:
-    from gpuwatch.sinks.web_config import FAILED_CHECKS_BURST
+    from gpuwatch.serve.web_config import FAILED_CHECKS_BURST
 
     web = WebSettings(web_file(tmp_path, f"basic_auth_users:\n  prometheus: {HASH}\n"))
     allowed = 0

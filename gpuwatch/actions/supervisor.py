@@ -35,7 +35,6 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from gpuwatch.actions.cgroup import CgroupUnavailable, JobCgroup
@@ -50,6 +49,7 @@ from gpuwatch.launch_env import (
     RUN_ID_KEY,
     RUN_SUPERVISOR_KEY,
 )
+from gpuwatch.run_result import GpuCheck, Member, ProcessIdentity, RunResult
 from gpuwatch.sources.kernel_files import read_head
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT, ProcessSource, ProcStat
@@ -83,87 +83,6 @@ PR_SET_CHILD_SUBREAPER = 36
 _TICK = 0.2
 #: Guards the walk up a process's parents against a corrupt or cyclic chain.
 _MAX_DEPTH = 64
-
-
-@dataclass
-class Member:
-    """A process of the job, as the supervisor saw it."""
-
-    ref: ProcessRef
-    command: str
-    #: Signals the supervisor sent it, in order.
-    signals: list[str] = field(default_factory=list)
-    #: How it ended: "exited", "exited after SIGINT", "ended on SIGTERM", "killed (SIGKILL)";
-    #: None while it runs.
-    ended: Optional[str] = None
-    rss_bytes: Optional[int] = None
-    #: GPU memory NVML listed for it when the job was ending (None: none, or NVML unavailable).
-    gpu_memory_bytes: Optional[int] = None
-    gpus: tuple[int, ...] = ()
-    leftover: bool = False
-
-    def as_json(self) -> dict[str, Any]:
-        return {"pid": self.ref.pid, "start_time": self.ref.start_time,
-                "command": self.command, "signals": list(self.signals), "ended": self.ended,
-                "rss_bytes": self.rss_bytes, "gpu_memory_bytes": self.gpu_memory_bytes,
-                "gpus": list(self.gpus), "leftover": self.leftover}
-
-
-@dataclass
-class GpuCheck:
-    """What NVML said once the job had ended."""
-
-    nvml: bool
-    detail: str = ""
-    #: GPU memory the job's processes held when it was ending.
-    held_bytes: int = 0
-    #: Processes of the job NVML still lists after they ended, with their memory.
-    still_held: dict[int, Optional[int]] = field(default_factory=dict)
-    #: Unattributed memory that appeared on the job's GPUs during the run, by GPU index.
-    unattributed_growth: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def released(self) -> bool:
-        return not self.still_held and not self.unattributed_growth
-
-    def as_json(self) -> dict[str, Any]:
-        return {"nvml": self.nvml, "detail": self.detail, "held_bytes": self.held_bytes,
-                "released": self.released if self.nvml else None,
-                "still_held": [{"pid": pid, "memory_bytes": mem}
-                               for pid, mem in sorted(self.still_held.items())],
-                "unattributed_growth_bytes": {str(k): v
-                                              for k, v in sorted(self.unattributed_growth.items())}}
-
-
-@dataclass
-class RunResult:
-    """The summary of a run: printed at the end, and written by --json."""
-
-    job_id: str
-    command: list[str]
-    started_at: float
-    ended_at: float = 0.0
-    #: "exit" (COMMAND ended by itself), or the stop signal that ended the run ("SIGINT", ...)
-    ended_by: str = "exit"
-    command_status: Optional[int] = None  # COMMAND's exit code, or -N for signal N
-    exit_code: int = 0
-    #: False when the command could not be started at all (not found, not executable).
-    started: bool = False
-    cgroup: Optional[str] = None
-    cgroup_reason: str = ""
-    members: list[Member] = field(default_factory=list)
-    gpu: GpuCheck = field(default_factory=lambda: GpuCheck(nvml=False))
-
-    def as_json(self) -> dict[str, Any]:
-        return {"schema": 1, "job": {"id": self.job_id, "source": "run"},
-                "command": self.command, "started_at": round(self.started_at, 3),
-                "ended_at": round(self.ended_at, 3),
-                "duration_seconds": round(self.ended_at - self.started_at, 3),
-                "ended_by": self.ended_by, "command_status": self.command_status,
-                "exit_code": self.exit_code,
-                "cgroup": self.cgroup, "cgroup_reason": self.cgroup_reason or None,
-                "processes": [m.as_json() for m in self.members],
-                "gpu": self.gpu.as_json()}
 
 
 class Supervisor:
@@ -283,7 +202,7 @@ class Supervisor:
         self._main_pid = proc.pid
         ref = self._signals.ref(proc.pid)  # not collected yet: it is this process, however fast
         if ref is not None:
-            self._members[proc.pid] = Member(ref, short_command(
+            self._members[proc.pid] = Member(_identity(ref), short_command(
                 os.path.basename(self.command[0])[:15], self.command))
         self._observe()
 
@@ -362,7 +281,7 @@ class Supervisor:
                 if member is not None:
                     self._close(member)
                     self._past.append(member)
-                member = Member(ProcessRef(pid, stat.start_time),
+                member = Member(ProcessIdentity(pid, stat.start_time),
                                 self._command_of(pid, argv_required=False) or "?")
                 self._members[pid] = member
             else:  # a fork seen before its exec shows the program it became
@@ -420,7 +339,7 @@ class Supervisor:
         member = self._members[pid]
         runs = self._runs(member)  # before: a zombie leader's threads, not one that just exited
         try:
-            sent = self._signals.send(member.ref, signum)
+            sent = self._signals.send(_ref(member), signum)
             if record and (sent == SAME or (sent == ZOMBIE and runs)):
                 self._record(member, signum)
         except PermissionError:
@@ -527,7 +446,7 @@ class Supervisor:
                 if ref is None:
                     return None
                 member = self._members[pid] = Member(
-                    ref, self._command_of(pid, argv_required=False) or "?")
+                    _identity(ref), self._command_of(pid, argv_required=False) or "?")
                 return member
             current = stat.ppid
         return None
@@ -547,7 +466,7 @@ class Supervisor:
             return
         check.held_bytes = sum(m.gpu_memory_bytes or 0 for m in members)
         for pid in holders(reading) & ended.keys():
-            if self._signals.state(ended[pid].ref) == OTHER:
+            if self._signals.state(_ref(ended[pid])) == OTHER:
                 continue  # the PID was given to a process outside the job since
             figures = [u.memory_bytes for g in reading.gpus for u in g.processes if u.pid == pid]
             known = [f for f in figures if f is not None]
@@ -652,3 +571,12 @@ def job_id_for(command: Sequence[str]) -> str:
     """A job id for `command` when none is given: its program's name and a random suffix."""
     base = os.path.basename(command[0]) if command else "job"
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', base)}-{uuid.uuid4().hex[:6]}"
+
+
+def _identity(ref: ProcessRef) -> ProcessIdentity:
+    return ProcessIdentity(ref.pid, ref.start_time)
+
+
+def _ref(member: Member) -> ProcessRef:
+    """The member's process, to be signalled (identity checked) or asked after."""
+    return ProcessRef(member.ref.pid, member.ref.start_time)

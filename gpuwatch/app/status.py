@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 
 
 class StatusSource:

@@ -491,7 +491,7 @@ def story_done(sim: SimulatedNode, duration: Optional[float], elapsed: float,
                pause: Callable[[float], None] = time.sleep) -> str:
     """What the story showed, as the daemon sees the node after its reap (its first poll
     since), and how to stop what is left of it."""
-    from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 
     since = time.time()
 

@@ -1,18 +1,14 @@
 """The human view of a `gpuwatch run`: how the job ended, what had to be ended and how, and
-whether its GPU memory was released (gpuwatch.actions.supervisor's RunResult)."""
+whether its GPU memory was released (gpuwatch.run_result.RunResult)."""
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from gpuwatch.sinks.status_view import columns
-from gpuwatch.sinks.text import clean
+from gpuwatch.run_result import RunResult
+from gpuwatch.sinks.text import clean, columns
 from gpuwatch.units import human_bytes, human_duration
-
-if TYPE_CHECKING:
-    from gpuwatch.actions.supervisor import RunResult
 
 
 def render_run(result: RunResult) -> str:

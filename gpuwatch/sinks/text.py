@@ -257,3 +257,13 @@ def _wrap_whole(text: str, room: int) -> list[str]:
     if room < _MIN_WRAP or len(text) <= room:
         return [text]
     return wrap_text(text, room, break_on_hyphens=False, break_long_words=True) or [""]
+
+
+def columns(rows: Sequence[Sequence[str]], right: Collection[int] = ()) -> list[str]:
+    """`rows` left-aligned in columns (those in `right` right-aligned), two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)]
+        out.append("  ".join(cells).rstrip())
+    return out

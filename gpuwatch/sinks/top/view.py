@@ -5,8 +5,9 @@ and the state of the interface (sort, filter, selection, scroll) in; lines out, 
 (text, style) segments no wider than the terminal. No curses here, so every layout can be tested
 without a terminal; gpuwatch/app/top.py only maps the style names to attributes and draws.
 
-The process trees are status_view's: the same processes shown (each GPU holder, each process with
-a finding, with its chain up to its job root), the same cells and markers, the same leak figures.
+The process trees are status_view's (gpuwatch.sinks.proctree): the same processes shown (each GPU
+holder, each process with a finding, with its chain up to its job root), the same cells and
+markers, the same leak figures (gpuwatch.sinks.phrases).
 Sorting orders whole trees (by the tree's total for a figure) and siblings within each tree, so a
 tree is never torn apart.
 """
@@ -28,15 +29,11 @@ from gpuwatch.model import (
     NodeReport,
     gpu_memory,
 )
-from gpuwatch.sinks.status_view import (
-    agent_phrase,
-    buffer_phrases,
-    clock,
+from gpuwatch.sinks.phrases import agent_phrase, buffer_phrases, clock, finding_figures, leak_notes
+from gpuwatch.sinks.proctree import (
     command_cell,
-    finding_figures,
     gpu_cell,
     job_cell,
-    leak_notes,
     no_holders_sentence,
     shown_pids,
     walk_trees,

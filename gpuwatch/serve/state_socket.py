@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from gpuwatch.runtime_dir import FileIdentity, TrustedDir, open_private_dir
-from gpuwatch.sinks.listener import (
+from gpuwatch.serve.listener import (
     REQUEST_TIMEOUT,
     RESPONSE_TIMEOUT,
     Conn,
@@ -32,7 +32,7 @@ from gpuwatch.sinks.listener import (
 
 # The client half lives apart so that `gpuwatch status` reads the socket without importing the
 # server's (threads, selectors, ssl, prometheus_client); re-exported for the server's users.
-from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from gpuwatch import __version__
-from gpuwatch.sinks.exposition import RenderedMetrics, Selection, render
-from gpuwatch.sinks.listener import (
+from gpuwatch.serve.exposition import RenderedMetrics, Selection, render
+from gpuwatch.serve.listener import (
     MAX_ANSWERING,
     MAX_CONNECTIONS,
     REQUEST_TIMEOUT,
@@ -39,7 +39,7 @@ from gpuwatch.sinks.listener import (
 )
 
 if TYPE_CHECKING:
-    from gpuwatch.sinks.web_config import WebSettings
+    from gpuwatch.serve.web_config import WebSettings
 
 MAX_REQUEST = 16 << 10
 #: How long a refusal (401, 429) to a peer that failed lately is held back: each of its

@@ -1,4 +1,4 @@
-"""The client half of the daemon's state socket (gpuwatch.sinks.state_socket): one request line,
+"""The client half of the daemon's state socket (gpuwatch.serve.state_socket): one request line,
 the status document back as JSON.
 
 `gpuwatch status` with a daemon running is this and a render, so it imports only the standard

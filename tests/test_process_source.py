@@ -247,7 +247,7 @@ def test_a_command_name_with_parentheses_and_spaces_is_read_whole(
     stat = source.stat(pid)
     assert stat is not None and stat.ppid == os.getpid() and stat.state == "sleeping"
     assert stat.start_time == p.start_time
-    from gpuwatch.doctor import _is_kernel_thread
+    from gpuwatch.doctor.privileges import _is_kernel_thread
 
     assert _is_kernel_thread(Path("/proc"), str(pid)) is False
 

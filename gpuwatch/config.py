@@ -26,6 +26,7 @@ from gpuwatch.protocol import (
     SOCKET_NAME,
 )
 from gpuwatch.units import parse_duration
+from gpuwatch.vocabulary import KINDS, Kind
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -192,6 +193,20 @@ def _names(v: Any) -> tuple[str, ...]:
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
         raise ValueError("a list of names")
     return tuple(i.strip() for i in items if i.strip())
+
+
+def _kinds(v: Any) -> tuple[Kind, ...]:
+    names = _names(v)
+    kinds = tuple(Kind.parse(n) for n in names)
+    unknown = [n for n, k in zip(names, kinds) if k is None]
+    if unknown:
+        raise ValueError("a list of finding kinds, each one of " + ", ".join(KINDS)
+                         + f" ({_shown_name(unknown[0])} is none)")
+    return tuple(k for k in kinds if k is not None)
+
+
+def _shown_name(name: str, limit: int = 40) -> str:
+    return repr(name if len(name) <= limit else name[:limit] + "...")
 
 
 def _absolute_paths(v: Any) -> tuple[str, ...]:
@@ -373,7 +388,7 @@ class ReaperConfig:
         True, _bool, "with CAP_KILL (root, or the unit's gpuwatch account), signal other users' "
         "processes (without CAP_KILL the reaper never does)")
     auto: bool = _setting(False, _bool, "the daemon reaps on its own (off by default)")
-    auto_kinds: tuple[str, ...] = _setting(("orphan",), _names,
+    auto_kinds: tuple[Kind, ...] = _setting((Kind.ORPHAN,), _kinds,
                                            "finding kinds the daemon may reap on its own")
     auto_after: float = _setting(
         300.0, _non_negative_seconds,

@@ -46,6 +46,7 @@ from gpuwatch.model import (
     StepPoint,
 )
 from gpuwatch.protocol import MAX_BUFFERS  # buffer names followed per process
+from gpuwatch.vocabulary import ProcState
 
 _NAN = math.nan
 #: How many exited processes are remembered (for "parent 4121 (torchrun) exited" reasons).
@@ -288,8 +289,9 @@ class ProcessHistory:
         self.last_seen = taken_at
         if self.reparented_at is None and p.ppid != self.first_ppid:
             self.reparented_at = taken_at
-        self.zombie_since = _since(self.zombie_since, p.state == "zombie", taken_at)
-        self.disk_sleep_since = _since(self.disk_sleep_since, p.state == "disk-sleep", taken_at)
+        self.zombie_since = _since(self.zombie_since, p.state == ProcState.ZOMBIE, taken_at)
+        self.disk_sleep_since = _since(self.disk_sleep_since, p.state == ProcState.DISK_SLEEP,
+                                       taken_at)
         self.held_gpu = self.held_gpu or p.holds_gpu
         # (A hundredth of the spacing spares a sample a poll that came a rounding error early.)
         if len(self.times) and taken_at - self.times[-1] < 0.99 * spacing:

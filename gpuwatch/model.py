@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import field
-from enum import Enum
 from types import MappingProxyType
 from typing import Any, NamedTuple, Optional
 
 # Frozen dataclasses with three of the six generated methods shared: `gpuwatch status --poll`
 # imports this module on every run.
 from gpuwatch.frozen import frozen_dataclass as _frozen
+
+# The finding kinds, as the model has always named them (gpuwatch.vocabulary holds them).
+from gpuwatch.vocabulary import KINDS as KINDS
+from gpuwatch.vocabulary import REAPABLE_KINDS as REAPABLE_KINDS
+from gpuwatch.vocabulary import Kind as Kind
+from gpuwatch.vocabulary import LimitSource, ProcState, Severity, TraceStatus
 
 #: Kinds of NVML process lists a PID was found in.
 COMPUTE = "compute"
@@ -204,8 +209,7 @@ class HostProcess:
     cmdline: tuple[str, ...] = ()
     user: Optional[str] = None
     uid: Optional[int] = None
-    #: psutil's status names: "running", "sleeping", "disk-sleep", "zombie", ...
-    state: Optional[str] = None
+    state: Optional[ProcState] = None
     rss_bytes: Optional[int] = None
     num_threads: Optional[int] = None
     cgroup: Optional[str] = None
@@ -345,7 +349,8 @@ class TraceSite:
 class TraceReport:
     """An agent's answer to a trace request (docs/agent-protocol.md)."""
 
-    status: str  # "done" | "refused" | "failed"
+    #: Done, refused or failed (never requested: that is the daemon's, while it waits).
+    status: TraceStatus
     #: Why it was refused or failed ("GPUWATCH_AGENT_TRACING=0", "busy"); empty when done.
     why: str
     #: Steps actually traced (done only).
@@ -389,37 +394,10 @@ class AgentReading:
 class MemoryLimit:
     """A limit a process's host memory runs into, and what is left of it."""
 
-    source: str  # "cgroup" | "node" | "config"
+    source: LimitSource
     limit_bytes: Optional[int]
     available_bytes: int
 
-
-class Kind(str, Enum):
-    """What a finding says is wrong: the one list of finding kinds (docs/findings.md).
-
-    A `str` enumeration: a kind is its name everywhere it leaves the program (the JSON document,
-    the metrics' `kind` label, the audit log, `reap --kind`), and compares equal to it.
-    """
-
-    ORPHAN = "orphan"
-    ZOMBIE = "zombie"
-    LEFTOVER = "leftover"
-    GHOST = "ghost"
-    LEAK = "leak"
-    STALLED = "stalled"
-    UNKILLABLE = "unkillable"
-
-    # Its name, not "Kind.ORPHAN", wherever it is written: f-strings, metric labels, str().
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-
-#: Every kind, in the order metrics and `reap --kind`'s message list them.
-KINDS: tuple[Kind, ...] = tuple(Kind)
-#: What a reap may act on by default: unkillable and ghost findings can only be reported (signals
-#: cannot end the one; there is no process to signal for the other), leaks and stalls are a
-#: person's call.
-REAPABLE_KINDS: frozenset[Kind] = frozenset({Kind.ORPHAN, Kind.LEFTOVER, Kind.ZOMBIE})
 
 FindingIdentity = tuple[str, Optional[int], Optional[float], tuple[int, ...]]
 
@@ -440,7 +418,7 @@ class Finding:
     """
 
     kind: Kind
-    severity: str
+    severity: Severity
     #: The evidence in words, as first given: it stays the same while the finding is open.
     reason: str
     pid: Optional[int] = None  # None for device-level findings (unattributed GPU memory)

@@ -38,6 +38,7 @@ from gpuwatch.sources.memory import CgroupMemory, read_mem_available
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.private_memory import PrivateMemorySource
 from gpuwatch.sources.processes import ProcessSource
+from gpuwatch.vocabulary import ProcState
 
 
 class AgentSource(Protocol):
@@ -172,7 +173,7 @@ class Poller:
                 stat = self.processes.stat(pid)
             except (OSError, ValueError, IndexError):
                 continue  # unreadable: kept, unknown
-            if stat is None or (stat.state == "zombie" and stat.threads <= 1):
+            if stat is None or (stat.state == ProcState.ZOMBIE and stat.threads <= 1):
                 gone.add(pid)
         if not gone:
             return gpus
@@ -196,7 +197,7 @@ class Poller:
         for pid in named:
             known = processes.get(pid)
             if known is not None:
-                if not known.in_procfs or known.state == "zombie":
+                if not known.in_procfs or known.state == ProcState.ZOMBIE:
                     found[pid] = None
                 elif known.start_time is not None:
                     found[pid] = known.start_time
@@ -205,7 +206,8 @@ class Poller:
                 stat = self.processes.stat(pid)
             except (OSError, ValueError, IndexError):
                 continue  # unreadable: left out, so no detector concludes it is gone
-            found[pid] = stat.start_time if stat is not None and stat.state != "zombie" else None
+            alive = stat is not None and stat.state != ProcState.ZOMBIE
+            found[pid] = stat.start_time if stat is not None and alive else None
         return found
 
     def _live_agents(self, agents: dict[int, AgentReading],
@@ -218,7 +220,8 @@ class Poller:
         second; a PID reused within it, easy where pid_max is 32768, is told by its user.)
         """
         gone = [pid for pid, a in agents.items()
-                if (p := processes.get(pid)) is None or not p.in_procfs or p.state == "zombie"
+                if (p := processes.get(pid)) is None or not p.in_procfs
+                or p.state == ProcState.ZOMBIE
                 or (p.start_time is not None and p.start_time > a.first_seen + 1)
                 or (p.uid is not None and p.uid != a.uid)]
         if gone and self.agents is not None:

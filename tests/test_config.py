@@ -53,6 +53,18 @@ def test_a_bad_file_is_an_error_naming_the_key(tmp_path: Path, text: str, named:
         assert str(path) in str(err.value)  # and says where the bad value came from
 
 
+def test_a_misspelt_kind_to_auto_reap_is_refused_naming_every_kind(tmp_path: Path) -> None:
+    """"orphans" named no kind, so the daemon reaped nothing on its own and said nothing."""
+    path = _write(tmp_path, '[reaper]\nauto = true\nauto_kinds = ["orphans", "leftover"]\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert ("reaper.auto_kinds: expected a list of finding kinds, each one of orphan, zombie, "
+            "leftover, ghost, leak, stalled, unkillable ('orphans' is none)") in str(err.value)
+    assert str(path) in str(err.value)
+    good = _write(tmp_path, '[reaper]\nauto_kinds = ["orphan", "leftover"]\n')
+    assert load_config(good, environ={}).reaper.auto_kinds == ("orphan", "leftover")
+
+
 def test_a_bad_variable_is_an_error_naming_it() -> None:
     with pytest.raises(ConfigError, match=r"daemon.interval: .* \(environment GPUWATCH_INTERVAL\)"):
         load_config(environ={"GPUWATCH_INTERVAL": "fast", "GPUWATCH_CONFIG": "/dev/null"})

@@ -33,16 +33,17 @@ from gpuwatch.detectors import protected_by
 from gpuwatch.jobs.tree import service_over
 from gpuwatch.model import KINDS, REAPABLE_KINDS, Finding, HostProcess, Job, Kind, NodeReport
 from gpuwatch.sources.processes import ProcessSource
+from gpuwatch.vocabulary import FINAL_OUTCOMES, ReapOutcome
 
-#: What carrying out an action can end in (a dry run's results are all "planned").
-OUTCOMES = ("exited", "killed", "reaped", "gone", "identity-changed", "refused",
-            "refused-service", "unkillable", "still-running", "failed")
+#: What carrying out an action can end in (a dry run's results are all "planned"; "waiting" is
+#: said while a signalled process is given time to go, and is no end).
+OUTCOMES = FINAL_OUTCOMES
 #: The outcome of a finding refused because its process is a service's or the daemon's (the
 #: action REFUSE_SERVICE, or a signal stopped by the same check right before it was sent).
-REFUSED_SERVICE = "refused-service"
+REFUSED_SERVICE = ReapOutcome.REFUSED_SERVICE
 
 #: The outcomes after which the process no longer holds anything.
-FREED = frozenset({"exited", "killed", "reaped", "gone"})
+FREED = frozenset({ReapOutcome.EXITED, ReapOutcome.KILLED, ReapOutcome.REAPED, ReapOutcome.GONE})
 
 TERMINATE = "terminate"
 VIA_PARENT = "reap-via-parent"

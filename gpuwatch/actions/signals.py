@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from gpuwatch.sources.processes import ProcessSource
+from gpuwatch.vocabulary import ProcState
 
 #: How long a SIGKILLed process may take to be gone before it counts as surviving it.
 SETTLE = 5.0
@@ -121,7 +122,7 @@ class Signaller:
             return GONE
         if ref.start_time is not None and stat.start_time != ref.start_time:
             return OTHER
-        return ZOMBIE if stat.state in ("zombie", "dead") else SAME
+        return ZOMBIE if stat.state in (ProcState.ZOMBIE, ProcState.DEAD) else SAME
 
     def send(self, ref: ProcessRef, signum: int) -> str:
         """Send `signum` to the process if it is still `ref`: returns SAME (sent), ZOMBIE (sent to
@@ -271,7 +272,7 @@ class Signaller:
                 i, "waiting", f"SIGKILL sent after {grace:g} s; waiting up to {SETTLE:g} s"))))
         for i in waiting:
             stat = self._procs.stat(refs[i].pid)
-            if stat is not None and stat.state == "disk-sleep":
+            if stat is not None and stat.state == ProcState.DISK_SLEEP:
                 end(i, killed(i, "unkillable", "in uninterruptible sleep after SIGKILL"))
             else:
                 end(i, killed(i, "still-running", "still there after SIGKILL"))

@@ -54,6 +54,7 @@ from gpuwatch.sources.kernel_files import read_head
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT, ProcessSource, ProcStat
 from gpuwatch.units import human_bytes, plural, short_command
+from gpuwatch.vocabulary import ProcState
 
 #: Variables every process of the job inherits: the job's id, and the supervisor's identity
 #: (what the daemon reads: gpuwatch.sources.jobs).
@@ -379,7 +380,7 @@ class Supervisor:
         only hide it. It is reported, and NVML's check says whether its GPU memory is held."""
         for pid in alive:
             stat = self._procs.stat(pid)
-            where = "in uninterruptible sleep" if stat and stat.state == "disk-sleep" else \
+            where = "in uninterruptible sleep" if stat and stat.state == ProcState.DISK_SLEEP else \
                 "still there"
             self._members[pid].ended = f"unkillable: {where} after SIGKILL"
 
@@ -535,7 +536,7 @@ def _become_subreaper() -> None:
 def _runs(stat: ProcStat) -> bool:
     """Not exited: a zombie counts as running while other threads of it live on (its main
     thread exited, its NCCL heartbeat did not): it still holds what the process held."""
-    return stat.state != "dead" and (stat.state != "zombie" or stat.threads > 1)
+    return stat.state != ProcState.DEAD and (stat.state != ProcState.ZOMBIE or stat.threads > 1)
 
 
 def _wait(wakeup: int, timeout: Optional[float]) -> bool:

@@ -24,6 +24,7 @@ from gpuwatch.detectors import (
 from gpuwatch.detectors.common import is_protected, protected_by
 from gpuwatch.history import History
 from gpuwatch.model import KINDS, Finding, NodeReport, NodeSnapshot
+from gpuwatch.vocabulary import severity_rank
 
 #: Each declares the kinds it reports (EMITS); between them, every kind of gpuwatch.model.KINDS
 #: (tests/test_detectors.py ties the two, and runs each over scenarios to check its EMITS).
@@ -46,7 +47,6 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig) -> 
     findings: list[Finding] = []
     for detector in DETECTORS:
         findings.extend(detector.detect(snapshot, history, config))
-    severity_rank = {"critical": 0, "warning": 1, "info": 2}
-    findings.sort(key=lambda f: (severity_rank.get(f.severity, 3), f.kind,
+    findings.sort(key=lambda f: (severity_rank(f.severity), f.kind,
                                  -(f.gpu_memory_bytes or 0), f.pid or 0))
     return findings

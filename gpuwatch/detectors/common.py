@@ -16,6 +16,7 @@ from gpuwatch.config import DetectorConfig
 from gpuwatch.launch_env import RUN_ID_KEY, WORKER_MARKER_KEYS, process_title, run_supervisor
 from gpuwatch.model import COMM_CHARS, Finding, HostProcess, Job, Kind, NodeSnapshot
 from gpuwatch.units import human_bytes, short_command
+from gpuwatch.vocabulary import Severity
 
 # Guards the climb against a corrupt or cyclic parent chain.
 _MAX_DEPTH = 64
@@ -68,7 +69,7 @@ class Evidence(NamedTuple):
         return Evidence(words, words)
 
 
-def finding(kind: Kind, severity: str, p: HostProcess, evidence: Evidence) -> Finding:
+def finding(kind: Kind, severity: Severity, p: HostProcess, evidence: Evidence) -> Finding:
     return Finding(
         kind=kind,
         severity=severity,
@@ -82,6 +83,12 @@ def finding(kind: Kind, severity: str, p: HostProcess, evidence: Evidence) -> Fi
         gpus=tuple(sorted({u.gpu_index for u in p.gpu_usage})),
         gpu_memory_bytes=p.gpu_memory_bytes if p.holds_gpu else None,
     )
+
+
+def by_holding(p: HostProcess) -> Severity:
+    """Critical for a process that holds GPU memory (what the finding costs the node), a
+    warning otherwise."""
+    return Severity.CRITICAL if p.holds_gpu else Severity.WARNING
 
 
 def gpu_words(p: HostProcess) -> str:

@@ -22,6 +22,7 @@ from gpuwatch.detectors.common import Evidence, finding
 from gpuwatch.history import History
 from gpuwatch.model import Finding, Kind, NodeSnapshot
 from gpuwatch.units import human_bytes
+from gpuwatch.vocabulary import Severity
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.GHOST})
@@ -42,7 +43,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                 since = history.unlisted_since(p.pid)
                 if since is None or now - since < grace:
                     continue
-            yield finding(Kind.GHOST, "warning", p, Evidence.public(
+            yield finding(Kind.GHOST, Severity.WARNING, p, Evidence.public(
                 "NVML lists this PID on the GPU but /proc has no such process "
                 "(exited without releasing its memory, or another PID namespace)"))
     for g in snapshot.gpus:
@@ -58,5 +59,5 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             words = (f"GPU {g.index} has memory in use that no listed process accounts for "
                      f"(over {human_bytes(config.ghost_min_bytes)})")
             yield Finding(
-                kind=Kind.GHOST, severity="warning", gpus=(g.index,),
+                kind=Kind.GHOST, severity=Severity.WARNING, gpus=(g.index,),
                 gpu_memory_bytes=unattributed, reason=words, summary=words)

@@ -37,6 +37,7 @@ from gpuwatch.detectors.common import Evidence, finding, is_protected
 from gpuwatch.detectors.trend import Growth, growth, is_growing, may_grow, median
 from gpuwatch.history import History, ProcessHistory, Series, StepSeries
 from gpuwatch.model import Finding, HostProcess, Kind, MemoryLimit, NodeSnapshot, TraceReport
+from gpuwatch.vocabulary import ProcState, Severity
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.LEAK})
@@ -57,7 +58,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
     flagged: set[int] = set()
     for p in snapshot.processes.values():
-        if not p.in_procfs or p.state == "zombie" or is_protected(p, config):
+        if not p.in_procfs or p.state == ProcState.ZOMBIE or is_protected(p, config):
             continue
         h = history.get(p.identity)
         if h is None:
@@ -165,7 +166,7 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
     elif trace is not None:
         details["trace"] = _trace_details(trace)
 
-    severity = "warning"
+    severity = Severity.WARNING
     if limit is not None and "growth_bytes_per_step" in details:
         steps_left = limit.available_bytes / g.slope
         details.update(limit_source=limit.source, limit_bytes=limit.limit_bytes,
@@ -175,7 +176,7 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
         if seconds_per_step is not None:
             seconds_left = steps_left * seconds_per_step
             details["projected_oom_in_seconds"] = round(seconds_left)
-            severity = "critical" if seconds_left <= _CRITICAL_WITHIN else "warning"
+            severity = _by_time_left(seconds_left)
     else:
         limit = None
     # The summary says what kind of figure grows and what kind of culprit explains it, never
@@ -211,6 +212,10 @@ class _Culprit(NamedTuple):
         if self.found_by == "discovered":
             return "a container the agent found explains it (discovered)"
         return "a watched buffer explains it (watched)"
+
+
+def _by_time_left(seconds: float) -> Severity:
+    return Severity.CRITICAL if seconds <= _CRITICAL_WITHIN else Severity.WARNING
 
 
 def _slope(g: Optional[Growth]) -> Optional[float]:
@@ -368,14 +373,14 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
         limit = limit_of(p, snapshot, config) if limit_of else gpu_limit(p, snapshot)
         details: dict[str, Any] = {"series": what, "unit": "second",
                                    "growth_bytes_per_second": round(g.slope)}
-        severity = "warning"
+        severity = Severity.WARNING
         if limit is not None:
             seconds_left = limit.available_bytes / g.slope
             details.update(limit_source=limit.source, limit_bytes=limit.limit_bytes,
                            available_bytes=limit.available_bytes,
                            projected_oom_in_seconds=round(seconds_left),
                            projected_oom_at=round(snapshot.taken_at + seconds_left))
-            severity = "critical" if seconds_left <= _CRITICAL_WITHIN else "warning"
+            severity = _by_time_left(seconds_left)
         against = f"; runs out against the {limit.source} limit" if limit is not None else ""
         return _with_details(finding(Kind.LEAK, severity, p, Evidence.public(
             f"{what} grows steadily (no agent){against}")), details)
@@ -401,7 +406,7 @@ def _copy_on_write(snapshot: NodeSnapshot, history: History, config: DetectorCon
     forked: dict[int, list[HostProcess]] = {}
     for p in procs.values():
         parent = procs.get(p.ppid) if p.ppid else None
-        if (parent is None or p.uss_bytes is None or not p.in_procfs or p.state == "zombie"
+        if (parent is None or p.uss_bytes is None or not p.in_procfs or p.state == ProcState.ZOMBIE
                 or p.pid in flagged or is_protected(p, config)):
             continue
         # Forked without an exec: it runs what its parent runs (a spawned worker execs anew
@@ -439,7 +444,7 @@ def _copy_on_write(snapshot: NodeSnapshot, history: History, config: DetectorCon
         # A count and gpuwatch's words: public as they are.
         reason = (f"private memory of {n} forked worker{'s' if n != 1 else ''} grows while "
                   f"their RSS stays flat: {COPY_ON_WRITE}")
-        yield _with_details(finding(Kind.LEAK, "warning", parent, Evidence.public(reason)),
+        yield _with_details(finding(Kind.LEAK, Severity.WARNING, parent, Evidence.public(reason)),
                             details)
 
 

@@ -39,6 +39,7 @@ from gpuwatch.jobs.tree import is_launcher, is_login_shell, is_service, lineage
 from gpuwatch.launch_env import LAUNCHER_SET_KEYS, RUN_ID_KEY
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
+from gpuwatch.vocabulary import ProcState, Severity
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.LEFTOVER})
@@ -58,7 +59,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                 continue
             if identity in job.launchers or not _launched_by_the_job(job, identity):
                 continue
-            if p.state == "zombie" or is_protected(p, config):
+            if p.state == ProcState.ZOMBIE or is_protected(p, config):
                 continue  # a zombie is reported as one, whatever its job
             if _under_observer(p, snapshot):
                 continue
@@ -77,7 +78,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
                                     "still runs; its trainer "
                                     f"{named(trainer_pid, job.last_trainer_comm)} ended after "
                                     f"{ended}")
-            yield finding(Kind.LEFTOVER, "warning", p, evidence)
+            yield finding(Kind.LEFTOVER, Severity.WARNING, p, evidence)
 
 
 def job_evidence(job: JobRecord) -> Optional[str]:

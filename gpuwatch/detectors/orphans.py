@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import (
     Evidence,
+    by_holding,
     finding,
     is_protected,
     named,
@@ -42,6 +43,7 @@ from gpuwatch.jobs.tree import is_launcher, is_namespace_init, is_supervisor
 from gpuwatch.launch_env import LAUNCHER_SET_KEYS, TORCHELASTIC_RUN_ID_KEY, WORKER_MARKER_KEYS
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
+from gpuwatch.vocabulary import ProcState, Severity
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.ORPHAN})
@@ -50,22 +52,22 @@ EMITS = frozenset({Kind.ORPHAN})
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
     for p in snapshot.processes.values():
-        if not p.in_procfs or p.pid == 1 or p.state == "zombie" or is_protected(p, config):
+        if not p.in_procfs or p.pid == 1 or p.state == ProcState.ZOMBIE or is_protected(p, config):
             continue
         evidence = supervisor_gone(p, snapshot)
         if evidence is not None:
-            yield finding(Kind.ORPHAN, "critical" if p.holds_gpu else "warning", p, evidence)
+            yield finding(Kind.ORPHAN, by_holding(p), p, evidence)
             continue
         h = history.get(p.identity)
         if h is not None and h.first_ppid not in (None, 0, 1) and p.ppid != h.first_ppid:
             evidence = _lineage_reason(p, h.first_ppid, h.parent_start, h.parent_name,
                                        h.parent_comm, snapshot, history)
             if p.holds_gpu or _job_still_training(p, history):
-                yield finding(Kind.ORPHAN, "critical" if p.holds_gpu else "warning", p, evidence)
+                yield finding(Kind.ORPHAN, by_holding(p), p, evidence)
         elif p.holds_gpu:
             found = _environment_reason(p, snapshot, config)
             if found is not None:
-                yield finding(Kind.ORPHAN, "critical", p, found)
+                yield finding(Kind.ORPHAN, Severity.CRITICAL, p, found)
 
 
 def _job_still_training(p: HostProcess, history: History) -> bool:

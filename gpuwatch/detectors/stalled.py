@@ -21,10 +21,11 @@ from types import MappingProxyType
 from typing import Any
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import Evidence, finding, is_protected
+from gpuwatch.detectors.common import Evidence, by_holding, finding, is_protected
 from gpuwatch.history import History
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time, plural
+from gpuwatch.vocabulary import ProcState, Severity
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.STALLED})
@@ -43,7 +44,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         p = snapshot.processes.get(pid)
         if p is None or not p.in_procfs or is_protected(p, config):
             continue
-        if agent.exit_report is not None and p.state != "zombie":
+        if agent.exit_report is not None and p.state != ProcState.ZOMBIE:
             yield _hung_at_exit(p, agent.exit_report)
             continue
         if not p.holds_gpu:
@@ -53,7 +54,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         if snapshot.taken_at - agent.step_changed_at < config.stall_after:
             continue
         # A step is a figure (the report's integer): the words are public as they are.
-        yield finding(Kind.STALLED, "warning", p, Evidence.public(
+        yield finding(Kind.STALLED, Severity.WARNING, p, Evidence.public(
             f"step {agent.step} has not advanced since "
             f"{clock_time(snapshot.wall(agent.step_changed_at))} while holding GPU memory"))
 
@@ -61,7 +62,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
 def _hung_at_exit(p: HostProcess, report: Mapping[str, Any]) -> Finding:
     causes = "; ".join(exit_causes(report)) or "something it did not name holds it"
     kinds = "; ".join(exit_cause_kinds(report)) or "something it did not name holds it"
-    f = finding(Kind.STALLED, "critical" if p.holds_gpu else "warning", p,
+    f = finding(Kind.STALLED, by_holding(p), p,
                 Evidence(f"hung at exit: the interpreter began to exit, but {causes}",
                          f"hung at exit: the interpreter began to exit, but {kinds}"))
     return replace(f, details=_AT_EXIT_DETAILS)

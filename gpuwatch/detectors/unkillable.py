@@ -18,6 +18,7 @@ from gpuwatch.detectors.common import Evidence, finding, is_protected
 from gpuwatch.history import History
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
+from gpuwatch.vocabulary import ProcState, Severity
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.UNKILLABLE})
@@ -26,7 +27,7 @@ EMITS = frozenset({Kind.UNKILLABLE})
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
     for p in snapshot.processes.values():
-        if p.state != "disk-sleep" or is_protected(p, config):
+        if p.state != ProcState.DISK_SLEEP or is_protected(p, config):
             continue
         h = history.get(p.identity)
         if h is None or h.disk_sleep_since is None:
@@ -39,15 +40,15 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         # shows anyone; a frame of the kernel stack (root's to read) stays in the reason.
         public = p.wchan or "the kernel"
         if p.waits_in_gpu_driver:
-            severity = "critical"
+            severity = Severity.CRITICAL
             where = f"waits in the NVIDIA driver ({_where(p)})"
             said = f"waits in the NVIDIA driver{f' ({p.wchan})' if p.wchan else ''}"
         elif p.holds_gpu:
-            severity = "critical"
+            severity = Severity.CRITICAL
             where = f"holds GPU memory while waiting in {_where(p)}"
             said = f"holds GPU memory while waiting in {public}"
         else:
-            severity = "warning"
+            severity = Severity.WARNING
             where = f"waits in {_where(p)}, not in the GPU driver, and holds no GPU memory"
             said = f"waits in {public}, not in the GPU driver, and holds no GPU memory"
         yield finding(Kind.UNKILLABLE, severity, p,

@@ -12,9 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import Evidence, finding, is_protected, named, named_process
+from gpuwatch.detectors.common import (
+    Evidence,
+    by_holding,
+    finding,
+    is_protected,
+    named,
+    named_process,
+)
 from gpuwatch.history import History
 from gpuwatch.model import Finding, Kind, NodeSnapshot
+from gpuwatch.vocabulary import ProcState, Severity
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.ZOMBIE})
@@ -23,7 +31,7 @@ EMITS = frozenset({Kind.ZOMBIE})
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
     for p in snapshot.processes.values():
-        if p.state != "zombie" or is_protected(p, config):
+        if p.state != ProcState.ZOMBIE or is_protected(p, config):
             continue
         h = history.get(p.identity)
         since = h.zombie_since if h is not None and h.zombie_since is not None else \
@@ -32,14 +40,14 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             continue
         threads = p.num_threads or 0
         if threads > 1:
-            severity = "critical" if p.holds_gpu else "warning"
+            severity = by_holding(p)
             holding = " and hold its GPU memory" if p.holds_gpu else ""
             # No thread count: it changes while the finding is open (num_threads has it).
             evidence = Evidence.public(f"main thread exited but other threads still run{holding};"
                                        " only killing the process frees it")
         else:
             parent = snapshot.processes.get(p.ppid) if p.ppid else None
-            severity = "warning"
+            severity = Severity.WARNING
             evidence = Evidence(f"defunct; parent {named_process(parent, p.ppid)} "
                                 "has not reaped it",
                                 f"defunct; parent {named(p.ppid, parent.name if parent else None)}"

@@ -17,6 +17,7 @@ from gpuwatch.launch_env import (
     process_title,
 )
 from gpuwatch.model import HostProcess, Job, NodeSnapshot
+from gpuwatch.vocabulary import ProcState
 
 #: A process's identity: its PID and start time (HostProcess.identity).
 Identity = tuple[int, Optional[float]]
@@ -115,13 +116,13 @@ class JobTrees:
             agent = snapshot.agents.get(p.pid)
             done = agent is not None and agent.finished_at is not None
             holds = p.holds_gpu or p.identity in last_trainers.get(job.key, ())
-            if holds and p.state != "zombie" and not done:
+            if holds and p.state != ProcState.ZOMBIE and not done:
                 job.trainers.add(p.identity)
                 job.had_trainer = True
                 job.last_trainer = (p.pid, process_title(p.name, p.cmdline))
                 job.last_trainer_comm = p.name
                 trainers.append((job, p))
-            elif done and p.state != "zombie":
+            elif done and p.state != ProcState.ZOMBIE:
                 job.agent_finished = True
         for job, p in trainers:  # once every member is known, its parent included
             self._note_trainer(job, p, snapshot)

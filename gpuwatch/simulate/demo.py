@@ -49,6 +49,7 @@ from gpuwatch.simulate.fakenvml import STATE_ENV, FakeNode, FakeNvmlBuildError, 
 from gpuwatch.sinks.text import wrap_text
 from gpuwatch.sources.processes import ProcessSource
 from gpuwatch.units import plural
+from gpuwatch.vocabulary import ProcState
 
 T = TypeVar("T")
 GIB = 1 << 30
@@ -206,7 +207,7 @@ class StartedProcesses:
             added = self.adopt_descendants()
             thawed = [pid for pid in self.still_running()
                       if (stat := self._procs.stat(pid)) is not None
-                      and stat.state not in ("stopped", "tracing-stop")]
+                      and stat.state not in (ProcState.STOPPED, ProcState.TRACING_STOP)]
             for pid in thawed:
                 self._signals.send(self.known[pid], signal.SIGSTOP)
             if (not added and not thawed) or time.monotonic() >= freeze_until:

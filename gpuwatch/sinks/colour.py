@@ -7,14 +7,16 @@ import os
 from collections.abc import Mapping
 from typing import Optional, TextIO
 
+from gpuwatch.vocabulary import CheckStatus, Severity
+
 # SGR parameters; bold red for what needs someone now, yellow for what can wait.
 _SGR: Mapping[str, str] = {
-    "critical": "1;31",
-    "fail": "1;31",
-    "warning": "33",
-    "warn": "33",
-    "info": "36",
-    "ok": "32",
+    Severity.CRITICAL: "1;31",
+    CheckStatus.FAIL: "1;31",
+    Severity.WARNING: "33",
+    CheckStatus.WARN: "33",
+    Severity.INFO: "36",
+    CheckStatus.OK: "32",
 }
 
 

@@ -43,6 +43,7 @@ from gpuwatch.model import (
     gpu_memory,
     holds_gpu,
 )
+from gpuwatch.vocabulary import ProcState, Severity
 
 SCHEMA_VERSION = 1
 
@@ -384,7 +385,8 @@ def _process_of(p: ProcessDoc, usage: tuple[GpuProcessUsage, ...]) -> HostProces
     return HostProcess(
         pid=p["pid"], in_procfs=p["in_procfs"], ppid=p["ppid"], pgid=p["pgid"], sid=p["sid"],
         start_time=p["start_time"], name=p["name"], cmdline=tuple(p["cmdline"]),
-        user=p["user"], uid=p["uid"], state=p["state"], rss_bytes=p["rss_bytes"],
+        user=p["user"], uid=p["uid"], state=ProcState.parse(p["state"]),
+        rss_bytes=p["rss_bytes"],
         num_threads=p["num_threads"], cgroup=p["cgroup"],
         # .get: a daemon of an earlier version does not say; nothing is protected by them then.
         system_unit=p.get("system_unit"), exe=_exe_of(p.get("exe")), job=_job_of(p["job"]),
@@ -423,7 +425,7 @@ def _agent_of(pid: int, uid: Optional[int], a: AgentDoc) -> AgentReading:
 
 
 def _finding_of(f: FindingDoc) -> Finding:
-    return Finding(kind=Kind(f["kind"]), severity=f["severity"], reason=f["reason"],
+    return Finding(kind=Kind(f["kind"]), severity=Severity(f["severity"]), reason=f["reason"],
                    pid=f["pid"], start_time=f["start_time"], name=f["name"], user=f["user"],
                    job=_job_of(f["job"]), gpus=tuple(f["gpus"]),
                    gpu_memory_bytes=f["gpu_memory_bytes"], since=f["since"],

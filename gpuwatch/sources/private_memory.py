@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import NamedTuple, Optional
 
 from gpuwatch.model import HostProcess, SourceError
+from gpuwatch.vocabulary import ProcState
 
 #: smaps_rollup is about 20 lines of at most 40 bytes; a file this long is not one.
 _ROLLUP_BYTES = 4096
@@ -90,7 +91,7 @@ class PrivateMemorySource:
         for p in processes:
             if len(seen) >= MAX_READS:
                 break
-            if not p.in_procfs or p.state in ("zombie", "dead"):
+            if not p.in_procfs or p.state in (ProcState.ZOMBIE, ProcState.DEAD):
                 continue
             identity = p.identity
             seen.add(identity)

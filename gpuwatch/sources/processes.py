@@ -61,14 +61,18 @@ from gpuwatch.sources.proc_stat import (
     parse_stat,
 )
 from gpuwatch.sources.redact import redact_cmdline, redact_env
+from gpuwatch.vocabulary import ProcState
 
 T = TypeVar("T")
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # /proc/PID/stat state letters, named as psutil names them.
-_STATES = {b"R": "running", b"S": "sleeping", b"D": "disk-sleep", b"T": "stopped",
-           b"t": "tracing-stop", b"Z": "zombie", b"X": "dead", b"x": "dead", b"K": "wake-kill",
-           b"W": "waking", b"P": "parked", b"I": "idle"}
+_STATES = {b"R": ProcState.RUNNING, b"S": ProcState.SLEEPING, b"D": ProcState.DISK_SLEEP,
+           b"T": ProcState.STOPPED, b"t": ProcState.TRACING_STOP, b"Z": ProcState.ZOMBIE,
+           b"X": ProcState.DEAD, b"x": ProcState.DEAD, b"K": ProcState.WAKE_KILL,
+           b"W": ProcState.WAKING, b"P": ProcState.PARKED, b"I": ProcState.IDLE}
+#: The states of a process that has exited.
+_ENDED = frozenset(s for s in ProcState if s.ended)
 _EMPTY_ENV: Mapping[str, str] = MappingProxyType({})
 # Guards the ancestor walk against a corrupt or cyclic parent chain.
 _MAX_DEPTH = 64
@@ -212,9 +216,9 @@ class ProcessSource:
         been given to another process while a group or session it led lives on."""
         seen = found.get(pid)
         if seen is not None and seen.in_procfs:
-            return seen.state in ("zombie", "dead")
+            return seen.state in _ENDED
         now = self.stat(pid)
-        return now is None or now.state in ("zombie", "dead")
+        return now is None or now.state in _ENDED
 
     def forget_others(self, processes: Iterable[HostProcess]) -> None:
         """Drop what is cached about every identity but these (the ones still seen), and close
@@ -294,12 +298,12 @@ class ProcessSource:
             return kept[1]
         state = _state(fields[STATE])
         start_time = round(self._boot_time + int(fields[START_TIME]) / _CLOCK_TICKS, 2)
-        wchan, stack = self._kernel_wait(pid) if state == "disk-sleep" else (None, ())
+        wchan, stack = self._kernel_wait(pid) if state == ProcState.DISK_SLEEP else (None, ())
         identity = (pid, start_time)
         known = self._static.get(identity)
         # A process that exited has no arguments left: it keeps what it ran.
         settled = True
-        if known is not None and (known[0] == image or state in ("zombie", "dead")):
+        if known is not None and (known[0] == image or state in _ENDED):
             static = known[1]
         else:
             read = self._read_static(pid, state, comm)
@@ -311,7 +315,7 @@ class ProcessSource:
             # read in between, a process has an empty command line and its final image. It is
             # read again until it has one (a kernel thread, or a process whose arguments are
             # gone, never does: each costs a read a poll).
-            settled = (bool(static.cmdline) or state in ("zombie", "dead")
+            settled = (bool(static.cmdline) or state in _ENDED
                        or is_kernel_thread(fields))
             if settled:
                 self._static[identity] = (image, static)
@@ -492,7 +496,7 @@ class ProcessSource:
         """
         errors: list[str] = []
         base = f"{self._procfs}/{pid}"
-        zombie = state == "zombie"
+        zombie = state == ProcState.ZOMBIE
         cmdline_raw: Optional[bytes] = None
         cmdline_cut = False
         if not zombie:  # a zombie has no command line left to read

@@ -51,6 +51,7 @@ from gpuwatch.sinks.text import (
     wrap_text,
 )
 from gpuwatch.units import human_bytes, human_duration, plural
+from gpuwatch.vocabulary import Severity, severity_rank
 
 __all__ = ["ASCII", "UNICODE", "Glyphs", "clean", "cut", "cut_left", "glyphs_for"]
 
@@ -60,13 +61,10 @@ PLAIN = ""
 TITLE = "title"
 DIM = "dim"
 HEAD = "head"  # the table's column names
-CRITICAL = "critical"
-WARNING = "warning"
-INFO = "info"
+# A finding's row and marker take its severity's style.
+CRITICAL, WARNING, INFO = Severity.CRITICAL, Severity.WARNING, Severity.INFO
 BAR = "bar"
 KEY = "key"
-
-SEVERITY_RANK = {CRITICAL: 0, WARNING: 1, INFO: 2}
 
 #: The smallest terminal top draws on; below it, a line that says so.
 MIN_WIDTH, MIN_HEIGHT = 40, 10
@@ -190,7 +188,7 @@ class Row:
     @property
     def severity(self) -> Optional[str]:
         ranked = sorted((f.severity for f in self.findings),
-                        key=lambda s: SEVERITY_RANK.get(s, 3))
+                        key=severity_rank)
         return ranked[0] if ranked else None
 
     @property
@@ -678,7 +676,7 @@ def finding_counts(report: NodeReport) -> list[tuple[str, int]]:
     counts: dict[str, int] = {}
     for f in report.findings:
         counts[f.severity] = counts.get(f.severity, 0) + 1
-    return sorted(counts.items(), key=lambda kv: SEVERITY_RANK.get(kv[0], 3))
+    return sorted(counts.items(), key=lambda kv: severity_rank(kv[0]))
 
 
 # ---- overlays: a process's details, a reap's confirmation ---------------------------------------

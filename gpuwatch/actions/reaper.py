@@ -56,6 +56,7 @@ from gpuwatch.actions.signals import (
 )
 from gpuwatch.config import Config
 from gpuwatch.model import Kind, NodeReport
+from gpuwatch.vocabulary import ReapOutcome
 
 #: How long an emptied `gpuwatch run` job cgroup is given to let its last process go before it
 #: is removed (a process leaves its cgroup a moment after it exits).
@@ -215,7 +216,7 @@ class Reaper:
             if told:
                 sent = (("SIGCHLD", time.time()),)
                 if not self._signals.wait_collected(zombie, WAITING):
-                    signalled(Result(a, "waiting", "SIGCHLD sent to its parent", sent))
+                    signalled(Result(a, ReapOutcome.WAITING, "SIGCHLD sent to its parent", sent))
         if self._signals.wait_collected(zombie, SETTLE):
             return Result(a, "reaped", "reaped after its parent was told (SIGCHLD)"
                           if told else "reaped by its new parent", sent)

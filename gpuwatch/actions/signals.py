@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from gpuwatch.sources.processes import ProcessSource
-from gpuwatch.vocabulary import ProcState
+from gpuwatch.vocabulary import ProcState, ReapOutcome
 
 #: How long a SIGKILLed process may take to be gone before it counts as surviving it.
 SETTLE = 5.0
@@ -238,7 +238,7 @@ class Signaller:
             return Ending("exited", "ended on SIGTERM", ("SIGTERM",), (term_at[i],))
 
         def waiting_after_sigterm(i: int) -> Ending:
-            return Ending("waiting", f"SIGTERM sent; SIGKILL if it is still there after "
+            return Ending(ReapOutcome.WAITING, f"SIGTERM sent; SIGKILL if it is still there after "
                                      f"{grace:g} s", ("SIGTERM",), (term_at[i],))
 
         waiting = self._wait_all(refs, list(term_at), grace, lambda i, now: end(
@@ -269,7 +269,8 @@ class Signaller:
             refs, list(kill_at), SETTLE, lambda i, now: end(i, killed(
                 i, "killed", f"ignored SIGTERM for {grace:g} s; ended on SIGKILL")),
             on_waiting and (lambda i: on_waiting(i, killed(
-                i, "waiting", f"SIGKILL sent after {grace:g} s; waiting up to {SETTLE:g} s"))))
+                i, ReapOutcome.WAITING,
+                f"SIGKILL sent after {grace:g} s; waiting up to {SETTLE:g} s"))))
         for i in waiting:
             stat = self._procs.stat(refs[i].pid)
             if stat is not None and stat.state == ProcState.DISK_SLEEP:

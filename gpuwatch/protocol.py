@@ -48,6 +48,9 @@ MAX_DISCOVERED_PER_REPORT = 8
 #: A discovered container's name: at most this long, of the characters below.
 MAX_DISCOVERED_NAME = 128
 DISCOVERED_NAME_PATTERN = r"[A-Za-z0-9_.:/<>-]{1,128}"
+#: A discovered name ending in this is no container but a tensor whose autograd history grows
+#: (`total_loss += loss`): its `items` are the nodes of the graph it holds, and it has no `bytes`.
+AUTOGRAD_SUFFIX = ":autograd"
 #: An exit report: at most this many thread names, each at most this long.
 MAX_EXIT_THREADS = 64
 MAX_THREAD_NAME = 64

@@ -104,6 +104,8 @@ class FoundBy(Word):
     WATCHED = "watched"
     #: A container the agent's own discovery named explains it.
     DISCOVERED = "discovered"
+    #: A tensor the agent's discovery found holding the autograd history of every step.
+    AUTOGRAD = "autograd"
     #: The top allocation site of a trace explains it (its name is a `file:line`).
     TRACED = "traced"
 

@@ -51,6 +51,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_alerting_e2e.py",
     "tests/test_authority.py",
     "tests/test_auto_reap.py",
+    "tests/test_autograd_history.py",
     "tests/test_bench_smoke.py",
     "tests/test_chaos.py",
     "tests/test_cli_habits.py",

@@ -10,7 +10,11 @@ names to modules), skipping entries that are not modules and modules whose name 
   as a client singleton), and the `__dict__` of the objects found in that one: two levels down.
 
 A container is a dict, list, set, deque or bytearray, subclasses included; its items are never
-looked into. Modules, classes (other than the module's own, as above), functions and builtins are
+looked into. Where the program has imported torch, a plain torch.Tensor met there that carries
+autograd history is followed too: the nodes of its graph are counted, incrementally by torch's
+sequence numbers (`_graph_nodes`), and one whose graph grows is a grower named
+"<name>:autograd" (protocol.AUTOGRAD_SUFFIX), its nodes as its items, ranked before every
+container. Modules, classes (other than the module's own, as above), functions and builtins are
 skipped. Names read "<module>.<attr>", "<module>.<Class>.<attr>" or
 "<module>.<obj>.<attr>[.<attr>]", in the characters the protocol allows (others become "_"), the
 last 128 characters of a longer one. An object reached twice in a pass counts once, under the name
@@ -52,8 +56,8 @@ from collections import deque
 from collections.abc import Generator, Iterator, Mapping, Sized
 from typing import Any, Callable, Optional, cast
 
+from gpuwatch.protocol import AUTOGRAD_SUFFIX, MAX_DISCOVERED_PER_REPORT
 from gpuwatch.protocol import MAX_DISCOVERED_NAME as MAX_NAME
-from gpuwatch.protocol import MAX_DISCOVERED_PER_REPORT
 
 __all__ = ["LIBRARY_SHARE", "MAX_RECORDS", "Scanner", "is_library"]
 
@@ -83,7 +87,7 @@ _type_mro: Callable[[type], tuple[type, ...]] = vars(type)["__mro__"].__get__
 _type_module: Callable[[type], Any] = vars(type)["__module__"].__get__
 _module_dict: Callable[[Any], Any] = vars(types.ModuleType)["__dict__"].__get__
 
-_SKIP, _CONTAINER, _CLASS, _INSTANCE = 0, 1, 2, 3
+_SKIP, _CONTAINER, _CLASS, _INSTANCE, _TENSOR = 0, 1, 2, 3, 4
 _Kind = tuple[int, Optional[Callable[[Any], Any]]]
 
 # A record, _WIDTH ints per container name in its module's array: the pass it was last met in,
@@ -145,10 +149,75 @@ def _sizer() -> Optional[Callable[[Any], dict[str, int]]]:
     return _measure
 
 
+#: Autograd graph nodes counted per tensor and pass at most (the first pass: GRAPH_FIRST_BUDGET).
+GRAPH_BUDGET = 1024
+GRAPH_FIRST_BUDGET = 4096
+#: Graph tensors followed at most (names: a root's sequence number and a count each).
+MAX_GRAPHS = 256
+# AccumulateGrad, a parameter's leaf node, has the largest sequence number (it runs first).
+_LEAF_SEQUENCE = 1 << 62
+
+
+def _tensor_type() -> Optional[type]:
+    """torch.Tensor where the program has imported torch (never imported here), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        ns = _module_dict(torch)
+        tensor = ns.get("Tensor") if type(ns) is dict else None
+    except Exception:
+        return None
+    return tensor if isinstance(tensor, type) else None
+
+
+def _graph_nodes(root: Any, floor: int, budget: int) -> tuple[int, bool]:
+    """The nodes of the autograd graph under `root` numbered above `floor` (every node: -1), at
+    most `budget` of them counted; and whether a node numbered `floor` is among their children,
+    that is whether this graph extends the one whose root was numbered `floor`. Parameters' leaf
+    nodes (AccumulateGrad) are not counted. Each node is asked for its sequence number and its
+    next functions, nothing else."""
+    count, extends = 0, False
+    stack = [root]
+    seen = {id(root)}
+    met: list[Any] = []
+    try:
+        while stack and count < budget:
+            node = stack.pop()
+            count += 1
+            # The first input first: `total += loss` keeps the history in its first, so the
+            # node numbered `floor` is met within a few nodes, whatever the size of a step's.
+            for child, _ in reversed(node.next_functions):
+                if child is None or id(child) in seen:
+                    continue
+                seen.add(id(child))
+                met.append(child)  # alive till the count is done: no id is reused meanwhile
+                number = child._sequence_nr()
+                if number >= _LEAF_SEQUENCE:
+                    continue
+                if number <= floor:
+                    extends = extends or number == floor
+                    continue
+                stack.append(child)
+    except Exception:
+        pass
+    return count, extends
+
+
 def _classify(t: type) -> _Kind:
     """What to do with an object of type `t`, and how: the len() of a container (the base class's,
-    so that a __len__ of a subclass never runs), the raw __dict__ getter of an instance."""
+    so that a __len__ of a subclass never runs), the raw __dict__ getter of an instance; for a
+    plain torch.Tensor (not a subclass, whose attributes may run code of the program), the getter
+    of its `grad_fn`, torch's own descriptor."""
     try:
+        if t is _tensor_type():
+            for klass in _type_mro(t):
+                descriptor = _type_dict(klass).get("grad_fn")
+                if descriptor is not None:
+                    if type(descriptor) is types.GetSetDescriptorType:
+                        return _TENSOR, cast(Any, descriptor).__get__
+                    break
+            return _SKIP, None
         # issubclass() of two types reads their MROs: no __subclasscheck__ of the program runs.
         for base in _CONTAINER_BASES:
             if issubclass(t, base):
@@ -279,7 +348,7 @@ class Scanner:
 
     # No __dict__: a scanner kept at module level is never walked into, and never finds its own
     # records growing.
-    __slots__ = ("_budget", "_exclude", "_growers", "_ignored", "_kinds", "_library",
+    __slots__ = ("_budget", "_exclude", "_graphs", "_growers", "_ignored", "_kinds", "_library",
                  "_library_done", "_library_names", "_library_walk", "_max_records", "_modules",
                  "_names", "_own", "_own_candidates", "_own_names", "_pass", "_records",
                  "_rounds", "_skip", "_spent", "_stats", "_step", "_tiers", "_top", "_tracked",
@@ -323,6 +392,9 @@ class Scanner:
         self._own_candidates: list[tuple[float, str, tuple[str, ...], int, str]] = []
         self._library_done: list[tuple[float, str, tuple[str, ...], int, str]] = []
         self._growers: dict[str, dict[str, int]] = {}
+        #: Per tensor holding an autograd graph, by qualified name: its root's sequence number,
+        #: the graph's nodes counted, and the pass it was last met in (integers only).
+        self._graphs: dict[str, tuple[int, int, int]] = {}
         self._pass = self._rounds = 0
         self._step = 0
         self._ignored = 0
@@ -416,6 +488,7 @@ class Scanner:
         self._records, self._visits, self._tracked = {}, {}, 0
         self._own_candidates, self._library_done = [], []
         self._kinds, self._skip = {}, set()
+        self._graphs = {}
         self._spent = [0.0, 0, 0.0, 0]
 
     def _module_dicts(self) -> Mapping[str, Any]:
@@ -655,10 +728,20 @@ class Scanner:
                         if i in ids:
                             continue
                         ids.add(i)
-                    if what == _CONTAINER:
-                        n = how(value)  # type: ignore[misc]
+                    if what in (_CONTAINER, _TENSOR):
+                        if what == _CONTAINER:
+                            n = how(value)  # type: ignore[misc]
+                            name = prefix + key
+                        else:
+                            name = prefix + key + AUTOGRAD_SUFFIX
+                            # Held by no local: a graph is never kept across a yield.
+                            n, cost = self._graph(f"{path[0]}.{name}",
+                                                  how(value))  # type: ignore[misc]
+                            value = None
+                            units += cost
+                            if n < 0:
+                                continue
                         value = None
-                        name = prefix + key
                         r = here.get(name)
                         if r is None or held[r + _SEEN] == p:
                             self._track_new(walk, name, n, r)
@@ -692,6 +775,34 @@ class Scanner:
         finally:
             walk.objects += len(keys)
         return units
+
+    def _graph(self, name: str, grad_fn: Any) -> tuple[int, int]:
+        """The nodes of the autograd history a tensor holds (-1: none), and the nodes looked
+        at: counted anew where its graph is new, else the nodes added since the last pass
+        (those numbered above the root then) added to the count then."""
+        graphs = self._graphs
+        if grad_fn is None:
+            return -1, 1  # no history: nothing to follow
+        try:
+            root = grad_fn._sequence_nr()
+        except Exception:
+            return -1, 1
+        known = graphs.get(name)
+        if known is not None and known[0] == root:
+            graphs[name] = (root, known[1], self._pass)
+            return known[1], 1
+        if known is not None and known[0] < root:
+            added, extends = _graph_nodes(grad_fn, known[0], GRAPH_BUDGET)
+            total = known[1] + added if extends else added
+        else:
+            added, _ = _graph_nodes(grad_fn, -1, GRAPH_FIRST_BUDGET)
+            total = added
+        if known is None and len(graphs) >= MAX_GRAPHS:
+            # The ones met longest ago go.
+            for old in sorted(graphs, key=lambda k: graphs[k][2])[:MAX_GRAPHS // 4]:
+                del graphs[old]
+        graphs[name] = (root, total, self._pass)
+        return total, added
 
     def _track_new(self, walk: _Walk, name: str, n: int, offset: Optional[int]) -> None:
         """A container name not met yet in this visit (`offset` None): a new record, if there
@@ -736,6 +847,8 @@ class Scanner:
         measure = _sizer() if candidates else None
         if measure is not None:
             for _, _, path, _, relative in candidates[:MAX_SIZINGS]:
+                if relative.endswith(AUTOGRAD_SUFFIX):
+                    continue  # a tensor's graph: its nodes are its size
                 yield  # each sizing is a piece of work of its own
                 size = self._size(path, measure)
                 if size is None:
@@ -750,7 +863,10 @@ class Scanner:
         for rate, name, path, n, relative in candidates:
             here, held = records.get(path[0], _NO_RECORDS)
             r = here.get(relative)
-            if r is not None and held[r + _BYTES] >= 0 and held[r + _BYTES_ITEMS] > 0:
+            if name.endswith(AUTOGRAD_SUFFIX):
+                # A growing autograd history is a leak whatever its size: reported first.
+                ranked.append(((2, rate), name, path, n))
+            elif r is not None and held[r + _BYTES] >= 0 and held[r + _BYTES_ITEMS] > 0:
                 # Bytes per step outrank items per step: the daemon weighs growth in bytes.
                 ranked.append(((1, held[r + _BYTES] / held[r + _BYTES_ITEMS] * rate), name,
                                path, n))

@@ -14,7 +14,11 @@ It also names the culprit when it can, the first of:
    (or, when no watched buffer is sized, the one whose item count grows fastest);
 2. `discovered`: a container the agent's newest discovery pass names, with the same rule over
    its sparse measurements;
-3. `traced`: for host memory, the top allocation site of a trace the process sent after the leak
+3. `autograd`: a tensor the agent's discovery found holding an autograd graph that grows every
+   step (`total_loss += loss`), on the agent's word that it is one (a discovered name ending in
+   protocol.AUTOGRAD_SUFFIX) and the daemon's own measurements of its nodes: the history since
+   the step its nodes per step put its start at is held, and all it saved for backward;
+4. `traced`: for host memory, the top allocation site of a trace the process sent after the leak
    opened, when its growth per step explains at least half of the leak.
 The reason says which ("buffer `x` explains it (watched)"); `details` carry the culprit, how it
 was found and, while a trace is asked for or once one came, the trace.
@@ -37,7 +41,8 @@ from gpuwatch.detectors.common import Evidence, finding, is_protected
 from gpuwatch.detectors.trend import Growth, growth, is_growing, may_grow, median
 from gpuwatch.history import History, ProcessHistory, Series, StepSeries
 from gpuwatch.model import Finding, HostProcess, Kind, MemoryLimit, NodeSnapshot, TraceReport
-from gpuwatch.vocabulary import ProcState, Severity
+from gpuwatch.protocol import AUTOGRAD_SUFFIX
+from gpuwatch.vocabulary import FoundBy, ProcState, Severity
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.LEAK})
@@ -130,6 +135,7 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
         trace = _trace_of(p, g, steps, snapshot, history)
         culprit = (_watched(g, by_bytes, by_items)
                    or _discovered(g, steps, config)
+                   or _autograd(steps, config)
                    # Python's allocations are host memory: they cannot explain a GPU's.
                    or (_traced(g, trace) if what == "RSS" else None))
     elif (by_bytes or by_items) and _rss_unjudged(steps.rss, after, config.leak_min_points):
@@ -156,9 +162,12 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
     else:
         details["growth_bytes_per_step"] = round(g.slope)
     if culprit is not None:
-        if culprit.bytes_per_step is not None:
+        if culprit.since_step is not None:
+            details["history_since_step"] = culprit.since_step
+            details["graph_nodes_per_step"] = round(culprit.items_per_step or 0.0, 3)
+        elif culprit.bytes_per_step is not None:
             details["culprit_bytes_per_step"] = round(culprit.bytes_per_step)
-        if culprit.items_per_step is not None:
+        if culprit.items_per_step is not None and culprit.since_step is None:
             details["culprit_items_per_step"] = round(culprit.items_per_step, 3)
     requested = snapshot.traces_pending.get(p.pid)
     if requested is not None:
@@ -194,11 +203,16 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
 
 class _Culprit(NamedTuple):
     name: str
-    found_by: str  # "watched" | "discovered" | "traced"
+    found_by: str  # "watched" | "discovered" | "autograd" | "traced"
     bytes_per_step: Optional[float]
-    items_per_step: Optional[float]
+    items_per_step: Optional[float]  # an autograd history's: its graph's nodes per step
+    #: An autograd history's first step.
+    since_step: Optional[int] = None
 
     def explains(self) -> str:
+        if self.found_by == FoundBy.AUTOGRAD:
+            return (f"`{self.name}` holds the graph of every step since step {self.since_step}: "
+                    "use `loss.item()` or `.detach()` (autograd)")
         if self.found_by == "traced":
             return f"allocations at `{self.name}` explain it (traced)"
         if self.found_by == "discovered":
@@ -207,6 +221,9 @@ class _Culprit(NamedTuple):
 
     def explains_publicly(self) -> str:
         """explains(), by the kind of culprit alone."""
+        if self.found_by == FoundBy.AUTOGRAD:
+            return ("a tensor holds the autograd graph of every step: use `loss.item()` or "
+                    "`.detach()` (autograd)")
         if self.found_by == "traced":
             return "an allocation site explains it (traced)"
         if self.found_by == "discovered":
@@ -246,7 +263,8 @@ def _discovered(total: Growth, steps: StepSeries, config: DetectorConfig
     The agent names its top growers without knowing what a leak is: a cache filling up to its
     capacity is one for a while. Its own measurements decide, over the last few passes (four
     points suffice: they are exact and sparse, not one per step)."""
-    names = [n for n in steps.discovered_latest if n in steps.discovered_items]
+    names = [n for n in steps.discovered_latest
+             if n in steps.discovered_items and not n.endswith(AUTOGRAD_SUFFIX)]
     if not names:
         return None
 
@@ -272,6 +290,28 @@ def _discovered(total: Growth, steps: StepSeries, config: DetectorConfig
         return None
     name, g = max(by_items.items(), key=lambda kv: kv[1].slope)
     return _Culprit(name, "discovered", None, g.slope)
+
+
+def _autograd(steps: StepSeries, config: DetectorConfig) -> Optional[_Culprit]:
+    """Among the tensors the agent's newest discovery pass names for their growing autograd
+    history, the one whose graph gains the most nodes per step, at least one a step over the
+    last 4 passes. Its history began where its nodes and their rate put it: the step reached
+    less nodes / nodes per step."""
+    best: Optional[tuple[str, Growth]] = None
+    for name in steps.discovered_latest:
+        series = steps.discovered_items.get(name) if name.endswith(AUTOGRAD_SUFFIX) else None
+        if series is None:
+            continue
+        g = growth(series.xs, series.ys, -math.inf, config.leak_window, _DISCOVERED_POINTS,
+                   exact=True)
+        if g is not None and is_growing(g, _MIN_ITEMS_PER_STEP, 0.0) and (
+                best is None or g.slope > best[1].slope):
+            best = (name, g)
+    if best is None:
+        return None
+    name, g = best
+    since = max(0, min(int(g.last_x), round(g.last_x - g.last_y / g.slope)))
+    return _Culprit(name[:-len(AUTOGRAD_SUFFIX)], FoundBy.AUTOGRAD, None, g.slope, since)
 
 
 def _trace_of(p: HostProcess, g: Growth, steps: StepSeries, snapshot: NodeSnapshot,

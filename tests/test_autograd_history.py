@@ -86,7 +86,7 @@ def test_a_trainer_objects_running_loss_holding_the_graph_is_named_as_an_autogra
 
 def test_the_same_loop_accumulating_loss_item_stays_quiet(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
-    from gpuwatch.sinks.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
 
     state = Path(cli_env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME
     config = "[detectors]\nleak_warmup_steps = 10\n"

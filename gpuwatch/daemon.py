@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import os
 import signal
@@ -35,6 +34,7 @@ from gpuwatch.config import (
     sample_spacing,
     split_listen,
 )
+from gpuwatch.daemon_info import DaemonInfo
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
 from gpuwatch.logs import setup_logging
@@ -402,10 +402,10 @@ class Daemon:
         return True
 
     def _write_daemon_info(self, runtime: TrustedDir, port: int) -> None:
-        info = {"pid": os.getpid(), "version": __version__, "metrics_url": self.metrics_url,
-                "port": port, "state_socket": str(runtime.path / STATE_SOCKET_NAME)}
+        info = DaemonInfo(pid=os.getpid(), version=__version__, metrics_url=self.metrics_url,
+                          port=port, state_socket=str(runtime.path / STATE_SOCKET_NAME))
         # daemon.json.tmp made anew (O_EXCL, O_NOFOLLOW) and renamed, within the directory.
-        runtime.write_file(DAEMON_INFO_NAME, json.dumps(info).encode())
+        runtime.write_file(DAEMON_INFO_NAME, info.to_json())
 
     def _shutdown(self, runtime: TrustedDir) -> None:
         if self._state_server is not None:

@@ -33,6 +33,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from gpuwatch.daemon_info import DaemonInfo
+
 #: Written to the runtime directory so that the CLI, the demo and tests find the live daemon.
 DAEMON_INFO_NAME = "daemon.json"
 #: flock-ed by the daemon for its whole life: one daemon per runtime directory. Holds its PID.
@@ -498,11 +500,11 @@ def _refusal(runtime_dir: Path, read_pid: Any, read_info: Any) -> str:
         time.sleep(0.01)
         pid = _read_or_none(read_pid)
     serving = ""
-    info = read_info()
+    doc = read_info()
+    info = DaemonInfo.from_json(doc) if isinstance(doc, dict) else None
     # daemon.json may be a dead daemon's, or not written yet: only the holder's own is quoted.
-    if isinstance(info, dict) and pid is not None and info.get("pid") == pid \
-            and isinstance(info.get("metrics_url"), str):
-        serving = f", serving {info['metrics_url']}"
+    if info is not None and pid is not None and info.pid == pid and info.metrics_url:
+        serving = f", serving {info.metrics_url}"
     holder = f"PID {pid}" if pid is not None else "PID unknown"
     return (f"another gpuwatch daemon ({holder}{serving}) already runs on the runtime directory "
             f"{runtime_dir}: stop it, or pass another --runtime-dir")
@@ -523,8 +525,8 @@ def _pid_in(data: bytes) -> Optional[int]:
 
 def remove_own_daemon_info(directory: TrustedDir) -> None:
     """Remove daemon.json only if this process wrote it (the PID inside says so)."""
-    info = directory.read_json(DAEMON_INFO_NAME)
-    if info is not None and info.get("pid") == os.getpid():
+    doc = directory.read_json(DAEMON_INFO_NAME)
+    if doc is not None and DaemonInfo.from_json(doc).pid == os.getpid():
         directory.unlink(DAEMON_INFO_NAME)
 
 
@@ -548,6 +550,13 @@ def read_daemon_info(runtime_dir: Path) -> tuple[Optional[dict[str, Any]], Optio
     if not isinstance(doc, dict):
         return None, f"{runtime_dir / DAEMON_INFO_NAME} is not a JSON object"
     return doc, None
+
+
+def daemon_info(runtime_dir: Path) -> Optional[DaemonInfo]:
+    """The daemon.json of `runtime_dir`, read, where the directory and the file are the
+    daemon's (read_daemon_info); else None."""
+    doc, _ = read_daemon_info(runtime_dir)
+    return DaemonInfo.from_json(doc) if doc is not None else None
 
 
 def daemon_peer_refusal(runtime_dir: Path, peer_uid: int) -> Optional[str]:

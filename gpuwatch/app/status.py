@@ -10,20 +10,25 @@ to exit, a leftover past its grace) shows as the daemon would show it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+
+if TYPE_CHECKING:
+    from gpuwatch.config import Config
+    from gpuwatch.history import History
+    from gpuwatch.poll import Poller
 
 
 class StatusSource:
     """One status document per call; `close()` releases NVML when it polled."""
 
-    def __init__(self, cfg: Any, force_poll: bool = False, one_shot: bool = False) -> None:
+    def __init__(self, cfg: Config, force_poll: bool = False, one_shot: bool = False) -> None:
         self.cfg = cfg
         self.force_poll = force_poll
         self.one_shot = one_shot
-        self._poller: Any = None
-        self._history: Any = None
+        self._poller: Optional[Poller] = None
+        self._history: Optional[History] = None
 
     def __call__(self) -> dict[str, Any]:
         why = "--poll given"
@@ -41,7 +46,7 @@ class StatusSource:
         from gpuwatch.poll import Poller
         from gpuwatch.sinks.document import SOURCE_POLL, status_document
 
-        if self._poller is None:
+        if self._poller is None or self._history is None:
             self._poller = Poller(hostname=self.cfg.daemon.node_name or None)
             self._history = History(self.cfg.history.samples, self.cfg.history.max_processes,
                                     sample_spacing=sample_spacing(self.cfg))

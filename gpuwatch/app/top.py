@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from gpuwatch.app.status import StatusSource
+from gpuwatch.config import Config
 from gpuwatch.model import NodeReport
 from gpuwatch.sinks.document import from_json
 from gpuwatch.sinks.top.feed import Feed, Samples
@@ -78,7 +79,7 @@ class Stopped(BaseException):
         self.signum = signum
 
 
-def run_top(cfg: Any, interval: float = 2.0, force_poll: bool = False,
+def run_top(cfg: Config, interval: float = 2.0, force_poll: bool = False,
             daemon_pid: Callable[[], Optional[int]] = lambda: None) -> int:
     """Run until `q` (exit 0) or a stop signal (128+N, as a shell reports it); 2 without a
     terminal. `daemon_pid` names the daemon when a reap is planned (it is never signalled)."""
@@ -170,7 +171,7 @@ class Reaping:
     path. Carrying it out takes the grace period, so it runs in a thread; the screen asks for the
     result."""
 
-    def __init__(self, cfg: Any, daemon_pid: Callable[[], Optional[int]], force_poll: bool,
+    def __init__(self, cfg: Config, daemon_pid: Callable[[], Optional[int]], force_poll: bool,
                  done: Callable[[], None]) -> None:
         self.cfg = cfg
         self._daemon_pid = daemon_pid

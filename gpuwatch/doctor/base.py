@@ -13,8 +13,9 @@ from typing import Any, Optional
 
 from gpuwatch import __version__
 from gpuwatch.config import Config
+from gpuwatch.daemon_info import DaemonInfo
 from gpuwatch.model import NvmlReading
-from gpuwatch.runtime_dir import read_daemon_info as runtime_daemon_info
+from gpuwatch.runtime_dir import daemon_info
 
 OK = "ok"
 WARN = "warn"
@@ -139,9 +140,9 @@ def pid_dirs(proc: Path) -> list[os.DirEntry[str]]:
         return [e for e in entries if e.name.isdigit()][:MAX_PROCESSES]
 
 
-def read_daemon_info(runtime_dir: Path) -> Optional[dict[str, Any]]:
-    """daemon.json, where it is the daemon's (gpuwatch.runtime_dir.read_daemon_info)."""
-    return runtime_daemon_info(runtime_dir)[0]
+def read_daemon_info(runtime_dir: Path) -> Optional[DaemonInfo]:
+    """daemon.json, where it is the daemon's (gpuwatch.runtime_dir.daemon_info)."""
+    return daemon_info(runtime_dir)
 
 
 START_DAEMON = ("start it: `systemctl start gpuwatch` (installing: docs/systemd.md), or "

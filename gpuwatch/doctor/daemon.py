@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from gpuwatch.daemon_info import DaemonInfo
 from gpuwatch.doctor.base import (
     FAIL,
     OK,
@@ -82,7 +83,7 @@ def check_daemon(ctx: Context) -> list[Check]:
     except StateUnavailable as exc:
         return [_daemon_unreachable(ctx, path, info, exc)]
     version = doc.get("gpuwatch_version")
-    pid = info.get("pid") if info is not None else None
+    pid = info.pid if info is not None else None
     taken_at = doc.get("taken_at")
     age = time.time() - taken_at if isinstance(taken_at, (int, float)) else None
     found = (f"answers on {path}: gpuwatch {version}"
@@ -99,13 +100,13 @@ def check_daemon(ctx: Context) -> list[Check]:
     return [Check("daemon", OK, found)]
 
 
-def _daemon_unreachable(ctx: Context, path: Path, info: Optional[dict[str, Any]],
+def _daemon_unreachable(ctx: Context, path: Path, info: Optional[DaemonInfo],
                         exc: StateUnavailable) -> Check:
     # fetch_status folds every cause into one message; the cause it was raised from says which.
     cause = exc.__context__
     stale = ""
-    if info is not None and not _pid_runs(ctx.proc, info.get("pid")):
-        stale = f"; {DAEMON_INFO_NAME} names PID {info.get('pid')}, which is not running"
+    if info is not None and not _pid_runs(ctx.proc, info.pid):
+        stale = f"; {DAEMON_INFO_NAME} names PID {info.pid}, which is not running"
     if isinstance(cause, FileNotFoundError) or not os.path.lexists(path):
         return Check("daemon", FAIL, f"no daemon: {path} does not exist{stale}",
                      fix=START_DAEMON)

@@ -36,8 +36,8 @@ def _local_url(listen: str) -> str:
 
 def check_metrics(ctx: Context) -> list[Check]:
     info = read_daemon_info(ctx.runtime_dir)
-    if info is not None and isinstance(info.get("metrics_url"), str):
-        url, where = info["metrics_url"], f"from {DAEMON_INFO_NAME}"
+    if info is not None and info.metrics_url is not None:
+        url, where = info.metrics_url, f"from {DAEMON_INFO_NAME}"
     else:
         url, where = _local_url(ctx.config.daemon.listen), "from daemon.listen"
     # A proxy from the environment must not stand between us and a local port.
@@ -84,7 +84,7 @@ def check_metrics(ctx: Context) -> list[Check]:
     served = served_by(body)
     if served is None:  # a daemon from before the `pid` label: whose it is cannot be told
         return [Check("metrics", OK, found, detail=where)]
-    expected = info.get("pid") if info is not None else None
+    expected = info.pid if info is not None else None
     if isinstance(expected, int) and expected != served:
         return [Check("metrics", FAIL, f"{url} ({where}) is served by gpuwatch PID {served}, "
                                        f"not by the daemon {DAEMON_INFO_NAME} names (PID "

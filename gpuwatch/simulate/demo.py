@@ -44,7 +44,9 @@ from typing import Any, Callable, Optional, TextIO, TypeVar
 import gpuwatch
 from gpuwatch.actions.signals import SAME, ProcessRef, Signaller
 from gpuwatch.config import DEFAULT_PORT, split_listen
+from gpuwatch.daemon_info import DaemonInfo
 from gpuwatch.protocol import RUNTIME_DIR_VARIABLE
+from gpuwatch.runtime_dir import DAEMON_INFO_NAME
 from gpuwatch.simulate.fakenvml import STATE_ENV, FakeNode, FakeNvmlBuildError, build_fake_nvml
 from gpuwatch.sinks.text import wrap_text
 from gpuwatch.sources.processes import ProcessSource
@@ -125,6 +127,12 @@ def read_json(path: Path) -> Optional[dict[str, Any]]:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _metrics_url(runtime: Path) -> Optional[str]:
+    """Where the daemon of `runtime` serves /metrics, once its daemon.json is written."""
+    doc = read_json(runtime / DAEMON_INFO_NAME)
+    return DaemonInfo.from_json(doc).metrics_url if doc is not None else None
 
 
 def free_listen(listen: str) -> str:
@@ -347,8 +355,8 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
              "--listen", free_listen(listen), "--interval", str(interval),
              "--runtime-dir", str(runtime), "--state-dir", str(work_dir / "state")],
             signal.SIGKILL, env=env, stdout=daemon_output, stderr=daemon_output)
-        info = wait_for("the daemon", lambda: read_json(runtime / "daemon.json"), 30,
-                        alive=daemon, pause=pause)
+        metrics_url = wait_for("the daemon", lambda: _metrics_url(runtime), 30, alive=daemon,
+                               pause=pause)
         # 2 MiB a step for 300 steps: visible, and bounded if the demo is left running.
         instrumented = _start_job(
             started, torchrun, work_dir, "job-c", _run_id("sft"), pause, "--workers", "1", "--",
@@ -357,7 +365,7 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
             "--step-seconds", str(pace / 5), env={**env, RUNTIME_DIR_VARIABLE: str(runtime)})
         node.hold(instrumented.workers[0], device=0, used=6 * GIB)
         yield SimulatedNode(work_dir, node, training, finishing, instrumented, daemon,
-                            info["metrics_url"], started)
+                            metrics_url, started)
     finally:
         left = started.end_all(gracefully=[daemon] if daemon is not None else [])
         if left:

@@ -53,9 +53,9 @@ from gpuwatch.runtime_dir import (
     open_private_dir,
     remove_own_daemon_info,
 )
+from gpuwatch.serve.connections import ConnectionCollector, ConnectionStats
 from gpuwatch.serve.exposition import RenderedMetrics
 from gpuwatch.serve.http_server import MetricsServer, bind_tcp
-from gpuwatch.serve.listener import ConnectionCollector, ConnectionStats
 from gpuwatch.serve.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sinks.daemon_metrics import DaemonMetrics
 from gpuwatch.sinks.document import SOURCE_DAEMON, bounded_json, status_document

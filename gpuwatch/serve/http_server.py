@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from gpuwatch import __version__
+from gpuwatch.serve.connections import ConnectionStats
 from gpuwatch.serve.exposition import RenderedMetrics, Selection, render
 from gpuwatch.serve.listener import (
     MAX_ANSWERING,
@@ -30,7 +31,6 @@ from gpuwatch.serve.listener import (
     REQUEST_TIMEOUT,
     RESPONSE_TIMEOUT,
     Conn,
-    ConnectionStats,
     Handler,
     Job,
     Later,

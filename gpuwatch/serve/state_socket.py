@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from gpuwatch.runtime_dir import FileIdentity, TrustedDir, open_private_dir
+from gpuwatch.serve.connections import ConnectionStats
 from gpuwatch.serve.listener import (
     REQUEST_TIMEOUT,
     RESPONSE_TIMEOUT,
     Conn,
-    ConnectionStats,
     Handler,
     Job,
     Listener,

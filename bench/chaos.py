@@ -96,7 +96,6 @@ from harness import (  # noqa: E402
     StormFeed,
     console,
     daemon_config,
-    exited_children,
     parse_metrics,
     read_json,
     run_arguments,
@@ -122,6 +121,7 @@ from gpuwatch.simulate.fakenvml import (  # noqa: E402
     build_fake_nvml,
 )
 from gpuwatch.simulate.job import launch_env  # noqa: E402
+from gpuwatch.subreaper import exited_children  # noqa: E402
 
 # ---- the unit's limits (systemd/gpuwatch.service) ----------------------------------------------
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatch.simulate.fakenvml import FakeFailure, FakeNode, FakeProcess
 from gpuwatch.sources.proc_stat import START_TIME, STATE, STIME, UTIME, parse_stat
+from gpuwatch.subreaper import exited_children
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -390,18 +391,6 @@ def collect(pids: Iterable[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
-
-
-def exited_children() -> Iterator[tuple[int, int]]:
-    """(PID, wait status) of each child that has ended, without waiting for the others."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        yield pid, status
 
 
 def python(*args: str) -> list[str]:

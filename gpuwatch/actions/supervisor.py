@@ -25,7 +25,6 @@ costs nothing.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import select
@@ -53,6 +52,7 @@ from gpuwatch.run_result import GpuCheck, Member, ProcessIdentity, RunResult
 from gpuwatch.sources.kernel_files import read_head
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT, ProcessSource, ProcStat
+from gpuwatch.subreaper import become_subreaper, exited_children
 from gpuwatch.units import human_bytes, plural, short_command
 from gpuwatch.vocabulary import ProcState
 
@@ -80,7 +80,6 @@ JOB_CONTROL = (signal.SIGTSTP, signal.SIGCONT)
 #: After the last SIGKILL, how long what is left may take to go before it is given up on (a
 #: process in uninterruptible sleep in a driver cannot be ended by any signal).
 GIVE_UP_AFTER = 5.0
-PR_SET_CHILD_SUBREAPER = 36
 _TICK = 0.2
 #: Guards the walk up a process's parents against a corrupt or cyclic chain.
 _MAX_DEPTH = 64
@@ -116,7 +115,7 @@ class Supervisor:
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> RunResult:
         result = RunResult(self.job_id, self.command, time.time())
-        _become_subreaper()
+        become_subreaper()
         wakeup_read, wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         previous = {s: signal.signal(s, self._on_signal)
                     for s in (*STOP_SIGNALS, *JOB_CONTROL, signal.SIGCHLD)}
@@ -323,13 +322,7 @@ class Supervisor:
 
     def _collect(self) -> None:
         """Collect every child that exited: as the subreaper, the job's orphans are ours too."""
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, status in exited_children():
             if pid == self._main_pid:
                 self._main_status = _exit_code_of(status)
                 main = self._members.get(pid)
@@ -526,13 +519,6 @@ class Supervisor:
 
 
 # -- the system ----------------------------------------------------------------------------------
-def _become_subreaper() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
-
-
 def _runs(stat: ProcStat) -> bool:
     """Not exited: a zombie counts as running while other threads of it live on (its main
     thread exited, its NCCL heartbeat did not): it still holds what the process held."""

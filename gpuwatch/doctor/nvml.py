@@ -7,23 +7,24 @@ from typing import Optional
 
 from gpuwatch.doctor.base import FAIL, OK, WARN, Check, Context
 from gpuwatch.model import GpuDevice
+from gpuwatch.nvml_codes import (
+    DRIVER_NOT_LOADED,
+    LIB_RM_VERSION_MISMATCH,
+    LIBRARY_NOT_FOUND,
+    NO_PERMISSION,
+)
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.units import human_bytes, plural
 
-# nvmlReturn_t values (pynvml's NVML_ERROR_* numbering).
-_NVML_NO_PERMISSION = 4
-_NVML_DRIVER_NOT_LOADED = 9
-_NVML_LIBRARY_NOT_FOUND = 12
-_NVML_LIB_RM_VERSION_MISMATCH = 18
 _NVML_FIXES = {
-    _NVML_NO_PERMISSION:
+    NO_PERMISSION:
         "no access to /dev/nvidiactl or /dev/nvidiaN: run as a user who may open them; in a "
         "container use the NVIDIA container runtime; under systemd see DeviceAllow= in "
         "docs/systemd.md",
-    _NVML_DRIVER_NOT_LOADED:
+    DRIVER_NOT_LOADED:
         "the kernel module is not loaded: `modprobe nvidia` or reinstall the driver "
         "(`nvidia-smi` fails the same way; `dmesg | grep -i nvrm` says why)",
-    _NVML_LIB_RM_VERSION_MISMATCH:
+    LIB_RM_VERSION_MISMATCH:
         "libnvidia-ml and the loaded kernel module are different versions (a driver upgrade "
         "without a reboot): reboot, or unload and reload the nvidia modules",
 }
@@ -56,7 +57,7 @@ def check_nvml(ctx: Context) -> list[Check]:
 
 def _nvml_unavailable(error: str, code: Optional[int], device_files: int,
                       dev_dir: Path) -> Check:
-    if code == _NVML_LIBRARY_NOT_FOUND:
+    if code == LIBRARY_NOT_FOUND:
         if device_files:
             return Check(
                 "nvml", FAIL,

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -63,8 +62,7 @@ from pathlib import Path
 from typing import NoReturn, Optional
 
 from gpuwatch.launch_env import TORCHELASTIC_RUN_ID_KEY
-
-PR_SET_CHILD_SUBREAPER = 36
+from gpuwatch.subreaper import become_subreaper, exited_children
 
 # Set by the launcher for one worker only; a helper started next to the workers has none of these.
 PER_WORKER_VARIABLES = ("LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE",
@@ -227,23 +225,6 @@ def run_helper(role: str, ready_fd: Optional[int] = None) -> int:
         return 130
 
 
-def become_subreaper() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
-
-
-def _reap_all() -> None:
-    while True:
-        try:
-            pid, _status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
 def run_subreaper(ready: Path, launcher_args: list[str]) -> int:
     become_subreaper()
     # A session of its own, as a service manager starts a unit: a Ctrl+C to the job's group
@@ -260,7 +241,8 @@ def reap_children_forever() -> NoReturn:
     collected by the first pass."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     while True:
-        _reap_all()
+        for _ in exited_children():
+            pass
         signal.sigwait({signal.SIGCHLD})
 
 

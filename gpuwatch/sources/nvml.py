@@ -30,6 +30,7 @@ from gpuwatch.model import (
     NvmlStatus,
     SourceError,
 )
+from gpuwatch.nvml_codes import FUNCTION_NOT_FOUND
 
 # NVML reports "no MIG instance" as an all-ones 32-bit id.
 _NO_INSTANCE = 0xFFFFFFFF
@@ -409,7 +410,7 @@ def _errors(nv: Any) -> tuple[type[Exception], ...]:
 
 def _code(exc: Exception) -> int:
     if type(exc).__name__ == "NVMLLibraryMismatchError":
-        return 13  # NVML_ERROR_FUNCTION_NOT_FOUND, which pynvml turned into this exception
+        return FUNCTION_NOT_FOUND  # which pynvml turned into this exception
     return int(getattr(exc, "value", -1))
 
 

@@ -438,6 +438,28 @@ class AgentConfig:
 
 
 @frozen_dataclass
+class KubernetesConfig:
+    pod_resources_socket: str = _setting(
+        "/var/lib/kubelet/pod-resources/kubelet.sock", str,
+        "the kubelet's PodResources socket: the pods of the node and the GPUs each container "
+        "was allocated (needs grpcio: the kubernetes extra); empty: not asked",
+        env="GPUWATCH_POD_RESOURCES_SOCKET")
+    pod_logs_dir: str = _setting(
+        "/var/log/pods", str, "the kubelet's pod log directories (NAMESPACE_NAME_UID): which "
+        "pod a UID is; empty: not read")
+    runtime_dirs: tuple[str, ...] = _setting(
+        ("/run/containerd/io.containerd.runtime.v2.task/k8s.io",
+         "/run/containers/storage/overlay-containers"), _absolute_paths,
+        "where the container runtimes keep each container's OCI config.json (containerd, "
+        "CRI-O), whose annotations name its pod and container")
+    refresh: float = _setting(
+        5.0, _positive_seconds, "seconds between two reads of the pods (a pod not known yet "
+        "is looked for at once, off the poll loop)")
+    timeout: float = _setting(
+        2.0, _positive_seconds, "seconds the kubelet has to answer one call")
+
+
+@frozen_dataclass
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
@@ -445,6 +467,7 @@ class Config:
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
     reaper: ReaperConfig = field(default_factory=ReaperConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
 
 #: The samples history keeps of a process span this many times detectors.leak_min_span_seconds,

@@ -64,6 +64,7 @@ from gpuwatch.sinks.exporter import SERIES_DROPPED_REASONS, ReportCollector
 from gpuwatch.sources.agent_socket import AgentReceiver
 from gpuwatch.sources.memory import read_mem_total
 from gpuwatch.sources.nvml import NvmlSource
+from gpuwatch.sources.pods import pod_source
 from gpuwatch.sources.processes import TRUNCATED_TEXTS
 from gpuwatch.units import plural
 
@@ -92,6 +93,12 @@ class Daemon:
                                     clock=self.poller.clock)
         if self.poller.agents is None:
             self.poller.agents = self.agents
+        if self.poller.pods is None:
+            self.poller.pods = pod_source(config.kubernetes.pod_resources_socket,
+                                          config.kubernetes.pod_logs_dir,
+                                          config.kubernetes.runtime_dirs,
+                                          refresh=config.kubernetes.refresh,
+                                          timeout=config.kubernetes.timeout)
         #: MemTotal, with the GPUs' memory the most a report's figure may be.
         self._mem_total = read_mem_total()
         self.trace_requests = TraceRequests(self.agents, config.agent)
@@ -187,6 +194,9 @@ class Daemon:
                                                  stats=self.connections, directory=runtime)
                 self._state_server.start()
                 self.agents.start(runtime)
+                start_pods = getattr(self.poller.pods, "start", None)
+                if start_pods is not None:
+                    start_pods()
                 self._write_daemon_info(runtime, bound_port)
             except BaseException:
                 self._shutdown(runtime)

@@ -27,10 +27,18 @@ __all__ = [
 ]
 
 
-class JobDoc(TypedDict):
+class _JobId(TypedDict):
     id: str
     #: "slurm", "kubernetes", "gpuwatch-run", "torchelastic", ... (docs/json.md).
     source: str
+
+
+class JobDoc(_JobId, total=False):
+    #: A Kubernetes pod's namespace and name, and the process's container (null where the
+    #: runtime did not say): present only where the node names the pod (docs/kubernetes.md).
+    namespace: str
+    pod: str
+    container: Optional[str]
 
 
 class NvmlDoc(TypedDict):

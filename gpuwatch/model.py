@@ -162,9 +162,30 @@ class Job:
     #: "slurm" | "run" | "torchelastic" | "torchrun" | "ray" | "kubernetes" | "container" |
     #: "systemd"
     source: str
+    #: A Kubernetes pod's namespace, name and the process's container name, where the node says
+    #: (gpuwatch.sources.pods): the names a person and an alert route go by. Not part of what
+    #: tells one job from another: the pod UID (`id`) is, and the names come a poll later.
+    namespace: Optional[str] = field(default=None, compare=False, repr=False)
+    pod: Optional[str] = field(default=None, compare=False, repr=False)
+    container: Optional[str] = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         return f"{self.source}:{self.id}"
+
+    @property
+    def pod_name(self) -> Optional[str]:
+        """NAMESPACE/NAME of a pod's job whose names are known, else None."""
+        if self.namespace and self.pod:
+            return f"{self.namespace}/{self.pod}"
+        return None
+
+    @property
+    def shown(self) -> str:
+        """What a person reads: NAMESPACE/NAME[/CONTAINER] for a named pod, else source:id."""
+        named = self.pod_name
+        if named is None:
+            return str(self)
+        return f"{named}/{self.container}" if self.container else named
 
 
 @_frozen
@@ -188,6 +209,40 @@ class Executable:
 #: The kernel's name of a process (`comm`) is at most 15 bytes; a longer `HostProcess.name` is
 #: psutil's, completed from the basename of argv[0], which is part of the command line.
 COMM_CHARS = 15
+
+
+@_frozen
+class Pod:
+    """A Kubernetes pod of the node as the kubelet and the container runtime describe it."""
+
+    uid: str
+    namespace: str
+    name: str
+    #: Each container's GPU devices as the kubelet allocated them (PodResources: device plugin
+    #: ids, GPU or MIG UUIDs, or indexes), by container name; empty where the kubelet did not say.
+    allocated: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType({}))
+    #: True when the kubelet's last answer listed it; False when its last two answers did not
+    #: (it is gone from the node's pods); None when the kubelet did not answer.
+    listed: Optional[bool] = None
+    #: When the kubelet was first seen answering without it (steady clock), while `listed` is
+    #: False.
+    gone_since: Optional[float] = None
+    #: Where the names came from: "kubelet" (PodResources and the pod log directories),
+    #: "pod-logs", "containerd", "cri-o".
+    source: str = "kubelet"
+    #: Whether a container of it was given devices by Dynamic Resource Allocation, which the
+    #: kubelet names by claim, not by GPU: its GPUs are then not known from `allocated`.
+    dynamic_resources: bool = False
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def gpu_devices(self) -> frozenset[str]:
+        """Every device id allocated to any of its containers."""
+        return frozenset(d for ds in self.allocated.values() for d in ds)
 
 
 @_frozen
@@ -222,6 +277,9 @@ class HostProcess:
     #: without CAP_SYS_PTRACE, a kernel thread, a zombie).
     exe: Optional[Executable] = None
     job: Optional[Job] = None
+    #: The Kubernetes pod its cgroup names, by UID (set by the poll; NodeSnapshot.pods has
+    #: what the node says of it).
+    pod_uid: Optional[str] = None
     #: Distributed-launch variables from the environment (LOCAL_RANK, RANK, SLURM_PROCID, ...):
     #: evidence that this is a training worker. Nothing else of the environment is kept.
     launch_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
@@ -492,6 +550,9 @@ class NodeSnapshot:
     #: The PID, as this /proc shows it, of the process that took the snapshot (the daemon, a
     #: one-shot `status`): never a job's member to report, whatever tree it sits in.
     observer_pid: Optional[int] = None
+    #: The Kubernetes pods of the processes here, by pod UID (gpuwatch.sources.pods): their
+    #: names, the GPUs the kubelet allocated them, and whether the kubelet still lists them.
+    pods: Mapping[str, Pod] = field(default_factory=lambda: MappingProxyType({}))
 
     def wall(self, t: float) -> float:
         """A time of this snapshot's (`taken_at`, a start time, a `since`) on the wall clock:

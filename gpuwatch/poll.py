@@ -32,13 +32,20 @@ from gpuwatch.model import (
     GpuProcessUsage,
     HostProcess,
     NodeSnapshot,
+    Pod,
     SourceError,
 )
+from gpuwatch.sources.jobs import pod_of_path
 from gpuwatch.sources.memory import CgroupMemory, read_mem_available
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.private_memory import PrivateMemorySource
 from gpuwatch.sources.processes import ProcessSource
 from gpuwatch.vocabulary import ProcState
+
+
+class PodNames(Protocol):
+    def lookup(self, wanted: Mapping[str, Iterable[str]]
+               ) -> tuple[Mapping[str, Pod], Mapping[str, str]]: ...
 
 
 class AgentSource(Protocol):
@@ -52,13 +59,16 @@ class Poller:
                  hostname: Optional[str] = None,
                  clock: Optional[SteadyClock] = None,
                  agents: Optional[AgentSource] = None,
-                 private_memory: Optional[PrivateMemorySource] = None) -> None:
+                 private_memory: Optional[PrivateMemorySource] = None,
+                 pods: Optional[PodNames] = None) -> None:
         self.nvml = nvml or NvmlSource()
         self.processes = processes or ProcessSource()
         #: USS and PSS of the job trees' members (the daemon reads each at most once per
         #: history sample: gpuwatch.config.sample_spacing).
         self.private_memory = private_memory or PrivateMemorySource()
         self.agents = agents
+        #: Kubernetes pods' names and allocations (gpuwatch.sources.pods), read without waiting.
+        self.pods = pods
         self.cgroup_memory = CgroupMemory()
         self.hostname = hostname or socket.gethostname()
         #: Every time in a snapshot is on this clock (gpuwatch.clock): the agent receiver that
@@ -100,6 +110,7 @@ class Poller:
         processes, private_errors = self._with_private_memory(
             processes, {root for root in roots if root is not None} | set(watch), taken_at)
         agents = self._live_agents(agents, processes)
+        processes, pods = self._with_pod_names(processes)
         limited = {p.cgroup for pid, p in processes.items()
                    if p.cgroup and (p.holds_gpu or pid in agents)}
         self._unlisted = {pid for pid, p in processes.items() if p.holds_gpu and not p.in_procfs}
@@ -118,7 +129,40 @@ class Poller:
             cgroup_memory=MappingProxyType(self.cgroup_memory.read(limited)),
             run_supervisors=MappingProxyType(self._run_supervisors(processes)),
             observer_pid=self._observer_pid(),
+            pods=pods,
         )
+
+    def _with_pod_names(self, processes: Mapping[int, HostProcess]
+                        ) -> tuple[Mapping[int, HostProcess], Mapping[str, Pod]]:
+        """`processes` whose cgroup names a pod, with its namespace, name and their container's
+        name on their job, as the pod source knows them now; and those pods."""
+        if self.pods is None:
+            return processes, MappingProxyType({})
+        in_pod: dict[int, tuple[str, Optional[str]]] = {}
+        wanted: dict[str, set[str]] = defaultdict(set)
+        for pid, p in processes.items():
+            uid = p.pod_uid
+            if uid is None or p.job is None:
+                continue
+            _, container_id = pod_of_path(p.cgroup)
+            in_pod[pid] = (uid, container_id)
+            if container_id:
+                wanted[uid].add(container_id)
+            else:
+                wanted.setdefault(uid, set())
+        if not wanted:
+            return processes, MappingProxyType({})
+        pods, containers = self.pods.lookup(wanted)
+        named = dict(processes)
+        for pid, (uid, container_id) in in_pod.items():
+            pod = pods.get(uid)
+            job = processes[pid].job
+            if pod is None or job is None:
+                continue
+            container = containers.get(container_id) if container_id else None
+            named[pid] = evolve(processes[pid], job=replace(
+                job, namespace=pod.namespace, pod=pod.name, container=container))
+        return MappingProxyType(named), pods
 
     def _observer_pid(self) -> Optional[int]:
         """This process's PID as the process source's /proc shows it (a stand-in source
@@ -230,6 +274,9 @@ class Poller:
 
     def close(self) -> None:
         self.nvml.close()
+        stop = getattr(self.pods, "stop", None)
+        if stop is not None:
+            stop()
         close = getattr(self.processes, "close", None)
         if close is not None:
             close()

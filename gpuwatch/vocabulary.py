@@ -44,6 +44,7 @@ class Kind(Word):
     LEAK = "leak"
     STALLED = "stalled"
     UNKILLABLE = "unkillable"
+    UNALLOCATED = "unallocated"
 
 
 #: Every kind, in the order metrics and `reap --kind`'s message list them.

@@ -69,6 +69,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_hostile_text.py",
     "tests/test_http_server.py",
     "tests/test_job_members.py",
+    "tests/test_kubernetes_pods.py",
     "tests/test_narrow_terminals.py",
     "tests/test_nvml_recovery.py",
     "tests/test_packaging.py",

@@ -59,7 +59,8 @@ def test_a_misspelt_kind_to_auto_reap_is_refused_naming_every_kind(tmp_path: Pat
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
     assert ("reaper.auto_kinds: expected a list of finding kinds, each one of orphan, zombie, "
-            "leftover, ghost, leak, stalled, unkillable ('orphans' is none)") in str(err.value)
+            "leftover, ghost, leak, stalled, unkillable, unallocated ('orphans' is none)"
+            ) in str(err.value)
     assert str(path) in str(err.value)
     good = _write(tmp_path, '[reaper]\nauto_kinds = ["orphan", "leftover"]\n')
     assert load_config(good, environ={}).reaper.auto_kinds == ("orphan", "leftover")

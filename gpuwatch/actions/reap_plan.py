@@ -66,6 +66,8 @@ class Filters:
     pids: frozenset[int] = frozenset()
     user: Optional[str] = None
     older_than: float = 0.0
+    #: `reap --pod NAMESPACE/NAME`: a Kubernetes pod's processes, by the names the node gives.
+    pod: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class Action:
     def as_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "start_time": self.start_time, "name": self.name,
                 "user": self.user,
-                "job": {"id": self.job.id, "source": self.job.source} if self.job else None,
+                "job": _job_json(self.job),
                 "kind": self.kind, "action": self.action,
                 "target": self.target, "signals": list(self.signals),
                 "gpu_memory_bytes": self.gpu_memory_bytes, "gpus": list(self.gpus),
@@ -104,7 +106,9 @@ class Action:
                       action=str(d.get("action")),
                       reason=str(d.get("reason")), pid=d.get("pid"),
                       start_time=d.get("start_time"), name=d.get("name"), user=d.get("user"),
-                      job=(Job(str(job.get("id")), str(job.get("source")))
+                      job=(Job(str(job.get("id")), str(job.get("source")),
+                               namespace=job.get("namespace"), pod=job.get("pod"),
+                               container=job.get("container"))
                            if isinstance(job, dict) else None),
                       gpu_memory_bytes=d.get("gpu_memory_bytes"),
                       gpus=tuple(d.get("gpus") or ()), target=d.get("target"),
@@ -130,7 +134,7 @@ class Spared:
     def as_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "start_time": self.start_time, "name": self.name,
                 "user": self.user,
-                "job": {"id": self.job.id, "source": self.job.source} if self.job else None,
+                "job": _job_json(self.job),
                 "gpu_memory_bytes": self.gpu_memory_bytes, "gpus": list(self.gpus),
                 "protected": self.protected}
 
@@ -189,7 +193,7 @@ class Planner:
         """The protected processes holding GPU memory that `filters` name by --job or --pid and
         no planned action is about: the memory a reap of that job or PID leaves held. Empty
         without --job and --pid (a node's own daemons, protected, are no reap's business)."""
-        if filters.job is None and not filters.pids:
+        if filters.job is None and not filters.pids and filters.pod is None:
             return []
         snapshot = report.snapshot
         planned = {f.pid for f in report.findings if self.selected(f, report, filters)}
@@ -199,6 +203,7 @@ class Planner:
             if (pid in planned or not p.in_procfs or not p.holds_gpu
                     or (filters.pids and pid not in filters.pids)
                     or (filters.job is not None and not _job_matches(job, filters.job))
+                    or (filters.pod is not None and not _pod_matches(job, filters.pod))
                     or (filters.user is not None and p.user != filters.user)):
                 continue
             why = protected_by(p, self.config.detectors)
@@ -219,6 +224,8 @@ class Planner:
         if filters.user is not None and f.user != filters.user:
             return False
         if filters.job is not None and not _job_matches(f.job, filters.job):
+            return False
+        if filters.pod is not None and not _pod_matches(f.job, filters.pod):
             return False
         return report.snapshot.taken_at - f.since >= filters.older_than
 
@@ -305,6 +312,20 @@ class Planner:
         if a.kind not in SERVICE_CHECKED:
             return None
         return functools.partial(self.serving, a.kind)
+
+
+def _job_json(job: Optional[Job]) -> Optional[dict[str, Any]]:
+    if job is None:
+        return None
+    doc: dict[str, Any] = {"id": job.id, "source": job.source}
+    if job.namespace and job.pod:
+        doc.update(namespace=job.namespace, pod=job.pod, container=job.container)
+    return doc
+
+
+def _pod_matches(job: Optional[Job], wanted: str) -> bool:
+    """`--pod NAMESPACE/NAME`: the pod the node names so (gpuwatch.sources.pods)."""
+    return job is not None and job.pod_name == wanted
 
 
 def _job_matches(job: Optional[Job], wanted: str) -> bool:

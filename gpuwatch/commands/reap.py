@@ -48,6 +48,8 @@ Exit codes:
 @click.option("--dry-run", is_flag=True, help="Print the plan; send nothing.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--job", metavar="JOB", help="Only this job's processes (its id, or SOURCE:ID).")
+@click.option("--pod", metavar="NAMESPACE/NAME",
+              help="Only this Kubernetes pod's processes.")
 @click.option("--pid", "pids", type=int, multiple=True, metavar="PID",
               help="Only this PID (repeatable).")
 @click.option("--kind", "kinds", cls=Option, multiple=True, metavar="KIND",
@@ -63,7 +65,8 @@ Exit codes:
               help="Plan from one poll here even if a daemon is running.")
 @runtime_option
 @config_option
-def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
+def reap(dry_run: bool, yes: bool, job: Optional[str], pod: Optional[str],
+         pids: tuple[int, ...],
          kinds: tuple[str, ...], user: Optional[str], older_than: float, grace: Optional[float],
          as_json: bool, poll: bool, runtime_dir: Optional[Path], config: Optional[Path]
          ) -> ExitCode:
@@ -94,8 +97,11 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pids: tuple[int, ...],
     report = from_json(status_document(cfg, ask_daemon=not poll))
     info = daemon_info(cfg.daemon.runtime_dir)
     reaper = Reap(cfg, daemon_pid=info.pid if info is not None else None)
+    if pod is not None and (pod.count("/") != 1 or not all(pod.split("/"))):
+        raise CommandError(f"gpuwatch reap: --pod takes NAMESPACE/NAME, not {pod!r}",
+                           ExitCode.USAGE)
     filters = Filters(kinds=frozenset(kinds) if kinds else REAPABLE_KINDS, job=job,
-                      pids=frozenset(pids or ()), user=user, older_than=older_than)
+                      pids=frozenset(pids or ()), user=user, older_than=older_than, pod=pod)
     actions = reaper.plan(report, filters, dry_run=dry_run, grace=grace)
     # Protected GPU holders the --job or --pid names: never signalled, their memory stays held.
     spared = reaper.spared(report, filters)

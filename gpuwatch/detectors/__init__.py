@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import (
+    allocation,
     ghosts,
     leaks,
     leftovers,
@@ -28,7 +29,7 @@ from gpuwatch.vocabulary import severity_rank
 
 #: Each declares the kinds it reports (EMITS); between them, every kind of gpuwatch.model.KINDS
 #: (tests/test_detectors.py ties the two, and runs each over scenarios to check its EMITS).
-DETECTORS = (orphans, zombies, leftovers, ghosts, unkillable, leaks, stalled)
+DETECTORS = (orphans, zombies, leftovers, ghosts, unkillable, leaks, stalled, allocation)
 
 __all__ = ["DETECTORS", "KINDS", "assess", "detect", "is_protected", "protected_by"]
 

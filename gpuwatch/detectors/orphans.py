@@ -17,6 +17,10 @@ a subreaper of any name). Except under PID 1, the process must not
 lead its own group (what an init or a supervisor starts on purpose does) unless a torchrun agent
 started it, and the parent must not be one that may be its live launcher (`_may_have_launched`).
 
+On Kubernetes, with or without history: the process holds GPU memory in the cgroup of a pod
+the kubelet no longer lists (deleted while its process lives on: a container's init that
+escaped, a process that left the container's cgroup scope); the reason names the pod.
+
 Under `gpuwatch run`, with or without history: the process names its supervisor (PID and start
 time, GPUWATCH_RUN_SUPERVISOR) and that process no longer runs (common.supervisor_gone). Its
 launcher and helpers count as much as its GPU holders: all of them outlived the job.
@@ -31,6 +35,7 @@ from gpuwatch.detectors.common import (
     Evidence,
     by_holding,
     finding,
+    gpu_words,
     is_protected,
     named,
     named_process,
@@ -58,6 +63,10 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         if evidence is not None:
             yield finding(Kind.ORPHAN, by_holding(p), p, evidence)
             continue
+        evidence = _pod_gone(p, snapshot)
+        if evidence is not None:
+            yield finding(Kind.ORPHAN, "critical", p, evidence)
+            continue
         h = history.get(p.identity)
         if h is not None and h.first_ppid not in (None, 0, 1) and p.ppid != h.first_ppid:
             evidence = _lineage_reason(p, h.first_ppid, h.parent_start, h.parent_name,
@@ -68,6 +77,20 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             found = _environment_reason(p, snapshot, config)
             if found is not None:
                 yield finding(Kind.ORPHAN, Severity.CRITICAL, p, found)
+
+
+def _pod_gone(p: HostProcess, snapshot: NodeSnapshot) -> Evidence | None:
+    """A process holding GPU memory in the cgroup of a pod the kubelet no longer lists (two
+    answers in a row: gpuwatch.sources.pods): the pod was deleted, and this outlived it."""
+    pod = snapshot.pods.get(p.pod_uid) if p.holds_gpu and p.pod_uid else None
+    if pod is None or pod.listed is not False:
+        return None
+    since = (f" since {clock_time(snapshot.wall(pod.gone_since))}"
+             if pod.gone_since is not None else "")
+    return Evidence(f"pod {pod.full_name} (UID {pod.uid}) is gone from the kubelet's pods{since}"
+                    f"; its process still holds {gpu_words(p)}",
+                    f"pod UID {pod.uid} is gone from the kubelet's pods{since}; its process "
+                    f"still holds {gpu_words(p)}")
 
 
 def _job_still_training(p: HostProcess, history: History) -> bool:

@@ -13,6 +13,7 @@ from gpuwatch.doctor.base import FAIL, OK, WARN, Check, Context
 from gpuwatch.doctor.cgroups import check_cgroups
 from gpuwatch.doctor.config_check import check_config
 from gpuwatch.doctor.daemon import check_agent_socket, check_daemon, check_directories
+from gpuwatch.doctor.kubernetes import check_kubernetes
 from gpuwatch.doctor.metrics import check_metrics
 from gpuwatch.doctor.nvml import check_nvml
 from gpuwatch.doctor.privileges import check_executables, check_privileges
@@ -45,6 +46,7 @@ CHECKS: tuple[Spec, ...] = (
     Spec("pid-namespace", check_pid_namespace),
     Spec("proc-children", check_proc_children),
     Spec("cgroups", check_cgroups),
+    Spec("kubernetes", check_kubernetes),
     Spec("directories", check_directories),
     Spec("daemon", check_daemon),
     Spec("agent-socket", check_agent_socket),

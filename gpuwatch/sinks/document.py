@@ -187,7 +187,14 @@ def _agent(a: Optional[AgentReading], wall: Callable[[float], float]
 
 
 def _job(job: Optional[Job]) -> Optional[JobDoc]:
-    return {"id": job.id, "source": job.source} if job is not None else None
+    if job is None:
+        return None
+    doc: JobDoc = {"id": job.id, "source": job.source}
+    if job.namespace and job.pod:
+        doc["namespace"] = job.namespace
+        doc["pod"] = job.pod
+        doc["container"] = job.container
+    return doc
 
 
 def _process(p: HostProcess, job: Optional[Job], job_root: Optional[int],
@@ -357,7 +364,10 @@ def from_json(doc: StatusDocument) -> NodeReport:
 
 
 def _job_of(job: Optional[JobDoc]) -> Optional[Job]:
-    return Job(job["id"], job["source"]) if job is not None else None
+    if job is None:
+        return None
+    return Job(job["id"], job["source"], namespace=job.get("namespace"), pod=job.get("pod"),
+               container=job.get("container"))
 
 
 def _usage_of(pid: int, u: GpuUsageDoc) -> GpuProcessUsage:

@@ -93,7 +93,8 @@ def walk_trees(procs: Mapping[int, HostProcess], shown: set[int],
 
 
 def job_cell(job: Optional[Job]) -> str:
-    return f"{job.source}:{job.id}" if job else "-"
+    """source:id, or for a Kubernetes pod whose names are known NAMESPACE/POD[/CONTAINER]."""
+    return job.shown if job else "-"
 
 
 def gpu_cell(p: HostProcess) -> str:

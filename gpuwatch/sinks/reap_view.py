@@ -56,7 +56,7 @@ def render_reap(report: NodeReport, rows: list[tuple[Any, str, str]], dry_run: b
     table: list[tuple[str, ...]] = [("PID", "NAME", "USER", "JOB", "KIND", "GPU MEMORY",
                                      "ACTION", "SIGNALS" if dry_run else "RESULT", "WHY")]
     for a, result, detail in rows:
-        job = str(a.job) if a.job else "-"
+        job = a.job.shown if a.job else "-"
         memory = human_bytes(a.gpu_memory_bytes) if a.gpu_memory_bytes is not None else "-"
         outcome = ", ".join(a.signals) if dry_run else f"{result}: {detail}" if detail else result
         why = a.refused or a.reason
@@ -95,6 +95,6 @@ def _service_lines(rows: list[tuple[Any, str, str]], dry_run: bool) -> list[str]
 
 def _spared_line(s: Any) -> str:
     memory = human_bytes(s.gpu_memory_bytes) if s.gpu_memory_bytes is not None else "GPU memory"
-    job = f", job {s.job}" if s.job else ""
+    job = f", job {s.job.shown}" if s.job else ""
     return clean(f"not signalled: PID {s.pid} ({s.name or '?'}, {s.user or '?'}{job}) holds "
                  f"{memory} and is protected: {s.protected}")

@@ -133,6 +133,7 @@ class _Static:
     system_unit: Optional[str]
     exe: Optional[Executable]
     job: Optional[Job]
+    pod_uid: Optional[str]
     launch_env: Mapping[str, str]
     namespace_pids: tuple[int, ...]
     read_errors: tuple[str, ...]
@@ -337,6 +338,7 @@ class ProcessSource:
             "system_unit": static.system_unit,
             "exe": static.exe,
             "job": static.job,
+            "pod_uid": static.pod_uid,
             "launch_env": static.launch_env,
             "namespace_pids": static.namespace_pids,
             "gpu_usage": usage,
@@ -593,6 +595,7 @@ class ProcessSource:
             system_unit=system_unit(cgroup_raw) if cgroup_raw is not None else None,
             exe=exe,
             job=attribute_job(cgroup, launch_env),
+            pod_uid=cgroup.pod_uid if cgroup is not None else None,
             launch_env=launch_env,
             namespace_pids=namespace_pids,
             read_errors=errors,

@@ -16,13 +16,10 @@ from gpuwatch.config import Config
 from gpuwatch.daemon_info import DaemonInfo
 from gpuwatch.model import NvmlReading
 from gpuwatch.runtime_dir import daemon_info
+from gpuwatch.vocabulary import CheckStatus
 
-OK = "ok"
-WARN = "warn"
-FAIL = "fail"
-#: The check does not apply here (systemd not running) or cannot tell; never a problem.
-SKIP = "skip"
-STATUSES = (OK, WARN, FAIL, SKIP)
+OK, WARN, FAIL, SKIP = CheckStatus.OK, CheckStatus.WARN, CheckStatus.FAIL, CheckStatus.SKIP
+STATUSES: tuple[CheckStatus, ...] = tuple(CheckStatus)
 
 
 # Capability bits (linux/capability.h) that decide what gpuwatch can see and do.
@@ -39,7 +36,7 @@ class Check:
     """One line of the report."""
 
     name: str
-    status: str
+    status: CheckStatus
     #: What was found, one line.
     summary: str
     #: What to do; given for warn and fail.

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpuwatch.sinks.colour import paint
 from gpuwatch.sinks.text import clean, wrap_text
+from gpuwatch.vocabulary import CheckStatus
 
 _STATUS_WIDTH = 4
 
@@ -32,7 +33,7 @@ def render_doctor(doc: Mapping[str, Any], colour: bool = False, width: int = 0) 
         summary = _wrapped(clean(c["summary"]), width, len(indent))
         lines.append(f"{status}  {c['name']:<{name_width}}  {summary[0]}")
         lines += [indent + more for more in summary[1:]]
-        if c.get("fix") and c["status"] in ("warn", "fail"):
+        if c.get("fix") and c["status"] in (CheckStatus.WARN, CheckStatus.FAIL):
             fix = _wrapped(clean(c["fix"]), width, len(indent) + 2)
             lines.append(f"{indent}→ {fix[0]}")
             lines += [f"{indent}  {more}" for more in fix[1:]]
@@ -51,9 +52,11 @@ def summary_line(checks: Sequence[Mapping[str, Any]]) -> str:
     """'2 warnings, 1 failure (8 ok, 1 skipped)', or 'all ok (10 ok)'."""
     counts = Counter(c["status"] for c in checks)
     problems = []
-    if counts["warn"]:
-        problems.append(f"{counts['warn']} warning{'s' if counts['warn'] != 1 else ''}")
-    if counts["fail"]:
-        problems.append(f"{counts['fail']} failure{'s' if counts['fail'] != 1 else ''}")
-    rest = f"{counts['ok']} ok" + (f", {counts['skip']} skipped" if counts["skip"] else "")
+    warn, fail = counts[CheckStatus.WARN], counts[CheckStatus.FAIL]
+    ok, skip = counts[CheckStatus.OK], counts[CheckStatus.SKIP]
+    if warn:
+        problems.append(f"{warn} warning{'s' if warn != 1 else ''}")
+    if fail:
+        problems.append(f"{fail} failure{'s' if fail != 1 else ''}")
+    rest = f"{ok} ok" + (f", {skip} skipped" if skip else "")
     return f"{', '.join(problems) or 'all ok'} ({rest})"

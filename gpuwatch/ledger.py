@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Optional
 
+from gpuwatch.evidence import HungAtExit, LeakEvidence
 from gpuwatch.model import Finding, FindingIdentity, HostProcess, Job, Kind
 
 
@@ -41,12 +42,12 @@ class FindingsLedger:
         change under them. Figures that move belong in `details`.
 
         One exception: a leak that opened without a culprit takes the reason of the first poll
-        that names one (details["culprit"]), and keeps that one. Naming the culprit is what the
-        daemon works towards after the leak opened (a discovery pass, a trace it asked for), so
-        "RSS grows every step" would otherwise stay the reason for the whole life of a leak
+        that names one (a culprit in its LeakEvidence), and keeps that one. Naming the culprit is
+        what the daemon works towards after the leak opened (a discovery pass, a trace it asked
+        for), so "RSS grows every step" would otherwise stay the reason for the whole life of a leak
         whose cause became known minutes later. The reason changes at most once, from saying
         less to saying more; a culprit named differently later only shows in `details`. So
-        does a step stall's, once the process reports hung at exit (details["hung_at_exit"]):
+        does a step stall's, once the process reports hung at exit (HungAtExit):
         what holds it is then known. The summary (the same evidence from identity and figures)
         is kept and refined with the reason, so the two always say the same.
         """
@@ -56,12 +57,11 @@ class FindingsLedger:
             kept = self._open.get(f.identity)
             if kept is None:
                 since, reason, summary = now, f.reason, f.summary
-                refinable = ((f.kind == Kind.LEAK and f.details.get("culprit") is None)
-                             or (f.kind == Kind.STALLED and not f.details.get("hung_at_exit")))
+                refinable = ((f.kind == Kind.LEAK and not _names_culprit(f))
+                             or (f.kind == Kind.STALLED and not _hung_at_exit(f)))
             else:
                 since, reason, summary, refinable = kept
-                if refinable and (f.details.get("culprit") is not None
-                                  or f.details.get("hung_at_exit")):
+                if refinable and (_names_culprit(f) or _hung_at_exit(f)):
                     reason, summary, refinable = f.reason, f.summary, False
             open_now[f.identity] = (since, reason, summary, refinable)
             job = f.job
@@ -71,3 +71,11 @@ class FindingsLedger:
             stamped.append(replace(f, since=since, reason=reason, summary=summary, job=job))
         self._open = open_now
         return stamped
+
+
+def _names_culprit(f: Finding) -> bool:
+    return isinstance(f.details, LeakEvidence) and f.details.culprit is not None
+
+
+def _hung_at_exit(f: Finding) -> bool:
+    return isinstance(f.details, HungAtExit)

@@ -13,13 +13,14 @@ from typing import Any, NamedTuple, Optional
 
 # Frozen dataclasses with three of the six generated methods shared: `gpuwatch status --poll`
 # imports this module on every run.
+from gpuwatch.evidence import Details
 from gpuwatch.frozen import frozen_dataclass as _frozen
 
 # The finding kinds, as the model has always named them (gpuwatch.vocabulary holds them).
 from gpuwatch.vocabulary import KINDS as KINDS
 from gpuwatch.vocabulary import REAPABLE_KINDS as REAPABLE_KINDS
 from gpuwatch.vocabulary import Kind as Kind
-from gpuwatch.vocabulary import LimitSource, ProcState, Severity, TraceStatus
+from gpuwatch.vocabulary import ProcState, Severity, TraceStatus
 
 #: Kinds of NVML process lists a PID was found in.
 COMPUTE = "compute"
@@ -448,15 +449,6 @@ class AgentReading:
     can_reply: bool = False
 
 
-@_frozen
-class MemoryLimit:
-    """A limit a process's host memory runs into, and what is left of it."""
-
-    source: LimitSource
-    limit_bytes: Optional[int]
-    available_bytes: int
-
-
 FindingIdentity = tuple[str, Optional[int], Optional[float], tuple[int, ...]]
 
 
@@ -488,8 +480,9 @@ class Finding:
     gpu_memory_bytes: Optional[int] = None
     since: float = 0.0
     #: Figures that go with the finding (a leak's growth and projected OOM), kept out of the
-    #: reason so that it stays the same while the figures move.
-    details: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: reason so that it stays the same while the figures move (gpuwatch.evidence); None where
+    #: the reason says it all.
+    details: Optional[Details] = None
     #: The evidence in words a local scraper may read: identity and figures only (see above).
     summary: str = ""
 

@@ -22,7 +22,7 @@ class Word(str, Enum):
 
     # Its value, not "Kind.ORPHAN", wherever it is written: f-strings, metric labels, str().
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]
 
     @classmethod
     def parse(cls: type[W], text: object) -> Optional[W]:
@@ -122,6 +122,14 @@ class Series(Word):
     BUFFER = "buffer"
 
 
+class GrowthUnit(Word):
+    """What a leak's growth is measured against: training steps (an instrumented process) or
+    seconds (any other)."""
+
+    STEP = "step"
+    SECOND = "second"
+
+
 class TraceStatus(Word):
     """What became of an allocation trace asked of a leaking process (docs/agent-protocol.md)."""
 
@@ -168,9 +176,10 @@ FINAL_OUTCOMES: tuple[ReapOutcome, ...] = tuple(
 
 
 class CheckStatus(Word):
-    """What a check of `gpuwatch doctor` found, worst last."""
+    """What a check of `gpuwatch doctor` found."""
 
     OK = "ok"
-    SKIP = "skip"
     WARN = "warn"
     FAIL = "fail"
+    #: The check does not apply here (systemd not running) or cannot tell; never a problem.
+    SKIP = "skip"

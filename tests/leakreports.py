@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Optional
 
+from gpuwatch.evidence import LeakEvidence
 from gpuwatch.model import (
     AgentReading,
     BufferSize,
@@ -15,11 +16,14 @@ from gpuwatch.model import (
     GpuProcessUsage,
     HostProcess,
     Job,
+    Kind,
     NodeReport,
     NodeSnapshot,
     NvmlStatus,
     StepPoint,
 )
+from gpuwatch.sinks.details_doc import details_of
+from gpuwatch.vocabulary import GrowthUnit, Severity
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -32,12 +36,15 @@ LONG_SITE = ("/opt/conda/envs/train/lib/python3.11/site-packages/" + "deeply/nes
 
 
 def leak(pid: int, reason: str, **details: Any) -> Finding:
+    """A leak finding whose evidence reads as the document's `details` object given."""
     base: dict[str, Any] = {"series": "RSS", "unit": "step", "window_steps": [10, 74]}
     if details.get("unit") == "second":
         del base["window_steps"]
-    return Finding("leak", "warning", reason, pid=pid, start_time=TAKEN_AT - 600,
+    evidence = details_of({**base, **details})
+    assert isinstance(evidence, LeakEvidence)
+    return Finding(Kind.LEAK, Severity.WARNING, reason, pid=pid, start_time=TAKEN_AT - 600,
                    name="python3", user="gina", job=JOB, gpus=(0,), gpu_memory_bytes=4 * GIB,
-                   since=TAKEN_AT - 60, details=MappingProxyType({**base, **details}))
+                   since=TAKEN_AT - 60, details=evidence)
 
 
 WATCHED = leak(700, "RSS grows every step; buffer `fetch_buffer` explains it (watched); runs out "
@@ -109,5 +116,6 @@ def leak_report(findings: tuple[Finding, ...] = LEAKS) -> NodeReport:
         gpus=(), processes=MappingProxyType({pid: process(pid) for pid in pids}),
         agents=MappingProxyType({f.pid: agent(f.pid, CUDA if f.pid == 700 else None)
                                  for f in findings
-                                 if f.pid is not None and f.details.get("unit") == "step"}))
+                                 if f.pid is not None and isinstance(f.details, LeakEvidence)
+                                 and f.details.unit == GrowthUnit.STEP}))
     return NodeReport(snapshot, findings)

@@ -24,6 +24,7 @@ import pytest
 from gpuwatch.agent._discovery import Scanner
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import assess
+from gpuwatch.evidence import LeakEvidence
 from gpuwatch.history import History
 from gpuwatch.jobs.tree import job_roots
 from gpuwatch.model import (
@@ -34,6 +35,7 @@ from gpuwatch.model import (
     NvmlStatus,
     StepPoint,
 )
+from gpuwatch.vocabulary import FoundBy
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -146,8 +148,10 @@ def run_seed(seed: int, leaking: bool) -> tuple[Optional[int], list[tuple[int, s
         for f in assess(snapshot, history, CONFIG).findings:
             if f.kind != "leak":
                 continue
-            culprit = f.details.get("culprit")
-            if leaking and culprit == FETCH and f.details.get("found_by") == "discovered":
+            named = f.details.culprit if isinstance(f.details, LeakEvidence) else None
+            culprit = named.name if named is not None else None
+            found_by = named.found_by if named is not None else None
+            if leaking and culprit == FETCH and found_by == FoundBy.DISCOVERED:
                 named_at = step if named_at is None else named_at
             elif not leaking or culprit is not None:
                 wrong.append((step, f"{f.reason} [{culprit}]"))

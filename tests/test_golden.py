@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuwatch.document_types import StatusDocument
 from gpuwatch.model import NodeReport
+from gpuwatch.sinks.details_doc import details_doc, details_of
 from gpuwatch.sinks.document import bounded_json, from_json, status_document
 from gpuwatch.sinks.exporter import ReportCollector
 from gpuwatch.sinks.status_view import render_status
@@ -90,6 +91,13 @@ def test_every_sink_renders_each_reference_report_exactly_as_its_golden_files_sa
                 expected.splitlines(keepends=True), text.splitlines(keepends=True),
                 f"{path} (golden)", f"{path} (rendered now)")))
     assert not differences, "\n".join(differences)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_findings_evidence_reads_back_from_the_document_as_it_was_written(
+        case: str) -> None:
+    for f in CASES[case]().findings:
+        assert details_of(json.loads(json.dumps(details_doc(f.details)))) == f.details, f
 
 
 def test_the_golden_folders_are_exactly_the_reference_reports() -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import Optional
 
+from gpuwatch.evidence import Culprit, LeakEvidence
 from gpuwatch.history import MAX_DISCOVERED, STEP_POINTS, History, StepSeries
 from gpuwatch.ledger import FindingsLedger
 from gpuwatch.model import (
@@ -19,6 +20,7 @@ from gpuwatch.model import (
     NvmlStatus,
     StepPoint,
 )
+from gpuwatch.vocabulary import FoundBy, GrowthUnit, Kind, Series, Severity
 
 
 def _snapshot(t: float, *procs: HostProcess) -> NodeSnapshot:
@@ -89,11 +91,14 @@ def test_resize_keeps_what_fits() -> None:
 
 
 def _leak(reason: str, culprit: Optional[str], kind: str = "leak") -> Finding:
-    details: dict[str, Any] = {"series": "RSS"} if kind == "leak" else {}
-    if kind == "leak":
-        details["culprit"] = culprit
-    return Finding(kind, "warning", reason, pid=10, start_time=1.0,
-                   details=MappingProxyType(details))
+    return Finding(Kind(kind), Severity.WARNING, reason, pid=10, start_time=1.0,
+                   details=_named(culprit) if kind == "leak" else None)
+
+
+def _named(culprit: Optional[str]) -> LeakEvidence:
+    """A leak's evidence naming `culprit` (found by watching it), or none."""
+    return LeakEvidence(Series.RSS, GrowthUnit.STEP, culprit=(
+        Culprit(culprit, FoundBy.WATCHED) if culprit is not None else None))
 
 
 def test_a_leak_opened_without_a_culprit_takes_the_reason_that_first_names_one_then_keeps_it(
@@ -134,7 +139,7 @@ def test_a_leak_opened_with_its_culprit_and_other_findings_keep_their_first_reas
     orphan = _leak("parent 4121 (torchrun) exited after 10:00:00Z", None, kind="orphan")
     ledger.stamp([orphan], procs, 102.0)
     (stamped,) = ledger.stamp([replace(orphan, reason="something else entirely",
-                                       details=MappingProxyType({"culprit": "x"}))],
+                                       details=_named("x"))],
                               procs, 103.0)
     assert (stamped.reason, stamped.since) == (orphan.reason, 102.0)
 

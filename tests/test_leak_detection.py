@@ -13,12 +13,22 @@ import pytest
 
 from gpuwatch.config import Config, DetectorConfig, HistoryConfig, sample_spacing
 from gpuwatch.detectors import assess
+from gpuwatch.evidence import (
+    CopyOnWrite,
+    Culprit,
+    HungAtExit,
+    LeakEvidence,
+    OomProjection,
+    TracedSite,
+    TraceSummary,
+)
 from gpuwatch.history import History
 from gpuwatch.jobs.tree import job_roots
 from gpuwatch.model import (
     NO_DISCOVERY,
     AgentReading,
     BufferSize,
+    Finding,
     GpuDevice,
     GpuProcessUsage,
     HostProcess,
@@ -29,6 +39,7 @@ from gpuwatch.model import (
     TraceReport,
     TraceSite,
 )
+from gpuwatch.vocabulary import FoundBy, GrowthUnit, LimitSource, Series, TraceStatus
 from tests.emitted_kinds import detectors_report_only_declared_kinds  # noqa: F401 (autouse)
 
 MIB = 1 << 20
@@ -91,6 +102,29 @@ def leaks(report: NodeReport) -> list:
     return [f for f in report.findings if f.kind == "leak"]
 
 
+def evidence(f: Finding) -> LeakEvidence:
+    assert isinstance(f.details, LeakEvidence), f.details
+    return f.details
+
+
+def projection(f: Finding) -> OomProjection:
+    oom = evidence(f).projection
+    assert oom is not None
+    return oom
+
+
+def culprit(f: Finding) -> Culprit:
+    c = evidence(f).culprit
+    assert c is not None
+    return c
+
+
+def culprit_of(f: Finding) -> tuple[Optional[str], Optional[FoundBy]]:
+    """The culprit's name and how it was found; (None, None) when the leak names none."""
+    c = evidence(f).culprit
+    return (c.name, c.found_by) if c is not None else (None, None)
+
+
 def test_a_buffer_leaking_4_mib_a_step_is_named_within_10_steps_after_warm_up() -> None:
     rng = random.Random(7)
     base, limit = 2 * GIB, 1200 * MIB  # 1.2 GiB left: 300 steps of 4 MiB
@@ -110,14 +144,14 @@ def test_a_buffer_leaking_4_mib_a_step_is_named_within_10_steps_after_warm_up() 
     (f,) = leaks(run.reports[-1])
     assert f.reason == ("RSS grows every step; buffer `fetch_buffer` explains it (watched); runs "
                         "out against the node limit")
-    assert (f.details["culprit"], f.details["found_by"]) == ("fetch_buffer", "watched")
-    assert "trace" not in f.details
-    assert abs(f.details["growth_bytes_per_step"] - 4 * MIB) < 0.1 * 4 * MIB
+    assert culprit_of(f) == ("fetch_buffer", "watched")
+    assert evidence(f).trace is None
+    assert abs((evidence(f).growth_bytes_per_step or 0) - 4 * MIB) < 0.1 * 4 * MIB
     # The true step of exhaustion: where 4 MiB a step has eaten the 1.2 GiB that were free.
     true_oom_step = limit // (4 * MIB)
-    assert abs(f.details["projected_oom_step"] - true_oom_step) <= 0.1 * true_oom_step
-    assert f.details["limit_source"] == "node"
-    assert abs(f.details["projected_oom_in_seconds"] - (true_oom_step - 39)) <= \
+    assert abs((projection(f).step or 0) - true_oom_step) <= 0.1 * true_oom_step
+    assert projection(f).limit.source == LimitSource.NODE
+    assert abs((projection(f).in_seconds or 0) - (true_oom_step - 39)) <= \
         0.1 * true_oom_step  # one step a second
 
 
@@ -152,10 +186,10 @@ def test_gpu_memory_growing_every_step_is_a_leak_projected_against_the_gpu() -> 
         report = run.step(step, 3 * GIB, gpu=GIB + step * 64 * MIB)
     (f,) = leaks(report)
     assert f.reason == "GPU memory grows every step; runs out against the GPU limit"
-    assert f.details["limit_source"] == "GPU"
+    assert projection(f).limit.source == LimitSource.GPU
     used = GIB + 29 * 64 * MIB
     expected = 29 + (10 * GIB - used) // (64 * MIB)
-    assert abs(f.details["projected_oom_step"] - expected) <= 1
+    assert abs((projection(f).step or 0) - expected) <= 1
 
 
 def test_a_buffer_growing_in_items_alone_is_named() -> None:
@@ -164,8 +198,8 @@ def test_a_buffer_growing_in_items_alone_is_named() -> None:
         report = run.step(step, 3 * GIB, buffers={"pending": BufferSize(10 * step, None)})
     (f,) = leaks(report)
     assert f.reason == "buffer `pending` grows every step"
-    assert f.details["culprit_items_per_step"] == 10.0
-    assert (f.details["culprit"], f.details["found_by"]) == ("pending", "watched")
+    assert culprit(f).items_per_step == 10.0
+    assert culprit_of(f) == ("pending", "watched")
 
 
 def test_without_an_agent_steady_growth_over_time_is_a_leak_per_second() -> None:
@@ -183,8 +217,9 @@ def test_without_an_agent_steady_growth_over_time_is_a_leak_per_second() -> None
                             job_roots=MappingProxyType(job_roots(procs)))
         report = assess(snap, history, config)
     (f,) = leaks(report)
-    assert f.details["unit"] == "second" and f.reason.startswith("RSS grows steadily (no agent)")
-    assert math.isclose(f.details["growth_bytes_per_second"], MIB, rel_tol=0.01)
+    assert evidence(f).unit == GrowthUnit.SECOND
+    assert f.reason.startswith("RSS grows steadily (no agent)")
+    assert math.isclose(evidence(f).growth_bytes_per_second or 0, MIB, rel_tol=0.01)
 
 
 def _worker_job(t: float, worker_rss: int, cmdline: tuple[str, ...] = ()
@@ -222,7 +257,7 @@ def test_with_the_default_settings_a_worker_growing_steadily_is_a_leak_at_any_in
         t += interval
     assert found is not None, f"no leak within {deadline:.0f} s at a {interval} s interval"
     assert found.pid == 11 and found.reason.startswith("RSS grows steadily (no agent)")
-    assert math.isclose(found.details["growth_bytes_per_second"], MIB, rel_tol=0.05)
+    assert math.isclose(evidence(found).growth_bytes_per_second or 0, MIB, rel_tol=0.05)
     # What that costs: a bounded number of samples, whatever the interval.
     h = history.get((11, 901.0))
     assert h is not None and len(h) <= config.history.samples
@@ -273,12 +308,12 @@ def test_forked_workers_private_memory_growing_with_rss_flat_is_explained_as_cop
         "after fork: touch-once data in a Dataset; workers' private memory grows as they touch "
         "the parent's pages")
     d = f.details
-    assert (d["cause"], d["series"], d["workers"], d["worker_pids"]) == (
-        "copy-on-write", "USS", 2, [11, 12])
-    assert math.isclose(d["growth_bytes_per_second"], 3 * MIB, rel_tol=0.05)
+    assert isinstance(d, CopyOnWrite)
+    assert (d.workers, d.worker_pids) == (2, (11, 12))
+    assert math.isclose(d.growth_bytes_per_second, 3 * MIB, rel_tol=0.05)
     # Over the window: 1 and 2 MiB a second, for most of the 60 s.
-    assert 120 * MIB <= d["private_growth_bytes"] <= 3 * 60 * MIB
-    assert d["uss_bytes_to"] > d["uss_bytes_from"] >= 9 * MIB
+    assert 120 * MIB <= d.private_growth_bytes <= 3 * 60 * MIB
+    assert d.uss_bytes_to > d.uss_bytes_from >= 9 * MIB
 
 
 def test_a_forked_worker_whose_rss_grows_with_its_uss_is_its_own_leak_not_copy_on_write() -> None:
@@ -312,7 +347,7 @@ def test_a_step_stall_that_turns_out_hung_at_exit_says_what_holds_it_from_then_o
     for step in range(5):
         run.step(step, 3 * GIB, gpu=GIB)
     (stall,) = run.step(4, 3 * GIB, gpu=GIB, at=1065.0, advance=False).findings
-    assert stall.severity == "warning" and stall.details == {}
+    assert stall.severity == "warning" and stall.details is None
     pools = (MappingProxyType({"workers": 1, "threads": ("reward_buffer_0",)}),)
     hung = {"threads": ("heartbeat",), "executors": 2, "thread_pools": pools,
             "process_group": True}
@@ -324,7 +359,7 @@ def test_a_step_stall_that_turns_out_hung_at_exit_says_what_holds_it_from_then_o
             "worker thread ('reward_buffer_0') was never shut down; a ProcessPoolExecutor was "
             "never shut down; non-daemon thread 'heartbeat' is still running; the "
             "torch.distributed process group was never destroyed")
-        assert f.details == {"hung_at_exit": True}
+        assert f.details == HungAtExit()
 
 
 def test_a_process_hung_at_exit_without_gpu_memory_is_a_warning_from_the_first_poll() -> None:
@@ -353,11 +388,11 @@ def test_a_discovered_container_is_named_by_its_qualified_name_while_the_agent_n
     (f,) = leaks(report)
     assert f.reason == (f"RSS grows every step; `{FETCH}` explains it (discovered); runs out "
                         "against the node limit")
-    assert (f.details["culprit"], f.details["found_by"]) == (FETCH, "discovered")
-    assert abs(f.details["culprit_bytes_per_step"] - 4 * MIB) < 0.05 * 4 * MIB
-    assert f.details["culprit_items_per_step"] == 4.0
-    assert "trace" not in f.details
-    culprits = {f.details["culprit"] for r in run.reports for f in leaks(r)}
+    assert culprit_of(f) == (FETCH, "discovered")
+    assert abs((culprit(f).bytes_per_step or 0) - 4 * MIB) < 0.05 * 4 * MIB
+    assert culprit(f).items_per_step == 4.0
+    assert evidence(f).trace is None
+    culprits = {culprit_of(f)[0] for r in run.reports for f in leaks(r)}
     assert culprits == {FETCH}  # named as soon as the leak was, never the cache
 
     # The next pass no longer names it (it stopped growing, or others grow faster): it is not
@@ -365,7 +400,7 @@ def test_a_discovered_container_is_named_by_its_qualified_name_while_the_agent_n
     report = run.step(40, 2 * GIB + 40 * 4 * MIB,
                       discovered={"mymod.Registry.lru": BufferSize(16, 4 * MIB)})
     (f,) = leaks(report)
-    assert (f.details["culprit"], f.details["found_by"]) == (None, None)
+    assert culprit_of(f) == (None, None)
     assert f.reason.startswith(f"RSS grows every step; `{FETCH}` explains it (discovered)")
 
 
@@ -377,7 +412,7 @@ def test_a_bounded_cache_that_grew_as_fast_as_the_leak_and_plateaued_is_never_na
         cache = min(step, 10)
         report = run.step(step, 2 * GIB + step * 4 * MIB,
                           discovered={"mymod.cache": BufferSize(100 * cache, cache * 4 * MIB)})
-    assert all(f.details["culprit"] is None and f.details["found_by"] is None
+    assert all(culprit_of(f) == (None, None)
                for r in run.reports for f in leaks(r))
     (f,) = leaks(report)
     assert f.reason == "RSS grows every step; runs out against the node limit"
@@ -391,13 +426,13 @@ def test_a_discovered_container_needs_four_passes_and_half_the_growth() -> None:
                       "mymod.small": BufferSize(step, step * MIB)} if passes else None
         report = run.step(step, 2 * GIB + step * 4 * MIB, discovered=discovered)
         if leaks(report):
-            assert leaks(report)[0].details["culprit"] is None, step
+            assert evidence(leaks(report)[0]).culprit is None, step
     assert leaks(run.reports[-1])  # open, with no culprit yet
     report = run.step(30, 2 * GIB + 30 * 4 * MIB,
                       discovered={FETCH: BufferSize(30, 30 * 4 * MIB),
                                   "mymod.small": BufferSize(30, 30 * MIB)})
     (f,) = leaks(report)
-    assert f.details["culprit"] == FETCH  # "mymod.small" grows by a quarter of the leak only
+    assert culprit(f).name == FETCH  # "mymod.small" grows by a quarter of the leak only
     # Named four steps after the leak opened: the reason takes it.
     assert f.reason.startswith(f"RSS grows every step; `{FETCH}` explains it (discovered)")
 
@@ -409,9 +444,9 @@ def test_unsized_discovered_containers_are_judged_by_their_item_counts() -> None
                       "mymod.queue": BufferSize(3 + step % 2, None)}
         report = run.step(step, 2 * GIB + step * 4 * MIB, discovered=discovered)
     (f,) = leaks(report)
-    assert (f.details["culprit"], f.details["found_by"]) == ("mymod.pending", "discovered")
-    assert f.details["culprit_items_per_step"] == 10.0
-    assert "culprit_bytes_per_step" not in f.details
+    assert culprit_of(f) == ("mymod.pending", "discovered")
+    assert culprit(f).items_per_step == 10.0
+    assert culprit(f).bytes_per_step is None
 
 
 def _trace(received_at: float, step: int, top_bytes: int, steps: int = 5) -> TraceReport:
@@ -433,51 +468,50 @@ def test_an_allocation_site_a_trace_found_is_named_once_the_answer_comes() -> No
     assert opened is not None
     (f,) = leaks(report)
     assert f.reason == "RSS grows every step; runs out against the node limit"
-    assert (f.details["culprit"], f.details["found_by"]) == (None, None)
-    assert "trace" not in f.details
+    assert culprit_of(f) == (None, None)
+    assert evidence(f).trace is None
 
     # The daemon asked for 5 steps; until the answer comes the finding says so.
     for step in range(20, 26):
         report = run.step(step, 2 * GIB + step * 3 * MIB, trace=early,
                           traces_pending={10: 5})
         (f,) = leaks(report)
-        assert f.details["trace"] == {"status": "requested", "why": "", "steps": 5,
-                                      "sites": (), "traceback": ()}
-        assert f.details["found_by"] is None
+        assert evidence(f).trace == TraceSummary(TraceStatus.REQUESTED, steps=5)
+        assert evidence(f).found_by is None
 
     answer = _trace(1025.5, 25, 15 * MIB)
     report = run.step(26, 2 * GIB + 26 * 3 * MIB, trace=answer)
     (f,) = leaks(report)
     assert f.reason == ("RSS grows every step; allocations at `leaky.py:42` explain it (traced); "
                         "runs out against the node limit")
-    assert (f.details["culprit"], f.details["found_by"]) == ("leaky.py:42", "traced")
-    assert f.details["culprit_bytes_per_step"] == 3 * MIB
-    assert f.details["trace"] == {
-        "status": "done", "why": "", "steps": 5,
-        "sites": ({"site": "leaky.py:42", "bytes_per_step": 3 * MIB, "count_per_step": 1.0},
-                  {"site": "data/loader.py:88", "bytes_per_step": 819, "count_per_step": 2.0}),
-        "traceback": ("train.py:120", "model/step.py:57", "leaky.py:42")}
+    assert culprit_of(f) == ("leaky.py:42", "traced")
+    assert culprit(f).bytes_per_step == 3 * MIB
+    assert evidence(f).trace == TraceSummary(
+        TraceStatus.DONE, "", 5,
+        (TracedSite("leaky.py:42", 3 * MIB, 1.0), TracedSite("data/loader.py:88", 819, 2.0)),
+        ("train.py:120", "model/step.py:57", "leaky.py:42"))
     assert f.since == 1000.0 + opened  # the same finding, its reason now complete
 
     # The answer stays the leak's culprit while it is open.
     for step in range(27, 200):
         report = run.step(step, 2 * GIB + step * 3 * MIB, trace=answer)
     (f,) = leaks(report)
-    assert f.details["found_by"] == "traced"
+    assert evidence(f).found_by == FoundBy.TRACED
 
 
 def test_a_trace_that_explains_too_little_or_was_refused_is_shown_but_names_nothing() -> None:
     for trace, shown in (
-            (_trace(1019.5, 19, MIB), {"status": "done", "steps": 5}),
-            (TraceReport("refused", "GPUWATCH_AGENT_TRACING=0", None, (), (), 1019.5, 19),
-             {"status": "refused", "why": "GPUWATCH_AGENT_TRACING=0", "sites": ()})):
+            (_trace(1019.5, 19, MIB), {"status": TraceStatus.DONE, "steps": 5}),
+            (TraceReport(TraceStatus.REFUSED, "GPUWATCH_AGENT_TRACING=0", None, (), (), 1019.5,
+                         19),
+             {"status": TraceStatus.REFUSED, "why": "GPUWATCH_AGENT_TRACING=0", "sites": ()})):
         run = Run()
         for step in range(24):
             report = run.step(step, 2 * GIB + step * 3 * MIB, trace=trace if step >= 20 else None)
         (f,) = leaks(report)
-        assert (f.details["culprit"], f.details["found_by"]) == (None, None)
+        assert culprit_of(f) == (None, None)
         assert f.reason == "RSS grows every step; runs out against the node limit"
-        assert {k: f.details["trace"][k] for k in shown} == shown
+        assert {k: getattr(evidence(f).trace, k) for k in shown} == shown
 
 
 def test_gpu_memory_the_caching_allocator_keeps_reserved_is_no_leak() -> None:
@@ -501,9 +535,9 @@ def test_gpu_memory_allocated_by_tensors_growing_every_step_is_a_leak() -> None:
         report = run.step(step, 3 * GIB, gpu=pool + 512 * MIB, cuda=(allocated, pool))
     (f,) = leaks(report)
     assert f.reason == "GPU memory grows every step; runs out against the GPU limit"
-    assert f.details["series"] == "GPU memory"
-    assert f.details["growth_bytes_per_step"] == 64 * MIB
-    assert (f.details["culprit"], f.details["found_by"]) == (None, None)
+    assert evidence(f).series == Series.GPU_MEMORY
+    assert evidence(f).growth_bytes_per_step == 64 * MIB
+    assert culprit_of(f) == (None, None)
 
 
 def test_a_leak_of_a_process_stepping_faster_than_the_polls_is_named_as_rss_with_its_buffer(
@@ -542,7 +576,7 @@ def test_a_leak_of_a_process_stepping_faster_than_the_polls_is_named_as_rss_with
     assert first is not None, "no leak named in 40 polls"
     (leak,) = leaks(first)
     assert leak.reason.startswith("RSS grows every step; buffer `fetch_buffer` explains it")
-    assert leak.details["series"] == "RSS"
+    assert evidence(leak).series == Series.RSS
 
 
 # -- summaries: the evidence from identity and figures only (docs/security.md, rule 5) -----------

@@ -19,11 +19,13 @@ from gpuwatch.actions.trace_requests import RESULTS, TraceRequests
 from gpuwatch.clock import SteadyClock
 from gpuwatch.config import AgentConfig, load_config
 from gpuwatch.daemon import Daemon
+from gpuwatch.evidence import Culprit, LeakEvidence
 from gpuwatch.jobs.tree import job_roots
 from gpuwatch.model import (
     AgentReading,
     Finding,
     HostProcess,
+    Kind,
     NodeReport,
     NodeSnapshot,
     NvmlStatus,
@@ -33,6 +35,7 @@ from gpuwatch.model import (
 )
 from gpuwatch.poll import Poller
 from gpuwatch.sources.private_memory import PrivateMemorySource
+from gpuwatch.vocabulary import FoundBy, GrowthUnit, Series, Severity, TraceStatus
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -76,15 +79,18 @@ def agent(pid: int, can_reply: bool = True, trace: Optional[TraceReport] = None,
 
 def leak(pid: int, found_by: Optional[str] = None, series: str = "RSS",
          kind: str = "leak") -> Finding:
-    culprit = {"watched": "fetch_buffer", "discovered": "m.d", "traced": "a.py:1"}.get(
+    name = {"watched": "fetch_buffer", "discovered": "m.d", "traced": "a.py:1"}.get(
         found_by or "")
-    return Finding(kind, "warning", f"{series} grows every step", pid=pid, start_time=900.0,
-                   name="python", details=MappingProxyType({
-                       "series": series, "culprit": culprit, "found_by": found_by}))
+    culprit = Culprit(name, FoundBy(found_by)) if name is not None and found_by else None
+    buffer = series[len("buffer `"):-1] if series.startswith("buffer `") else None
+    return Finding(Kind(kind), Severity.WARNING, f"{series} grows every step", pid=pid,
+                   start_time=900.0, name="python", details=LeakEvidence(
+                       Series.BUFFER if buffer is not None else Series(series), GrowthUnit.STEP,
+                       buffer=buffer, culprit=culprit))
 
 
 def done(received_at: float) -> TraceReport:
-    return TraceReport("done", "", 20, (TraceSite("leaky.py", 42, 20 * MIB, 20),),
+    return TraceReport(TraceStatus.DONE, "", 20, (TraceSite("leaky.py", 42, 20 * MIB, 20),),
                        (("train.py", 1), ("leaky.py", 42)), received_at, 50)
 
 
@@ -239,8 +245,8 @@ def test_a_refusal_is_an_answer_too(sender: Sender, clock: Clock,
     node.agents[10] = agent(10)
     node.findings = [leak(10)]
     node.poll()
-    node.agents[10] = agent(10, trace=TraceReport("refused", "GPUWATCH_AGENT_TRACING=0", None,
-                                                  (), (), 5001.0, 31))
+    node.agents[10] = agent(10, trace=TraceReport(
+        TraceStatus.REFUSED, "GPUWATCH_AGENT_TRACING=0", None, (), (), 5001.0, 31))
     with caplog.at_level(logging.INFO, logger="gpuwatch.actions.trace_requests"):
         node.poll()
     assert node.requests.pending == {}
@@ -432,7 +438,7 @@ def test_the_daemon_asks_after_assess_and_counts_requests_and_reports_in_its_reg
     assert sender.calls == [(10, 20)]
     assert daemon.latest is not None
     (f,) = [f for f in daemon.latest.findings if f.kind == "leak"]
-    assert f.details["found_by"] is None
+    assert isinstance(f.details, LeakEvidence) and f.details.found_by is None
     assert registry.get_sample_value("gpuwatch_agent_trace_requests_total",
                                      {"result": "sent"}) == 1
     assert any("asked PID 10 (python)" in r.getMessage() for r in caplog.records)
@@ -440,7 +446,8 @@ def test_the_daemon_asks_after_assess_and_counts_requests_and_reports_in_its_reg
     # The next poll shows the request in the finding.
     daemon.poll_once()
     (f,) = [f for f in daemon.latest.findings if f.kind == "leak"]
-    assert f.details["trace"]["status"] == "requested"
+    assert isinstance(f.details, LeakEvidence) and f.details.trace is not None
+    assert f.details.trace.status == TraceStatus.REQUESTED
 
     # Trace reports the receiver accepted are counted by status.
     daemon.agents.handle(b'{"v": 1, "kind": "trace", "trace": {"status": "refused", '

@@ -7,7 +7,15 @@ import json
 import pytest
 
 from gpuwatch import vocabulary
-from gpuwatch.vocabulary import FINAL_OUTCOMES, ReapOutcome, Severity, Word, severity_rank
+from gpuwatch.protocol import TRACE_STATUSES
+from gpuwatch.vocabulary import (
+    FINAL_OUTCOMES,
+    ReapOutcome,
+    Severity,
+    TraceStatus,
+    Word,
+    severity_rank,
+)
 
 ENUMS = [v for v in vars(vocabulary).values()
          if isinstance(v, type) and issubclass(v, Word) and v is not Word]
@@ -31,3 +39,8 @@ def test_severities_rank_most_urgent_first_and_an_unknown_word_last() -> None:
 
 def test_a_reap_ends_in_every_outcome_but_planned_and_waiting() -> None:
     assert set(ReapOutcome) - set(FINAL_OUTCOMES) == {ReapOutcome.PLANNED, ReapOutcome.WAITING}
+
+
+def test_every_trace_status_the_agent_protocol_allows_is_a_trace_status() -> None:
+    assert {TraceStatus.parse(s) for s in TRACE_STATUSES} == set(TraceStatus) - {
+        TraceStatus.REQUESTED}

@@ -44,8 +44,10 @@ from types import MappingProxyType
 from typing import Callable, Optional, Protocol
 
 from gpuwatch.config import AgentConfig
+from gpuwatch.evidence import LeakEvidence
 from gpuwatch.model import AgentReading, Kind, NodeReport, NodeSnapshot, TraceReport
 from gpuwatch.units import human_bytes
+from gpuwatch.vocabulary import Series, TraceStatus
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ RESULTS = (SENT, FAILED, RATE_LIMITED, DISABLED)
 SEARCH_RESULTS = (SENT, FAILED)
 #: The series of a leak that a discovered container can explain: host memory, or GPU memory (a
 #: container of CUDA tensors).
-_SEARCHED_SERIES = ("RSS", "GPU memory")
+_SEARCHED_SERIES = frozenset({Series.RSS, Series.GPU_MEMORY})
 
 
 class TraceSender(Protocol):
@@ -147,12 +149,12 @@ class TraceRequests:
         for f in report.findings:
             if f.kind != Kind.LEAK or f.pid is None:
                 continue
-            details = f.details
-            if details.get("found_by") is not None:
+            leak = f.details
+            if not isinstance(leak, LeakEvidence) or leak.culprit is not None:
                 continue
-            if details.get("series") in _SEARCHED_SERIES:
+            if leak.series in _SEARCHED_SERIES:
                 self._search(f.pid, report, now)
-            if details.get("series") != "RSS":
+            if leak.series != Series.RSS:
                 continue
             if f.since is not None and report.snapshot.taken_at - f.since < config.trace_after:
                 continue
@@ -234,7 +236,7 @@ def _name(snapshot: NodeSnapshot, pid: int) -> str:
 
 
 def _log_answer(pid: int, name: str, trace: TraceReport) -> None:
-    if trace.status != "done":
+    if trace.status != TraceStatus.DONE:
         log.info("PID %d (%s) answered its trace request: %s%s", pid, name, trace.status,
                  f" ({trace.why})" if trace.why else "")
         return

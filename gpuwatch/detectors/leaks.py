@@ -31,18 +31,35 @@ as much as the trainer's.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import replace
-from types import MappingProxyType
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import Evidence, finding, is_protected
 from gpuwatch.detectors.trend import Growth, growth, is_growing, may_grow, median
-from gpuwatch.history import History, ProcessHistory, Series, StepSeries
-from gpuwatch.model import Finding, HostProcess, Kind, MemoryLimit, NodeSnapshot, TraceReport
+from gpuwatch.evidence import (
+    CopyOnWrite,
+    Culprit,
+    LeakEvidence,
+    MemoryLimit,
+    OomProjection,
+    TracedSite,
+    TraceSummary,
+)
+from gpuwatch.history import History, ProcessHistory, StepSeries
+from gpuwatch.history import Series as Points
+from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot, TraceReport
 from gpuwatch.protocol import AUTOGRAD_SUFFIX
-from gpuwatch.vocabulary import FoundBy, ProcState, Severity
+from gpuwatch.vocabulary import (
+    FoundBy,
+    GrowthUnit,
+    LimitSource,
+    ProcState,
+    Series,
+    Severity,
+    TraceStatus,
+)
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.LEAK})
@@ -94,7 +111,7 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
         return None
     after = steps.times.xs[0] + config.leak_warmup_steps
 
-    def test(series: Series, min_slope: float, min_relative: float,
+    def test(series: Points, min_slope: float, min_relative: float,
              min_points: int = config.leak_min_points) -> Optional[Growth]:
         """Growing over the window that ends now and over the one that ended a point earlier:
         one unlucky arrangement of noise is not enough."""
@@ -124,20 +141,21 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
         gpu = test(steps.gpu, byte_min, relative)
 
     # What grows, most consequential first: host memory, GPU memory, then a buffer alone.
-    culprit: Optional[_Culprit]
+    culprit: Optional[Culprit]
+    buffer: Optional[str] = None
     trace = None
     if host is not None or gpu is not None:
         if host is not None:
-            what, g, limit = "RSS", host, host_limit(p, snapshot, config)
+            series, g, limit = Series.RSS, host, host_limit(p, snapshot, config)
         else:
             assert gpu is not None
-            what, g, limit = "GPU memory", gpu, gpu_limit(p, snapshot)
+            series, g, limit = Series.GPU_MEMORY, gpu, gpu_limit(p, snapshot)
         trace = _trace_of(p, g, steps, snapshot, history)
         culprit = (_watched(g, by_bytes, by_items)
                    or _discovered(g, steps, config)
                    or _autograd(steps, config)
                    # Python's allocations are host memory: they cannot explain a GPU's.
-                   or (_traced(g, trace) if what == "RSS" else None))
+                   or (_traced(g, trace) if series == Series.RSS else None))
     elif (by_bytes or by_items) and _rss_unjudged(steps.rss, after, config.leak_min_points):
         # The kernel's RSS comes a point a poll: for a process stepping faster than the daemon
         # polls, a buffer can show growing before RSS can. Named now, the leak would keep
@@ -145,102 +163,91 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
         return None
     elif by_bytes or by_items:
         name, g = max((by_bytes or by_items).items(), key=lambda kv: kv[1].slope)
-        what = f"buffer `{name}`"
+        series, buffer = Series.BUFFER, name
         limit = host_limit(p, snapshot, config) if by_bytes else None
-        culprit = _Culprit(name, "watched", _slope(by_bytes.get(name)),
+        culprit = _culprit(name, FoundBy.WATCHED, _slope(by_bytes.get(name)),
                            _slope(by_items.get(name)))
     else:
         return None
 
-    details: dict[str, Any] = {
-        "series": what, "unit": "step", "window_steps": [int(g.first_x), int(g.last_x)],
-        "culprit": culprit.name if culprit is not None else None,
-        "found_by": culprit.found_by if culprit is not None else None,
-    }
-    if what.startswith("buffer") and not by_bytes:
-        details["culprit_items_per_step"] = round(g.slope, 3)
-    else:
-        details["growth_bytes_per_step"] = round(g.slope)
-    if culprit is not None:
-        if culprit.since_step is not None:
-            details["history_since_step"] = culprit.since_step
-            details["graph_nodes_per_step"] = round(culprit.items_per_step or 0.0, 3)
-        elif culprit.bytes_per_step is not None:
-            details["culprit_bytes_per_step"] = round(culprit.bytes_per_step)
-        if culprit.items_per_step is not None and culprit.since_step is None:
-            details["culprit_items_per_step"] = round(culprit.items_per_step, 3)
+    # A buffer counted by its items alone grows by items, not bytes: no projection then.
+    by_items_only = series == Series.BUFFER and not by_bytes
     requested = snapshot.traces_pending.get(p.pid)
-    if requested is not None:
-        details["trace"] = _requested(requested)
-    elif trace is not None:
-        details["trace"] = _trace_details(trace)
+    evidence = LeakEvidence(
+        series=series, unit=GrowthUnit.STEP, buffer=buffer,
+        window_steps=(int(g.first_x), int(g.last_x)),
+        growth_bytes_per_step=None if by_items_only else round(g.slope),
+        culprit=culprit,
+        trace=(TraceSummary(TraceStatus.REQUESTED, steps=requested) if requested is not None
+               else _trace_summary(trace) if trace is not None else None))
 
     severity = Severity.WARNING
-    if limit is not None and "growth_bytes_per_step" in details:
+    if limit is not None and not by_items_only:
         steps_left = limit.available_bytes / g.slope
-        details.update(limit_source=limit.source, limit_bytes=limit.limit_bytes,
-                       available_bytes=limit.available_bytes,
-                       projected_oom_step=int(g.last_x + steps_left))
         seconds_per_step = _seconds_per_step(steps, g)
-        if seconds_per_step is not None:
-            seconds_left = steps_left * seconds_per_step
-            details["projected_oom_in_seconds"] = round(seconds_left)
+        seconds_left = steps_left * seconds_per_step if seconds_per_step is not None else None
+        evidence = replace(evidence, projection=OomProjection(
+            limit, step=int(g.last_x + steps_left),
+            in_seconds=round(seconds_left) if seconds_left is not None else None))
+        if seconds_left is not None:
             severity = _by_time_left(seconds_left)
     else:
         limit = None
     # The summary says what kind of figure grows and what kind of culprit explains it, never
     # the name a program gave a buffer nor a traced source file (detectors.common).
+    what = evidence.series_text
     reason = f"{what} grows every step"
-    summary = f"{'a watched buffer' if what.startswith('buffer') else what} grows every step"
-    if culprit is not None and not what.startswith("buffer"):
-        reason += "; " + culprit.explains()
-        summary += "; " + culprit.explains_publicly()
+    summary = f"{'a watched buffer' if buffer is not None else what} grows every step"
+    if culprit is not None and buffer is None:
+        reason += "; " + _explains(culprit)
+        summary += "; " + _explains_publicly(culprit)
     if limit is not None:
         reason += f"; runs out against the {limit.source} limit"
         summary += f"; runs out against the {limit.source} limit"
-    return _with_details(finding(Kind.LEAK, severity, p, Evidence(reason, summary)), details)
+    return replace(finding(Kind.LEAK, severity, p, Evidence(reason, summary)), details=evidence)
 
 
-class _Culprit(NamedTuple):
-    name: str
-    found_by: str  # "watched" | "discovered" | "autograd" | "traced"
-    bytes_per_step: Optional[float]
-    items_per_step: Optional[float]  # an autograd history's: its graph's nodes per step
-    #: An autograd history's first step.
-    since_step: Optional[int] = None
-
-    def explains(self) -> str:
-        if self.found_by == FoundBy.AUTOGRAD:
-            return (f"`{self.name}` holds the graph of every step since step {self.since_step}: "
-                    "use `loss.item()` or `.detach()` (autograd)")
-        if self.found_by == "traced":
-            return f"allocations at `{self.name}` explain it (traced)"
-        if self.found_by == "discovered":
-            return f"`{self.name}` explains it (discovered)"
-        return f"buffer `{self.name}` explains it (watched)"
-
-    def explains_publicly(self) -> str:
-        """explains(), by the kind of culprit alone."""
-        if self.found_by == FoundBy.AUTOGRAD:
-            return ("a tensor holds the autograd graph of every step: use `loss.item()` or "
-                    "`.detach()` (autograd)")
-        if self.found_by == "traced":
-            return "an allocation site explains it (traced)"
-        if self.found_by == "discovered":
-            return "a container the agent found explains it (discovered)"
-        return "a watched buffer explains it (watched)"
+def _culprit(name: str, found_by: FoundBy, bytes_per_step: Optional[float],
+             items_per_step: Optional[float]) -> Culprit:
+    """The culprit with its own growth as findings carry it: whole bytes, items to 3 places."""
+    return Culprit(name, found_by,
+                   round(bytes_per_step) if bytes_per_step is not None else None,
+                   round(items_per_step, 3) if items_per_step is not None else None)
 
 
-def _by_time_left(seconds: float) -> Severity:
-    return Severity.CRITICAL if seconds <= _CRITICAL_WITHIN else Severity.WARNING
+def _explains(c: Culprit) -> str:
+    if c.found_by == FoundBy.AUTOGRAD:
+        return (f"`{c.name}` holds the graph of every step since step {c.since_step}: "
+                "use `loss.item()` or `.detach()` (autograd)")
+    if c.found_by == FoundBy.TRACED:
+        return f"allocations at `{c.name}` explain it (traced)"
+    if c.found_by == FoundBy.DISCOVERED:
+        return f"`{c.name}` explains it (discovered)"
+    return f"buffer `{c.name}` explains it (watched)"
+
+
+def _explains_publicly(c: Culprit) -> str:
+    """_explains(), by the kind of culprit alone."""
+    if c.found_by == FoundBy.AUTOGRAD:
+        return ("a tensor holds the autograd graph of every step: use `loss.item()` or "
+                "`.detach()` (autograd)")
+    if c.found_by == FoundBy.TRACED:
+        return "an allocation site explains it (traced)"
+    if c.found_by == FoundBy.DISCOVERED:
+        return "a container the agent found explains it (discovered)"
+    return "a watched buffer explains it (watched)"
 
 
 def _slope(g: Optional[Growth]) -> Optional[float]:
     return g.slope if g is not None else None
 
 
+def _by_time_left(seconds: float) -> Severity:
+    return Severity.CRITICAL if seconds <= _CRITICAL_WITHIN else Severity.WARNING
+
+
 def _watched(total: Growth, by_bytes: dict[str, Growth], by_items: dict[str, Growth]
-             ) -> Optional[_Culprit]:
+             ) -> Optional[Culprit]:
     """The buffer whose byte growth explains at least half of the total; else, when no buffer
     reports bytes, the one whose item count grows fastest."""
     explaining = {n: g for n, g in by_bytes.items() if g.slope >= 0.5 * total.slope}
@@ -251,11 +258,12 @@ def _watched(total: Growth, by_bytes: dict[str, Growth], by_items: dict[str, Gro
         if not unsized:
             return None
         name = max(unsized.items(), key=lambda kv: kv[1].slope)[0]
-    return _Culprit(name, "watched", _slope(by_bytes.get(name)), _slope(by_items.get(name)))
+    return _culprit(name, FoundBy.WATCHED, _slope(by_bytes.get(name)),
+                    _slope(by_items.get(name)))
 
 
 def _discovered(total: Growth, steps: StepSeries, config: DetectorConfig
-                ) -> Optional[_Culprit]:
+                ) -> Optional[Culprit]:
     """Among the containers the agent's newest discovery pass named, the one whose byte growth
     explains at least half of the total; else, when none of them is sized, the one whose item
     count grows fastest.
@@ -268,7 +276,7 @@ def _discovered(total: Growth, steps: StepSeries, config: DetectorConfig
     if not names:
         return None
 
-    def rising(series: Series, min_slope: float, min_relative: float) -> Optional[Growth]:
+    def rising(series: Points, min_slope: float, min_relative: float) -> Optional[Growth]:
         g = growth(series.xs, series.ys, -math.inf, config.leak_window, _DISCOVERED_POINTS,
                    exact=True)
         return g if is_growing(g, min_slope, min_relative) else None
@@ -282,17 +290,17 @@ def _discovered(total: Growth, steps: StepSeries, config: DetectorConfig
             return None
         name, g = max(by_bytes.items(), key=lambda kv: kv[1].slope)
         items = rising(steps.discovered_items[name], 0.0, 0.0)
-        return _Culprit(name, "discovered", g.slope, _slope(items))
+        return _culprit(name, FoundBy.DISCOVERED, g.slope, _slope(items))
     by_items = {n: g for n in names
                 if (g := rising(steps.discovered_items[n], _MIN_ITEMS_PER_STEP,
                                 _MIN_ITEMS_RELATIVE))}
     if not by_items:
         return None
     name, g = max(by_items.items(), key=lambda kv: kv[1].slope)
-    return _Culprit(name, "discovered", None, g.slope)
+    return _culprit(name, FoundBy.DISCOVERED, None, g.slope)
 
 
-def _autograd(steps: StepSeries, config: DetectorConfig) -> Optional[_Culprit]:
+def _autograd(steps: StepSeries, config: DetectorConfig) -> Optional[Culprit]:
     """Among the tensors the agent's newest discovery pass names for their growing autograd
     history, the one whose graph gains the most nodes per step, at least one a step over the
     last 4 passes. Its history began where its nodes and their rate put it: the step reached
@@ -311,7 +319,8 @@ def _autograd(steps: StepSeries, config: DetectorConfig) -> Optional[_Culprit]:
         return None
     name, g = best
     since = max(0, min(int(g.last_x), round(g.last_x - g.last_y / g.slope)))
-    return _Culprit(name[:-len(AUTOGRAD_SUFFIX)], FoundBy.AUTOGRAD, None, g.slope, since)
+    return Culprit(name[:-len(AUTOGRAD_SUFFIX)], FoundBy.AUTOGRAD,
+                   graph_nodes_per_step=round(g.slope, 3), since_step=since)
 
 
 def _trace_of(p: HostProcess, g: Growth, steps: StepSeries, snapshot: NodeSnapshot,
@@ -339,38 +348,31 @@ def _time_at(steps: StepSeries, step: float) -> float:
     return ys[i] if i < len(ys) else math.inf
 
 
-def _traced(total: Growth, trace: Optional[TraceReport]) -> Optional[_Culprit]:
+def _traced(total: Growth, trace: Optional[TraceReport]) -> Optional[Culprit]:
     """The top allocation site of a finished trace, when its growth per step explains at least
     half of the total."""
-    if trace is None or trace.status != "done" or not trace.steps or not trace.sites:
+    if trace is None or trace.status != TraceStatus.DONE or not trace.steps or not trace.sites:
         return None
     top = max(trace.sites, key=lambda s: s.bytes)
     per_step = top.bytes / trace.steps
     if per_step < 0.5 * total.slope:
         return None
-    return _Culprit(f"{top.file}:{top.line}", "traced", per_step, None)
+    return _culprit(f"{top.file}:{top.line}", FoundBy.TRACED, per_step, None)
 
 
-def _requested(steps: int) -> Mapping[str, Any]:
-    return MappingProxyType({"status": "requested", "why": "", "steps": steps, "sites": (),
-                             "traceback": ()})
-
-
-def _trace_details(trace: TraceReport) -> Mapping[str, Any]:
+def _trace_summary(trace: TraceReport) -> TraceSummary:
     steps = trace.steps or 0
     sites = sorted(trace.sites, key=lambda s: s.bytes, reverse=True)[:_TRACE_SITES_SHOWN]
-    return MappingProxyType({
-        "status": trace.status, "why": trace.why, "steps": trace.steps,
-        "sites": tuple(MappingProxyType({
-            "site": f"{s.file}:{s.line}",
-            "bytes_per_step": round(s.bytes / steps) if steps else None,
-            "count_per_step": round(s.count / steps, 3) if steps else None,
-        }) for s in sites),
-        "traceback": tuple(f"{file}:{line}" for file, line in trace.traceback),
-    })
+    return TraceSummary(
+        status=trace.status, why=trace.why, steps=trace.steps,
+        sites=tuple(TracedSite(
+            site=f"{s.file}:{s.line}",
+            bytes_per_step=round(s.bytes / steps) if steps else None,
+            count_per_step=round(s.count / steps, 3) if steps else None) for s in sites),
+        traceback=tuple(f"{file}:{line}" for file, line in trace.traceback))
 
 
-def _rss_unjudged(rss: Series, after: float, min_points: int) -> bool:
+def _rss_unjudged(rss: Points, after: float, min_points: int) -> bool:
     """Whether the RSS series is known yet lacks the points after the warm-up that the leak
     test needs (its window, and the one a point earlier)."""
     if not len(rss) or math.isnan(rss.ys[-1]):
@@ -379,7 +381,7 @@ def _rss_unjudged(rss: Series, after: float, min_points: int) -> bool:
     return known < max(min_points, 6) + 1
 
 
-def _reports(series: Series, window: int) -> bool:
+def _reports(series: Points, window: int) -> bool:
     """Whether any of the newest `window` points of `series` is known."""
     return any(not math.isnan(y) for y in series.ys[-window:])
 
@@ -401,7 +403,8 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
     # newest leak_window of them could cover half the samples, and less than the span.)
     stride = max(1, -(-len(h.times) // config.leak_window))
     times = h.times[::stride]
-    for what, ys, limit_of in (("RSS", h.rss, host_limit), ("GPU memory", h.gpu_memory, None)):
+    for series, ys, limit_of in ((Series.RSS, h.rss, host_limit),
+                                 (Series.GPU_MEMORY, h.gpu_memory, None)):
         sampled = ys[::stride]
         if not may_grow(times, sampled, config.leak_window, config.leak_min_bytes_per_second):
             continue
@@ -411,19 +414,18 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
         if not is_growing(g, config.leak_min_bytes_per_second, 0.0):
             continue
         limit = limit_of(p, snapshot, config) if limit_of else gpu_limit(p, snapshot)
-        details: dict[str, Any] = {"series": what, "unit": "second",
-                                   "growth_bytes_per_second": round(g.slope)}
+        evidence = LeakEvidence(series=series, unit=GrowthUnit.SECOND,
+                                growth_bytes_per_second=round(g.slope))
         severity = Severity.WARNING
         if limit is not None:
             seconds_left = limit.available_bytes / g.slope
-            details.update(limit_source=limit.source, limit_bytes=limit.limit_bytes,
-                           available_bytes=limit.available_bytes,
-                           projected_oom_in_seconds=round(seconds_left),
-                           projected_oom_at=round(snapshot.taken_at + seconds_left))
+            evidence = replace(evidence, projection=OomProjection(
+                limit, in_seconds=round(seconds_left),
+                at=round(snapshot.taken_at + seconds_left)))
             severity = _by_time_left(seconds_left)
         against = f"; runs out against the {limit.source} limit" if limit is not None else ""
-        return _with_details(finding(Kind.LEAK, severity, p, Evidence.public(
-            f"{what} grows steadily (no agent){against}")), details)
+        return replace(finding(Kind.LEAK, severity, p, Evidence.public(
+            f"{series} grows steadily (no agent){against}")), details=evidence)
     return None
 
 
@@ -471,21 +473,19 @@ def _copy_on_write(snapshot: NodeSnapshot, history: History, config: DetectorCon
         if not growing:
             continue
         grown = sum(max(0.0, g.last_y - first) for _, g, first in growing)
-        details: dict[str, Any] = {
-            "series": "USS", "unit": "second", "cause": "copy-on-write",
-            "growth_bytes_per_second": round(sum(g.slope for _, g, _ in growing)),
-            "workers": len(growing),
-            "worker_pids": [p.pid for p, _, _ in sorted(growing, key=lambda w: w[0].pid)],
-            "private_growth_bytes": round(grown),
-            "uss_bytes_from": round(min(first for _, _, first in growing)),
-            "uss_bytes_to": round(max(g.last_y for _, g, _ in growing)),
-        }
+        evidence = CopyOnWrite(
+            growth_bytes_per_second=round(sum(g.slope for _, g, _ in growing)),
+            workers=len(growing),
+            worker_pids=tuple(p.pid for p, _, _ in sorted(growing, key=lambda w: w[0].pid)),
+            private_growth_bytes=round(grown),
+            uss_bytes_from=round(min(first for _, _, first in growing)),
+            uss_bytes_to=round(max(g.last_y for _, g, _ in growing)))
         n = len(growing)
         # A count and gpuwatch's words: public as they are.
         reason = (f"private memory of {n} forked worker{'s' if n != 1 else ''} grows while "
                   f"their RSS stays flat: {COPY_ON_WRITE}")
-        yield _with_details(finding(Kind.LEAK, Severity.WARNING, parent, Evidence.public(reason)),
-                            details)
+        yield replace(finding(Kind.LEAK, Severity.WARNING, parent, Evidence.public(reason)),
+                      details=evidence)
 
 
 def _over_time(h: ProcessHistory, what: str, config: DetectorConfig
@@ -516,13 +516,13 @@ def host_limit(p: HostProcess, snapshot: NodeSnapshot, config: DetectorConfig
     """The tightest host-memory limit the process runs into, and how much of it is left."""
     limits = []
     if config.host_memory_limit_bytes and p.rss_bytes is not None:
-        limits.append(MemoryLimit("configured", config.host_memory_limit_bytes,
+        limits.append(MemoryLimit(LimitSource.CONFIGURED, config.host_memory_limit_bytes,
                                   max(0, config.host_memory_limit_bytes - p.rss_bytes)))
     cg = snapshot.cgroup_memory.get(p.cgroup or "")
     if cg is not None and cg[0] is not None:
-        limits.append(MemoryLimit("cgroup", cg[0], max(0, cg[0] - cg[1])))
+        limits.append(MemoryLimit(LimitSource.CGROUP, cg[0], max(0, cg[0] - cg[1])))
     if snapshot.mem_available_bytes is not None:
-        limits.append(MemoryLimit("node", None, snapshot.mem_available_bytes))
+        limits.append(MemoryLimit(LimitSource.NODE, None, snapshot.mem_available_bytes))
     return min(limits, key=lambda m: m.available_bytes) if limits else None
 
 
@@ -533,8 +533,4 @@ def gpu_limit(p: HostProcess, snapshot: NodeSnapshot) -> Optional[MemoryLimit]:
     if not free:
         return None
     g = min(free, key=lambda g: g.memory_free_bytes or 0)
-    return MemoryLimit("GPU", g.memory_total_bytes, g.memory_free_bytes or 0)
-
-
-def _with_details(f: Finding, details: dict[str, Any]) -> Finding:
-    return replace(f, details=MappingProxyType(details))
+    return MemoryLimit(LimitSource.GPU, g.memory_total_bytes, g.memory_free_bytes or 0)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from types import MappingProxyType
 from typing import Any
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import Evidence, by_holding, finding, is_protected
+from gpuwatch.evidence import HungAtExit
 from gpuwatch.history import History
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time, plural
@@ -30,10 +30,6 @@ from gpuwatch.vocabulary import ProcState, Severity
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.STALLED})
 
-#: Set in the details of a stalled finding about a process hung at exit (the history lets such
-#: a finding take over the reason of a step stall open on the same process).
-HUNG_AT_EXIT = "hung_at_exit"
-_AT_EXIT_DETAILS: Mapping[str, Any] = MappingProxyType({HUNG_AT_EXIT: True})
 # Names a reason gives at most, of threads and of each pool's workers.
 _NAMES_SHOWN = 4
 
@@ -65,7 +61,7 @@ def _hung_at_exit(p: HostProcess, report: Mapping[str, Any]) -> Finding:
     f = finding(Kind.STALLED, by_holding(p), p,
                 Evidence(f"hung at exit: the interpreter began to exit, but {causes}",
                          f"hung at exit: the interpreter began to exit, but {kinds}"))
-    return replace(f, details=_AT_EXIT_DETAILS)
+    return replace(f, details=HungAtExit())
 
 
 def exit_cause_kinds(report: Mapping[str, Any]) -> list[str]:

@@ -43,6 +43,7 @@ from gpuwatch.model import (
     gpu_memory,
     holds_gpu,
 )
+from gpuwatch.sinks.details_doc import details_doc, details_of
 from gpuwatch.vocabulary import ProcState, Severity
 
 SCHEMA_VERSION = 1
@@ -144,13 +145,13 @@ def _finding(f: Finding, wall: Callable[[float], float]) -> FindingDoc:
         "reason": f.reason,
         "summary": f.summary,
         "since": round(wall(f.since), 3),
-        "details": _plain(f.details),
+        "details": details_doc(f.details),
     }
 
 
 def _plain(value: Any) -> Any:
-    """`value` as JSON types: a finding's details may nest read-only mappings and tuples (a
-    leak's trace, its sites and traceback), which json cannot write as they are."""
+    """`value` as JSON types: an agent's exit report may nest read-only mappings and tuples,
+    which json cannot write as they are."""
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -439,6 +440,6 @@ def _finding_of(f: FindingDoc) -> Finding:
                    pid=f["pid"], start_time=f["start_time"], name=f["name"], user=f["user"],
                    job=_job_of(f["job"]), gpus=tuple(f["gpus"]),
                    gpu_memory_bytes=f["gpu_memory_bytes"], since=f["since"],
-                   details=MappingProxyType(dict(f["details"])),
+                   details=details_of(f["details"]),
                    # A document from before the summary: it is unknown, not made up.
                    summary=f.get("summary", ""))

@@ -38,6 +38,7 @@ from gpuwatch.agent_budget import (
     BudgetStats,
     fair_shares,
 )
+from gpuwatch.evidence import CopyOnWrite, Culprit, LeakEvidence
 from gpuwatch.model import (
     COMM_CHARS,
     KINDS,
@@ -48,6 +49,7 @@ from gpuwatch.model import (
     NodeReport,
     NodeSnapshot,
 )
+from gpuwatch.vocabulary import FoundBy, Series
 
 # Label names for a process. `job_id`, not `job`: Prometheus owns `job` (the scrape job) and
 # would rename ours to `exported_job` (docs/design-notes.md).
@@ -71,15 +73,12 @@ def process_labels(pid: Optional[int], name: Optional[str], user: Optional[str],
 #: container's qualified name; cutting from the front keeps the innermost names, which tell it
 #: apart.
 CULPRIT_LABEL_MAX = 128
-#: How a culprit found by tracing is found: its name is a source file and line, which the label
-#: does not carry.
-TRACED = "traced"
 
 
-def culprit_label(culprit: object, found_by: object = None) -> str:
+def culprit_label(culprit: Optional[Culprit]) -> str:
     """The `culprit` label value: empty when none, or when it was traced (a `file:line`: a path
     in the program's sources), else at most CULPRIT_LABEL_MAX characters."""
-    text = str(culprit) if culprit and found_by != TRACED else ""
+    text = culprit.name if culprit is not None and culprit.found_by != FoundBy.TRACED else ""
     if len(text) <= CULPRIT_LABEL_MAX:
         return text
     return "..." + text[-(CULPRIT_LABEL_MAX - 3):]
@@ -427,24 +426,31 @@ class ReportCollector(Collector):
         for f in findings:
             if f.kind != Kind.LEAK:
                 continue
-            d = f.details
-            culprit = culprit_label(d.get("culprit"), d.get("found_by"))
-            named = bool(d.get("culprit"))
-            key = [*process_labels(f.pid, f.name, f.user, f.job), str(d.get("series", "")),
-                   culprit, str(d.get("found_by") or "")]
-            if "growth_bytes_per_step" in d:
-                per_step.append((key, float(d["growth_bytes_per_step"])))
-            if "projected_oom_step" in d:
-                oom_step.append((key, float(d["projected_oom_step"])))
-            if "growth_bytes_per_second" in d:
-                per_second.append((key, float(d["growth_bytes_per_second"])))
-            if "projected_oom_in_seconds" in d:
+            e = f.details
+            if isinstance(e, CopyOnWrite):
+                key = [*process_labels(f.pid, f.name, f.user, f.job), Series.USS.value, "", ""]
+                per_second.append((key, float(e.growth_bytes_per_second)))
+                continue
+            if not isinstance(e, LeakEvidence):
+                continue
+            c = e.culprit
+            key = [*process_labels(f.pid, f.name, f.user, f.job), e.series_text,
+                   culprit_label(c),
+                   str(c.found_by or "") if c is not None else ""]
+            if e.growth_bytes_per_step is not None:
+                per_step.append((key, float(e.growth_bytes_per_step)))
+            if e.growth_bytes_per_second is not None:
+                per_second.append((key, float(e.growth_bytes_per_second)))
+            oom = e.projection
+            if oom is not None and oom.step is not None:
+                oom_step.append((key, float(oom.step)))
+            if oom is not None and oom.in_seconds is not None:
                 oom_at.append((key, report.snapshot.wall(report.snapshot.taken_at)
-                               + d["projected_oom_in_seconds"]))
-            if named and d.get("culprit_bytes_per_step") is not None:
-                culprit_bytes.append((key, float(d["culprit_bytes_per_step"])))
-            if named and d.get("culprit_items_per_step") is not None:
-                culprit_items.append((key, float(d["culprit_items_per_step"])))
+                               + oom.in_seconds))
+            if c is not None and c.name and c.bytes_per_step is not None:
+                culprit_bytes.append((key, float(c.bytes_per_step)))
+            if c is not None and c.name and c.items_per_step is not None:
+                culprit_items.append((key, float(c.items_per_step)))
         yield _gauge("gpuwatch_leak_growth_bytes_per_step",
                      "Growth per training step of a leaking figure (RSS, GPU memory, a buffer).",
                      labels, per_step)

@@ -1,112 +1,114 @@
 """What every view says in words of a leak's evidence and of an instrumented process's agent:
 a leak's figures and notes (culprit, allocation trace), an agent's step, memory and buffers.
 
-Pure: a finding's details or an agent's reading in, phrases out. `gpuwatch status`
-(status_view) and `gpuwatch top` (top/view) say the same things from here.
+Pure: a finding's evidence (gpuwatch.evidence) or an agent's reading in, phrases out.
+`gpuwatch status` (status_view) and `gpuwatch top` (top/view) say the same things from here.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Optional
 
+from gpuwatch.evidence import CopyOnWrite, Details, LeakEvidence, TraceSummary
 from gpuwatch.model import AgentReading, BufferSize, NodeReport
 from gpuwatch.printable import clean
 from gpuwatch.units import human_bytes, human_duration, plural
+from gpuwatch.vocabulary import FoundBy, TraceStatus
 
 
-def leak_notes(d: Mapping[str, Any], verbose: bool = False) -> list[str]:
+def leak_notes(d: Optional[Details], verbose: bool = False) -> list[str]:
     """Lines under a leak's reason: its culprit and how it was found, with the culprit's own
     growth (the reason is frozen as first given, these figures are not); what became of an
     allocation trace; with `verbose`, the traced sites and the largest one's traceback."""
+    if not isinstance(d, LeakEvidence):
+        return []
     notes = []
-    if _culprit_shown(d):
-        found_by = f" ({d['found_by']})" if d.get("found_by") else ""
+    c = d.culprit
+    if c is not None and culprit_shown(d):
+        found_by = f" ({c.found_by})" if c.found_by else ""
         figures = []
-        if d.get("culprit_items_per_step") is not None:
-            figures.append(f"+{d['culprit_items_per_step']:g} items/step")
-        if d.get("culprit_bytes_per_step") is not None:
-            figures.append(f"~{human_bytes(d['culprit_bytes_per_step'])}/step")
-        notes.append(f"culprit `{d['culprit']}`{found_by}"
+        if c.items_per_step is not None:
+            figures.append(f"+{c.items_per_step:g} items/step")
+        if c.bytes_per_step is not None:
+            figures.append(f"~{human_bytes(c.bytes_per_step)}/step")
+        notes.append(f"culprit `{c.name}`{found_by}"
                      + (f": {', '.join(figures)}" if figures else ""))
-    trace = d.get("trace")
-    if isinstance(trace, Mapping):
-        notes.append(_trace_phrase(trace, d.get("found_by"), verbose))
+    if d.trace is not None:
+        notes.append(_trace_phrase(d.trace, d.found_by, verbose))
         if verbose:
-            notes += _trace_detail(trace)
+            notes += _trace_detail(d.trace)
     return notes
 
 
-def _culprit_shown(d: Mapping[str, Any]) -> bool:
+def culprit_shown(d: LeakEvidence) -> bool:
     """A culprit gets a line of its own, except when the leak is that buffer growing alone:
     the reason names it already and its figures are the leak's."""
-    culprit = d.get("culprit")
-    return bool(culprit) and d.get("series") != f"buffer `{culprit}`"
+    c = d.culprit
+    return c is not None and bool(c.name) and d.series_text != f"buffer `{c.name}`"
 
 
-def _trace_phrase(trace: Mapping[str, Any], found_by: Optional[str], verbose: bool) -> str:
-    status, why = trace.get("status"), trace.get("why") or ""
-    if status == "requested":
+def _trace_phrase(trace: TraceSummary, found_by: Optional[FoundBy], verbose: bool) -> str:
+    status, why = trace.status, trace.why
+    if status == TraceStatus.REQUESTED:
         return "tracing requested"
-    if status == "refused":
+    if status == TraceStatus.REFUSED:
         return "tracing refused by the process" + (f": {why}" if why else "")
-    if status == "failed":
+    if status == TraceStatus.FAILED:
         return "tracing failed" + (f": {why}" if why else "")
-    if status != "done":
-        return f"tracing {status}"
-    phrase = f"traced {trace.get('steps') or '?'} steps"
-    sites = trace.get("sites") or []
+    phrase = f"traced {trace.steps or '?'} steps"
     if found_by is None:
         phrase += ": no allocation site explains it"
-    if sites and found_by != "traced":
-        top = sites[0]
-        phrase += (f" (largest: `{top.get('site')}`, "
-                   f"~{human_bytes(top.get('bytes_per_step'))}/step)")
-    if trace.get("traceback") and not verbose:
+    if trace.sites and found_by != FoundBy.TRACED:
+        top = trace.sites[0]
+        phrase += f" (largest: `{top.site}`, ~{human_bytes(top.bytes_per_step)}/step)"
+    if trace.traceback and not verbose:
         phrase += "; `gpuwatch status -v` shows where it allocates"
     return phrase
 
 
-def _trace_detail(trace: Mapping[str, Any]) -> list[str]:
-    sites = trace.get("sites") or []
+def _trace_detail(trace: TraceSummary) -> list[str]:
     lines = []
-    if sites:
+    if trace.sites:
         lines.append("allocation sites, largest first:")
-        for site in sites:
-            count = site.get("count_per_step")
-            blocks = f", +{count:g} blocks/step" if isinstance(count, (int, float)) else ""
-            lines.append(f"  `{site.get('site')}`  ~{human_bytes(site.get('bytes_per_step'))}"
-                         f"/step{blocks}")
-    if trace.get("traceback"):
-        where = f" of `{sites[0].get('site')}`" if sites else ""
+        for site in trace.sites:
+            count = site.count_per_step
+            blocks = f", +{count:g} blocks/step" if count is not None else ""
+            lines.append(f"  `{site.site}`  ~{human_bytes(site.bytes_per_step)}/step{blocks}")
+    if trace.traceback:
+        where = f" of `{trace.sites[0].site}`" if trace.sites else ""
         lines.append(f"traceback{where}, oldest call first:")
-        lines += [f"  {frame}" for frame in trace["traceback"]]
+        lines += [f"  {frame}" for frame in trace.traceback]
     return lines
 
 
-def finding_figures(d: Mapping[str, Any]) -> str:
+def finding_figures(d: Optional[Details]) -> str:
     """A leak's figures, appended to its reason: growth and projected OOM (the culprit's share is
     on a line of its own, see leak_notes)."""
     parts = []
-    if d.get("cause") == "copy-on-write" and "private_growth_bytes" in d:
-        parts.append(f"node's private memory +{human_bytes(d['private_growth_bytes'])} across "
-                     f"{plural(d.get('workers', 0), 'worker')}, USS "
-                     f"{human_bytes(d.get('uss_bytes_from'))} -> "
-                     f"{human_bytes(d.get('uss_bytes_to'))}")
-    if "growth_bytes_per_step" in d:
-        parts.append(f"+{human_bytes(d['growth_bytes_per_step'])}/step")
-    if "growth_bytes_per_second" in d:
-        parts.append(f"+{human_bytes(d['growth_bytes_per_second'])}/s")
-    if "culprit_items_per_step" in d and not _culprit_shown(d):
-        parts.append(f"+{d['culprit_items_per_step']:g} items/step")
-    if "projected_oom_step" in d:
-        oom = f"out of memory at step ~{d['projected_oom_step']}"
-        if "projected_oom_in_seconds" in d:
-            oom += f" (in ~{human_duration(d['projected_oom_in_seconds'])})"
-        parts.append(oom)
-    elif "projected_oom_in_seconds" in d:
-        parts.append(f"out of memory in ~{human_duration(d['projected_oom_in_seconds'])}")
+    if isinstance(d, CopyOnWrite):
+        parts.append(f"node's private memory +{human_bytes(d.private_growth_bytes)} across "
+                     f"{plural(d.workers, 'worker')}, USS "
+                     f"{human_bytes(d.uss_bytes_from)} -> {human_bytes(d.uss_bytes_to)}")
+        parts.append(f"+{human_bytes(d.growth_bytes_per_second)}/s")
+    if not isinstance(d, LeakEvidence):
+        return f" [{', '.join(parts)}]" if parts else ""
+    if d.growth_bytes_per_step is not None:
+        parts.append(f"+{human_bytes(d.growth_bytes_per_step)}/step")
+    if d.growth_bytes_per_second is not None:
+        parts.append(f"+{human_bytes(d.growth_bytes_per_second)}/s")
+    c = d.culprit
+    if c is not None and c.items_per_step is not None and not culprit_shown(d):
+        parts.append(f"+{c.items_per_step:g} items/step")
+    oom = d.projection
+    if oom is not None and oom.step is not None:
+        text = f"out of memory at step ~{oom.step}"
+        if oom.in_seconds is not None:
+            text += f" (in ~{human_duration(oom.in_seconds)})"
+        parts.append(text)
+    elif oom is not None and oom.in_seconds is not None:
+        parts.append(f"out of memory in ~{human_duration(oom.in_seconds)}")
     return f" [{', '.join(parts)}]" if parts else ""
 
 

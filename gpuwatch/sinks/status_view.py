@@ -86,17 +86,16 @@ def _findings_table(report: NodeReport, width: int, verbose: bool = False,
     for f in report.findings:
         gpus = ",".join(map(str, f.gpus))
         memory = human_bytes(f.gpu_memory_bytes) if f.gpu_memory_bytes is not None else "-"
-        details = f.details
         rows.append((
             clean(f.kind), clean(f.severity),
             str(f.pid) if f.pid is not None else f"GPU {gpus}",
             clean(f.name or "-"),
             f"{gpus}:{memory}" if f.gpu_memory_bytes is not None and f.pid else memory,
             human_duration(taken_at - wall(f.since)),
-            clean(f.reason + finding_figures(details)),
+            clean(f.reason + finding_figures(f.details)),
         ))
         if f.kind == Kind.LEAK:
-            notes[len(rows) - 1] = [clean(note) for note in leak_notes(details, verbose)]
+            notes[len(rows) - 1] = [clean(note) for note in leak_notes(f.details, verbose)]
     widths = fit_widths(natural_widths(rows), width, _FINDING_NARROWING, _MIN_REASON)
 
     def painted(r: int, column: int, text: str) -> str:

@@ -28,6 +28,7 @@ from gpuwatch.agent_budget import AgentBudget
 from gpuwatch.model import NO_DISCOVERY, AgentReading, BufferSize, StepPoint, TraceReport
 from gpuwatch.protocol import MAX_BUFFERS, TRACE_STATUSES
 from gpuwatch.sources.agent_reports import Rejected, Report
+from gpuwatch.vocabulary import TraceStatus
 
 #: Distinct buffer names a process may use over its whole life (the protocol's per-report bound).
 MAX_NAMES_PER_PROCESS = MAX_BUFFERS
@@ -278,7 +279,8 @@ class AgentStore:
         elif kind == "trace":
             assert trace is not None
             status, why, steps, sites, traceback = trace
-            report_trace = TraceReport(status, why, steps, sites, traceback, now, step)
+            report_trace = TraceReport(TraceStatus(status), why, steps, sites, traceback, now,
+                                       step)
             growth += _trace_bytes(report_trace) - _trace_bytes(agent.trace)
         elif kind == "exit":
             growth += _exit_bytes(exit_report) - _exit_bytes(agent.exit_report)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
+from gpuwatch.evidence import LeakEvidence
 from gpuwatch.model import (
     Finding,
     GpuDevice,
@@ -29,6 +30,7 @@ from gpuwatch.model import (
     NodeReport,
     gpu_memory,
 )
+from gpuwatch.sinks.details_doc import details_doc
 from gpuwatch.sinks.phrases import agent_phrase, buffer_phrases, clock, finding_figures, leak_notes
 from gpuwatch.sinks.proctree import (
     command_cell,
@@ -287,17 +289,17 @@ def _row_notes(f: Finding) -> list[str]:
     """Under a leak's row: its figures (growth, projected out-of-memory step) and its culprit."""
     if f.kind != Kind.LEAK:
         return []
-    details = f.details
     notes = []
-    figures = finding_figures(details).strip()
+    figures = finding_figures(f.details).strip()
     if figures:
         notes.append(f"leak {figures[1:-1]}")
-    culprit_notes = leak_notes(details)
-    if details.get("culprit") and not any("culprit" in n for n in culprit_notes):
+    culprit_notes = leak_notes(f.details)
+    culprit = f.details.culprit if isinstance(f.details, LeakEvidence) else None
+    if culprit is not None and culprit.name and not any("culprit" in n for n in culprit_notes):
         # status_view names such a culprit in the reason (the buffer is what grows): here the
         # reason is not on screen, so the culprit gets its line.
-        found_by = f" ({details['found_by']})" if details.get("found_by") else ""
-        culprit_notes.insert(0, f"culprit `{details['culprit']}`{found_by}")
+        found_by = f" ({culprit.found_by})" if culprit.found_by else ""
+        culprit_notes.insert(0, f"culprit `{culprit.name}`{found_by}")
     return notes + [clean(n) for n in culprit_notes]
 
 
@@ -741,11 +743,10 @@ def details_lines(report: NodeReport, pid: int, samples: Optional[SampleHistory]
     for f in findings:
         out.append(Line().add(f"{f.kind} ({f.severity})", f.severity).add(
             f", open {human_duration(taken_at - snapshot.wall(f.since))}", DIM))
-        details = f.details
-        say(f.reason + finding_figures(details), indent=2)
-        for note in leak_notes(details, verbose=True):
+        say(f.reason + finding_figures(f.details), indent=2)
+        for note in leak_notes(f.details, verbose=True):
             say(note, indent=2)
-        for key, value in details.items():
+        for key, value in details_doc(f.details).items():
             if key != "trace":  # leak_notes said what the trace found
                 say(evidence(key, value), DIM, indent=4)
     history = samples.of(pid) if samples is not None else []

@@ -32,7 +32,7 @@ DEFAULT_SELECTOR = 'job="gpuwatch"'
 DEFAULT_RUNBOOK_URL = "https://github.com/gpuwatch/gpuwatch/blob/main/docs/runbooks.md"
 
 #: What an alert about a job's processes is identified by.
-JOB_KEYS = "instance, job, job_id, job_source"
+JOB_KEYS = "instance, job, job_id, job_source, pod_namespace, pod_name"
 NODE_KEYS = "instance, job"
 GHOST = 'kind="ghost"'
 #: Where a finding's full evidence is: /metrics carries only its summary.
@@ -106,8 +106,17 @@ class Rules:
 
     # -- expression pieces ---------------------------------------------------------------------
     def per_job(self, matchers: str) -> str:
-        """How many processes of each training job on a node have findings `matchers`."""
-        return self.with_node(f"count by ({JOB_KEYS}) ({self.m('gpuwatch_finding', matchers)})")
+        """How many processes of each training job on a node have findings `matchers`; for a
+        Kubernetes pod's, the alert's `namespace` is the pod's, which Alertmanager routes by
+        (a series's own `namespace`, where the scrape gives one, is gpuwatch's)."""
+        return self.pod_namespace(self.with_node(
+            f"count by ({JOB_KEYS}) ({self.m('gpuwatch_finding', matchers)})"))
+
+    @staticmethod
+    def pod_namespace(expr: str) -> str:
+        """`expr`, with `namespace` set from `pod_namespace` where that is not empty."""
+        return ("label_replace(\n" + expr
+                + ',\n"namespace", "$1", "pod_namespace", "(.+)"\n)')
 
     def m(self, name: str, matchers: str = "") -> str:
         """A gpuwatch series, narrowed by the selector (and `matchers`)."""
@@ -140,8 +149,9 @@ class Rules:
 
     # -- the rules -----------------------------------------------------------------------------
     def finding_alerts(self) -> list[Alert]:
-        job = ("{{ with $labels.job_id }}job {{ $labels.job_source }}:{{ . }}"
-               "{{ else }}no known job{{ end }}")
+        job = ("{{ with $labels.pod_name }}pod {{ $labels.pod_namespace }}/{{ . }}{{ else }}"
+               "{{ with $labels.job_id }}job {{ $labels.job_source }}:{{ . }}"
+               "{{ else }}no known job{{ end }}{{ end }}")
         node = "{{ $labels.node }}"
         process = "{{ .Labels.pid }} ({{ .Labels.name }}, user {{ .Labels.user }}"
         return [
@@ -220,6 +230,19 @@ class Rules:
                   f"{node} " + _agreeing("has", "have") + " not advanced a step:"
                   + self.listing('kind="stalled"', "PID " + process + ")" + SUMMARY)
                   + EVIDENCE),
+            Alert("GpuwatchUnallocatedGpuMemory",
+                  self.per_job('kind="unallocated"'),
+                  "10m", "warning",
+                  f"A process of {job} on {node} holds memory on a GPU its pod was not given.",
+                  f"{_count('process', 'processes')} of {job} on {node} "
+                  + _agreeing("holds", "hold") + " " + self.memory('kind="unallocated"')
+                  + " on GPUs the kubelet allocated to other pods or to none: the pod runs "
+                  "with every GPU visible (NVIDIA_VISIBLE_DEVICES=all, privileged) or the "
+                  "device plugin handed a GPU out twice, and the pods given those GPUs will "
+                  "run out of memory."
+                  + self.listing('kind="unallocated"',
+                                 "PID " + process + ", GPU {{ .Labels.gpu }})" + SUMMARY)
+                  + EVIDENCE),
             Alert("GpuwatchUnkillableGpuProcess",
                   self.per_job('kind="unkillable", severity="critical"'),
                   "10m", "critical",
@@ -250,7 +273,7 @@ class Rules:
     def _leak_expr(self, within: int) -> str:
         soonest = (f"min by ({JOB_KEYS}) "
                    f"({self.m('gpuwatch_leak_projected_oom_timestamp_seconds')})")
-        return self.with_node(f"{soonest} - time() < {within}")
+        return self.pod_namespace(self.with_node(f"{soonest} - time() < {within}"))
 
     def _leak_description(self, job: str, node: str) -> str:
         query = ("gpuwatch_leak_growth_bytes_per_step{job=%q, instance=%q, job_id=%q}")

@@ -41,7 +41,8 @@ def test_every_leak_metric_and_its_labels_are_documented() -> None:
         row = next(line for line in documented.splitlines()
                    if line.startswith(f"| `{family.name}` |"))
         labels = {label for sample in family.samples for label in sample.labels}
-        extra = labels - {"pid", "name", "user", "job_id", "job_source"}
+        extra = labels - {"pid", "name", "user", "job_id", "job_source", "pod_namespace",
+                          "pod_name", "pod_container"}
         assert extra == {"series", "culprit", "found_by"}
         assert all(f"`{label}`" in row for label in extra) or "as above" in row, row
     for found_by in ("watched", "discovered", "traced"):

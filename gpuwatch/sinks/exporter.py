@@ -53,19 +53,29 @@ from gpuwatch.vocabulary import FoundBy, Series
 
 # Label names for a process. `job_id`, not `job`: Prometheus owns `job` (the scrape job) and
 # would rename ours to `exported_job` (docs/design-notes.md).
-PROCESS_LABELS = ("pid", "name", "user", "job_id", "job_source")
+# A Kubernetes pod's names are `pod_namespace`, `pod_name`, `pod_container`, not `namespace`,
+# `pod`, `container`: the Prometheus Operator gives every series of a scrape those of the
+# scraped pod (gpuwatch's own), and would rename ours to `exported_namespace` and the like. The
+# alert rules copy `pod_namespace` into the alert's `namespace` for Alertmanager's routes.
+PROCESS_LABELS = ("pid", "name", "user", "job_id", "job_source", "pod_namespace", "pod_name",
+                  "pod_container")
 
 
 def process_labels(pid: Optional[int], name: Optional[str], user: Optional[str],
                    job: Optional[Job]) -> list[str]:
-    """pid, name, user, job_id, job_source. The name is the kernel's (`comm`, 15 characters),
-    as `ps` shows it to anyone: psutil's longer one goes on with argv[0], a command line's."""
+    """pid, name, user, job_id, job_source, and a pod's namespace, name and container (empty
+    off Kubernetes, or until the node names the pod). The name is the kernel's (`comm`, 15
+    characters), as `ps` shows it to anyone: psutil's longer one goes on with argv[0], a command
+    line's."""
     return [
         str(pid) if pid is not None else "",
         (name or "")[:COMM_CHARS],
         user or "",
         job.id if job else "",
         job.source if job else "",
+        (job.namespace or "") if job else "",
+        (job.pod or "") if job else "",
+        (job.container or "") if job else "",
     ]
 
 

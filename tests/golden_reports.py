@@ -193,7 +193,8 @@ def leak_evidence() -> NodeReport:
 
 
 #: What tests/leakreports.py leaves out: a trace asked for and not answered yet, one that
-#: failed, and a GPU leak projected against its GPU's free memory.
+#: failed, a GPU leak projected against its GPU's free memory, and a tensor holding the autograd
+#: history of every step.
 _MORE_LEAKS = (
     leakreports.leak(707, "RSS grows every step", growth_bytes_per_step=MIB, culprit=None,
                      found_by=None, trace=MappingProxyType({
@@ -208,6 +209,10 @@ _MORE_LEAKS = (
                      found_by=None, limit_source="GPU", limit_bytes=80 * GIB,
                      available_bytes=8 * GIB, projected_oom_step=202,
                      projected_oom_in_seconds=1280),
+    leakreports.leak(710, "RSS grows every step; `__main__.total_loss` holds the graph of every "
+                     "step since step 3: use `loss.item()` or `.detach()` (autograd)",
+                     growth_bytes_per_step=2 * MIB, culprit="__main__.total_loss",
+                     found_by="autograd", history_since_step=3, graph_nodes_per_step=12.0),
 )
 
 

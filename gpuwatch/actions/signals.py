@@ -44,7 +44,7 @@ _TICK = 0.05
 
 #: What a process named by a ProcessRef is now.
 SAME = "same"  # running (or stopped, sleeping...) as it was
-ZOMBIE = "zombie"  # exited; its parent has yet to collect it
+ZOMBIE = ProcState.ZOMBIE  # exited; its parent has yet to collect it
 GONE = "gone"  # no such PID
 OTHER = "other"  # the PID belongs to another process now
 #: The result of a signal its ref's veto stopped (Ending.result).

@@ -22,6 +22,7 @@ from gpuwatch.detectors.common import Evidence, is_protected
 from gpuwatch.history import History
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot, Pod
 from gpuwatch.units import human_bytes
+from gpuwatch.vocabulary import Severity
 
 #: The kinds of finding this detector reports (a test runs it over scenarios and checks).
 EMITS = frozenset({Kind.UNALLOCATED})
@@ -61,6 +62,6 @@ def _finding(p: HostProcess, pod: Pod, outside: list, given: set[str]  # type: i
         f"its containers were given {allocated}",
         f"holds {held} on {where}, outside the {len(given)} GPU device(s) the kubelet "
         f"allocated its pod (UID {pod.uid})")
-    return Finding(kind=Kind.UNALLOCATED, severity="warning", reason=evidence.reason,
+    return Finding(kind=Kind.UNALLOCATED, severity=Severity.WARNING, reason=evidence.reason,
                    summary=evidence.summary, pid=p.pid, start_time=p.start_time, name=p.name,
                    user=p.user, job=p.job, gpus=gpus, gpu_memory_bytes=memory)

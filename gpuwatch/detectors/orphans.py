@@ -65,7 +65,7 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             continue
         evidence = _pod_gone(p, snapshot)
         if evidence is not None:
-            yield finding(Kind.ORPHAN, "critical", p, evidence)
+            yield finding(Kind.ORPHAN, Severity.CRITICAL, p, evidence)
             continue
         h = history.get(p.identity)
         if h is not None and h.first_ppid not in (None, 0, 1) and p.ppid != h.first_ppid:

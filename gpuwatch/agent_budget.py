@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 #: Bytes of agent state kept by default: room for about 300 reporting processes with 8 watched
 #: buffers each (~200 KiB a process at most), and for a few with 64.
@@ -52,6 +52,8 @@ Reclaimer = Callable[[int, int, str], int]
 #: free pages it keeps (series are arrays of over 512 bytes: malloc's, not Python's arenas).
 TRIM_AFTER_BYTES = 16 << 20
 
+
+T = TypeVar("T")
 
 def _malloc_trim() -> Optional[Callable[[int], int]]:
     try:
@@ -153,6 +155,21 @@ class AgentBudget:
     def refused(self, what: str, reason: str) -> None:
         with self._lock:
             self._refused[(what, reason)] += 1
+
+    def free(self, what: str, reason: str, nbytes: int, candidates: Iterable[T],
+             drop: Callable[[T], int]) -> int:
+        """A reclaimer's loop: `drop` each of `candidates` in turn (it returns the bytes it
+        gave back) until `nbytes` are freed; the evictions counted under `what`. The bytes
+        freed."""
+        freed = evicted = 0
+        for candidate in candidates:
+            if freed >= nbytes:
+                break
+            freed += drop(candidate)
+            evicted += 1
+        if evicted:
+            self.evicted(what, reason, evicted)
+        return freed
 
     def evicted(self, what: str, reason: str, n: int = 1) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ from dataclasses import field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from gpuwatch.bounded_read import read_at_most
 from gpuwatch.frozen import frozen_dataclass
 from gpuwatch.protocol import (
     DEFAULT_RUNTIME_DIR,
@@ -84,18 +85,11 @@ def read_config_file(path: Path, what: str, limit: int = MAX_CONFIG_BYTES) -> by
         if st.st_size > limit:
             raise ConfigError(f"{what} {path}: {st.st_size} bytes, more than the "
                               f"{limit} a configuration file may have")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > limit:
+        data = read_at_most(fd, limit)
+        if len(data) > limit:
             raise ConfigError(f"{what} {path}: more than the {limit} bytes a configuration "
                               "file may have")
-        return b"".join(chunks)
+        return data
     except OSError as exc:
         raise ConfigError(f"{what} {path}: cannot read it: {exc.strerror}") from None
     finally:

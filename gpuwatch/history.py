@@ -503,15 +503,7 @@ class History:
         candidates = sorted(
             (h for h in self._stepped.values() if h.steps is not None and h.steps.uid == uid),
             key=lambda h: (h.identity in flagged, h.steps.last_report_at if h.steps else 0.0))
-        freed = evicted = 0
-        for h in candidates:
-            if freed >= nbytes:
-                break
-            freed += self._drop_steps(h)
-            evicted += 1
-        if evicted:
-            self.budget.evicted("history", reason, evicted)
-        return freed
+        return self.budget.free("history", reason, nbytes, candidates, self._drop_steps)
 
     def _first_job_key(self, p: HostProcess, parent: Optional[HostProcess],
                        snapshot: NodeSnapshot) -> Optional[JobKey]:

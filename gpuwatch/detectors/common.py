@@ -10,13 +10,14 @@ a path, or a name a program chose for a buffer or a thread.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple, Optional
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.launch_env import RUN_ID_KEY, WORKER_MARKER_KEYS, process_title, run_supervisor
 from gpuwatch.model import COMM_CHARS, Finding, HostProcess, Job, Kind, NodeSnapshot
 from gpuwatch.units import human_bytes, short_command
-from gpuwatch.vocabulary import Severity
+from gpuwatch.vocabulary import ProcState, Severity
 
 # Guards the climb against a corrupt or cyclic parent chain.
 _MAX_DEPTH = 64
@@ -67,6 +68,14 @@ class Evidence(NamedTuple):
         """Evidence whose full words are public already (no command line, environment value,
         path or chosen name in them): the summary is the reason."""
         return Evidence(words, words)
+
+
+def judged_in_state(snapshot: NodeSnapshot, state: ProcState, config: DetectorConfig
+                    ) -> Iterator[HostProcess]:
+    """The processes of `snapshot` in `state` that a detector may judge: not protected."""
+    for p in snapshot.processes.values():
+        if p.state == state and not is_protected(p, config):
+            yield p
 
 
 def finding(kind: Kind, severity: Severity, p: HostProcess, evidence: Evidence) -> Finding:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import Evidence, finding, is_protected
+from gpuwatch.detectors.common import Evidence, finding, judged_in_state
 from gpuwatch.history import History
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
@@ -26,9 +26,7 @@ EMITS = frozenset({Kind.UNKILLABLE})
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
-    for p in snapshot.processes.values():
-        if p.state != ProcState.DISK_SLEEP or is_protected(p, config):
-            continue
+    for p in judged_in_state(snapshot, ProcState.DISK_SLEEP, config):
         h = history.get(p.identity)
         if h is None or h.disk_sleep_since is None:
             continue

@@ -16,7 +16,7 @@ from gpuwatch.detectors.common import (
     Evidence,
     by_holding,
     finding,
-    is_protected,
+    judged_in_state,
     named,
     named_process,
 )
@@ -30,9 +30,7 @@ EMITS = frozenset({Kind.ZOMBIE})
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
-    for p in snapshot.processes.values():
-        if p.state != ProcState.ZOMBIE or is_protected(p, config):
-            continue
+    for p in judged_in_state(snapshot, ProcState.ZOMBIE, config):
         h = history.get(p.identity)
         since = h.zombie_since if h is not None and h.zombie_since is not None else \
             snapshot.taken_at

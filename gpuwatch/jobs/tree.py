@@ -8,7 +8,7 @@ a user's editor into a "leftover" when their training run ends.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Optional
 
 from gpuwatch.model import HostProcess, Job
@@ -105,6 +105,23 @@ def lineage(p: HostProcess, processes: Mapping[int, HostProcess]) -> Iterator[Ho
         if not current.ppid or current.ppid == current.pid:
             return
         current = processes.get(current.ppid)
+
+
+def descendants(roots: Iterable[int], children_of: Callable[[int], Iterable[int]]
+                ) -> set[int]:
+    """Every process under `roots` (not the roots themselves), asking `children_of` once for
+    each: from a children mapping, /proc's children files, or whatever else knows a process's
+    children."""
+    seen = set(roots)
+    found: set[int] = set()
+    todo = list(seen)
+    while todo:
+        for child in children_of(todo.pop()):
+            if child not in seen:
+                seen.add(child)
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def service_over(p: HostProcess, processes: Mapping[int, HostProcess],

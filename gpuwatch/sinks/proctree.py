@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
 
+from gpuwatch.jobs.tree import descendants
 from gpuwatch.launch_env import WORKER_MARKER_KEYS
 from gpuwatch.model import HostProcess, Job, NodeReport, holds_gpu
 from gpuwatch.units import human_bytes, short_command
@@ -60,13 +61,7 @@ def shown_pids(report: NodeReport, flagged: set[int]) -> set[int]:
     for p in procs.values():
         if p.ppid and p.pid != 1:
             children.setdefault(p.ppid, []).append(p.pid)
-    todo = list(shown)
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in shown:
-                shown.add(child)
-                todo.append(child)
-    return shown
+    return shown | descendants(shown, lambda pid: children.get(pid, ()))
 
 
 def walk_trees(procs: Mapping[int, HostProcess], shown: set[int],

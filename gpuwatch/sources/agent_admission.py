@@ -393,15 +393,7 @@ class AgentStore:
         with self.lock:
             candidates = sorted((pid for pid, a in self._agents.items() if a.uid == uid),
                                 key=lambda pid: self._agents[pid].last_seen)
-            freed = evicted = 0
-            for pid in candidates:
-                if freed >= nbytes:
-                    break
-                freed += self._discard(pid)
-                evicted += 1
-        if evicted:
-            self.budget.evicted("process", reason, evicted)
-        return freed
+            return self.budget.free("process", reason, nbytes, candidates, self._discard)
 
     # -- what the poll thread reads ----------------------------------------------------------
     def drain(self) -> dict[int, AgentReading]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from gpuwatch.bounded_read import read_at_most
+
 #: One read takes a whole /proc or cgroup file but a long environment or command line.
 READ_CHUNK = 1 << 16
 
@@ -33,18 +35,10 @@ def read_head(path: str, limit: int) -> tuple[bytes, bool]:
     than asked); raises OSError as os.open and os.read do."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        parts = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            parts.append(chunk)
-            size += len(chunk)
+        data = read_at_most(fd, limit)
     finally:
         os.close(fd)
-    data = b"".join(parts)
-    return (data[:limit], True) if size > limit else (data, False)
+    return (data[:limit], True) if len(data) > limit else (data, False)
 
 
 def read_or_none(path: str) -> Optional[bytes]:

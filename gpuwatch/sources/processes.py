@@ -25,12 +25,13 @@ import pwd
 import re
 import resource
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Generic, NamedTuple, Optional, TypeVar, Union
 
 from gpuwatch.frozen import build, evolve
+from gpuwatch.jobs.tree import descendants
 from gpuwatch.launch_env import WORKER_MARKER_KEYS
 from gpuwatch.model import (
     Executable,
@@ -449,29 +450,20 @@ class ProcessSource:
         process may fork from any thread, where `children` reads only the main thread's):
         proportional to the tree, not to the host. Without children files (children_files),
         from one scan of every process's parent PID."""
-        found: set[int] = set()
-        todo = [root]
         if not self.children_files:
             by_parent = self._children_by_parent()
-            while todo:
-                for child in by_parent.get(todo.pop(), ()):
-                    if child not in found:
-                        found.add(child)
-                        todo.append(child)
-            return found
-        while todo:
-            pid = todo.pop()
-            try:
-                tasks = os.listdir(f"{self._procfs}/{pid}/task")
-            except OSError:
-                continue
-            for tid in tasks:
-                raw = read_or_none(f"{self._procfs}/{pid}/task/{tid}/children")
-                for child in map(int, raw.split() if raw else ()):
-                    if child not in found:
-                        found.add(child)
-                        todo.append(child)
-        return found
+            return descendants([root], lambda pid: by_parent.get(pid, ()))
+        return descendants([root], self._every_threads_children)
+
+    def _every_threads_children(self, pid: int) -> Iterator[int]:
+        """The children each thread of `pid` forked (none where it is gone)."""
+        try:
+            tasks = os.listdir(f"{self._procfs}/{pid}/task")
+        except OSError:
+            return
+        for tid in tasks:
+            raw = read_or_none(f"{self._procfs}/{pid}/task/{tid}/children")
+            yield from map(int, raw.split() if raw else ())
 
     def _children_by_parent(self) -> dict[int, list[int]]:
         """Every process of this /proc by its parent PID, in PID order: for a kernel without

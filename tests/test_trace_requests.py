@@ -394,6 +394,7 @@ class LeakingNode(Poller):
         self.agents = None
         self.clock = SteadyClock()
         self.private_memory = PrivateMemorySource()  # paced by the daemon; never asked here
+        self.pods = None  # the daemon gives it its pod source; poll() below never asks it
         self.step = 0
 
     def poll(self, watch: Iterable[int] = ()) -> NodeSnapshot:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Optional
 
+from gpuwatch.bounded_read import read_at_most
 from gpuwatch.model import Pod
 from gpuwatch.sources.podresources import (
     DEFAULT_SOCKET,
@@ -176,14 +177,8 @@ def _read_below(root: str, parts: tuple[str, ...], limit: int) -> Optional[bytes
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
             return None
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks) if size <= limit else None
+        data = read_at_most(fd, limit)
+        return data if len(data) <= limit else None
     except OSError:
         return None
     finally:

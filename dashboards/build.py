@@ -217,8 +217,11 @@ def _dashboard(uid: str, title: str, description: str, variables: list[dict[str,
 
 def node_dashboard(settings: Settings) -> dict[str, Any]:
     selector, process = NODE, NODE_PROCESS
-    finding_columns = ["kind", "severity", "pid", "name", "user", "job_id", "gpu"]
-    process_columns = ["pid", "name", "user", "job_id", "series", "culprit", "found_by"]
+    # A Kubernetes pod's names follow the job: empty off Kubernetes.
+    pod_columns = ["pod_namespace", "pod_name", "pod_container"]
+    finding_columns = ["kind", "severity", "pid", "name", "user", "job_id", *pod_columns, "gpu"]
+    process_columns = ["pid", "name", "user", "job_id", *pod_columns, "series", "culprit",
+                       "found_by"]
     panels: list[Panel] = [
         row("Node"),
         stat("NVML", "Whether the daemon read NVML on its last poll. Down on a GPU node means "

@@ -298,6 +298,21 @@ def test_the_daemonset_runs_the_units_command_with_its_directories() -> None:
     assert unit()["PrivateTmp"] == ["yes"] and "emptyDir" in volumes[mounts["/tmp"]["name"]]
 
 
+def test_the_daemonset_reads_the_kubelets_pod_records_read_only_where_the_defaults_look() -> None:
+    """The PodResources socket's directory and the pod log directories, each mounted read-only
+    from the node at the path kubernetes.pod_resources_socket and kubernetes.pod_logs_dir name
+    by default; nothing of the container runtime (its sockets would give the node)."""
+    pod = daemonset()["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container()["volumeMounts"]}
+    k = load_config(environ={"GPUWATCH_CONFIG": "/dev/null"}).kubernetes
+    for path in (str(Path(k.pod_resources_socket).parent), k.pod_logs_dir):
+        mount = mounts[path]
+        assert mount["readOnly"] is True, mount
+        assert volumes[mount["name"]]["hostPath"] == {"path": path, "type": "Directory"}
+    assert not any("containerd" in m or "crio" in m or "docker" in m for m in mounts)
+
+
 def _write(name: Path, text: str) -> Path:
     import tempfile
 

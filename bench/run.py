@@ -34,7 +34,8 @@ from cmdline import columns, verdict
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BENCHES = ["poll_cost", "exporter_vs_nvitop", "equal_work", "oneshot", "daemon_rss",
+BENCHES = ["poll_cost", "exporter_vs_nvitop", "render_cost", "equal_work", "oneshot",
+           "daemon_rss",
            "agent_step", "culprit_torch", "agent_ingest", "run_overhead", "agent_bootstrap",
            "top_cpu", "daemon_poll",
            "agent_flood", "agent_junk_flood", "argv_flood", "web_auth_flood", "chaos"]
@@ -185,6 +186,34 @@ def exporter_rows(f: Figures) -> list[Row]:
                             f"{_us_per_kb(gw):.1f} / {_us_per_kb(nv):.1f} us/KB; gzipped "
                             f"{_ms(gw['gzip_scrape_ms'])} ({gw['gzip_bytes'] / 1024:.0f} KiB) / "
                             f"{_ms(nv['gzip_scrape_ms'])} ({nv['gzip_bytes'] / 1024:.0f} KiB)"))
+    return rows
+
+
+#: The daemon's cost of answering `gpuwatch status --json` at 1,024 GPU processes.
+STATUS_ANSWER_GOAL_MS = 5.0
+
+
+def render_rows(f: Figures) -> list[Row]:
+    """What answering costs the daemon after a poll (bench/render_cost.py)."""
+    rows = []
+    for n, r in f["by_gpu_procs"].items():
+        at = f"{f['gpus']} GPUs x {n} GPU processes"
+        this, before = r["this"], r.get("against")
+        versus = (f" (against: {_ms(before['text_ms'])} / {_ms(before['openmetrics_ms'])} / "
+                  f"{_ms(before['gzip_ms'])})" if before else "")
+        rows.append(Row(
+            f"daemon's /metrics render after a poll, text / OpenMetrics / gzipped text, {at} "
+            f"({this['samples']} samples)",
+            f"{_ms(this['text_ms'])} / {_ms(this['openmetrics_ms'])} / "
+            f"{_ms(this['gzip_ms'])} = {this['text_ms'] / this['poll_ms']:.2f}x its poll"
+            + versus))
+        goal = n == "1024"
+        rows.append(Row(
+            f"daemon's cost of answering `status --json` after a poll, {at}",
+            _ms(this["document_ms"]) + (f" (against: {_ms(before['document_ms'])})"
+                                        if before else ""),
+            f"<= {STATUS_ANSWER_GOAL_MS:g} ms" if goal else "",
+            this["document_ms"] <= STATUS_ANSWER_GOAL_MS if goal else None))
     return rows
 
 
@@ -474,7 +503,8 @@ def chaos_rows(f: Figures) -> list[Row]:
 
 
 ROWS: dict[str, Callable[[Figures], list[Row]]] = {
-    "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "equal_work": equal_work_rows,
+    "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "render_cost": render_rows,
+    "equal_work": equal_work_rows,
     "oneshot": oneshot_rows, "daemon_rss": rss_rows, "agent_step": agent_step_rows,
     "culprit_torch": culprit_rows,
     "agent_ingest": ingest_rows,

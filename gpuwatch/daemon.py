@@ -58,9 +58,10 @@ from gpuwatch.serve.exposition import RenderedMetrics
 from gpuwatch.serve.http_server import MetricsServer, bind_tcp
 from gpuwatch.serve.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sinks.daemon_metrics import DaemonMetrics
-from gpuwatch.sinks.document import SOURCE_DAEMON, bounded_json, status_document
+from gpuwatch.sinks.document import SOURCE_DAEMON, DocumentWriter
 from gpuwatch.sinks.exit_reports import ExitReportLog
 from gpuwatch.sinks.exporter import SERIES_DROPPED_REASONS, ReportCollector
+from gpuwatch.sinks.exposition_text import LineWriter
 from gpuwatch.sources.agent_socket import AgentReceiver
 from gpuwatch.sources.memory import read_mem_total
 from gpuwatch.sources.nvml import NvmlSource
@@ -107,6 +108,8 @@ class Daemon:
         self._latest: Optional[NodeReport] = None
         self._document: tuple[Optional[NodeReport], Optional[bytes]] = (None, None)
         self._document_lock = threading.Lock()
+        #: Keeps each process's part of the document while it does not change.
+        self.document_writer = DocumentWriter()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._reload_requested = False
@@ -118,7 +121,7 @@ class Daemon:
         # `_created` series double every counter for no use on a node exporter.
         disable_created_metrics()
         self.registry = CollectorRegistry()
-        self.rendered = RenderedMetrics(self.registry)
+        self.rendered = RenderedMetrics(self.registry, writer=LineWriter().write)
         self.collector = ReportCollector(
             lambda: self._latest, config.exporter.max_process_series,
             agent_counts=lambda: (self.agents.accepted, self.agents.rejected),
@@ -157,7 +160,7 @@ class Daemon:
             if cached_for is not report:
                 # Bounded in bytes: a node of thousands of processes with long texts is served
                 # shortened, saying so, never a document too large for its readers.
-                body, cut = bounded_json(status_document(report, source=SOURCE_DAEMON))
+                body, cut = self.document_writer.json(report, source=SOURCE_DAEMON)
                 if cut is not None:
                     self.metrics.count_truncated({"document": 1})
                 self._document = (report, body)

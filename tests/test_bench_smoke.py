@@ -20,6 +20,7 @@ ROWS: dict[str, tuple[str, ...]] = {
     "poll_cost": ("poll CPU (wall), 8 GPUs x 64 GPU processes", "poll CPU growth"),
     "exporter_vs_nvitop": ("daemon CPU per poll / nvitop-exporter per collection",
                            "daemon RSS / nvitop-exporter RSS", "/metrics scrape"),
+    "render_cost": ("daemon's /metrics render after a poll",),
     "equal_work": ("daemon poll / nvitop-exporter's per-process collection alone (equal work)",),
     "oneshot": ("`gpuwatch status --json` / `gpustat --json`",),
     "daemon_rss": ("daemon RSS after",),

@@ -13,7 +13,9 @@ their rhythm shows; one that came early) renders then, and what it rendered is k
 next poll, so a second scraper gets the same bytes.
 
 Everything in a body, the metrics port's own counters (connections, responses) included, is as
-of the poll.
+of the poll. A gzipped body is compressed once per render, never per scrape; the daemon hands in
+a writer that writes the exporter's per-process lines again only where they changed
+(sinks/exposition_text.py).
 """
 
 from __future__ import annotations
@@ -23,13 +25,18 @@ import gzip
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from functools import partial
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 Encoder = Callable[[CollectorRegistry], bytes]
-Key = tuple[Encoder, bool]
+#: How a body is written: `encoder(registry)`, or what the application layer hands in its place
+#: (the exporter's writer, which keeps lines that did not change: sinks/exposition_text.py).
+Writer = Callable[[Encoder, "CollectorRegistry | Selection"], bytes]
+#: (encoder_key of the encoder, gzipped): equal for the equal encoders of two requests.
+Key = tuple[object, bool]
 #: prometheus-client's default: fast, and within a few percent of the smallest body.
 GZIP_LEVEL = 6
 #: A format nobody asked for in this long is no longer rendered ahead.
@@ -40,9 +47,19 @@ GAPS_KEPT = 4
 MIN_GAP = 0.5
 
 
-def render(encoder: Encoder, registry: CollectorRegistry | Selection, gzipped: bool) -> bytes:
+def encoder_key(encoder: Encoder) -> object:
+    """A key equal for equal encoders: choose_encoder makes a new `partial` for every
+    OpenMetrics or escaped request, and partials compare by identity."""
+    if isinstance(encoder, partial):
+        return (encoder.func, encoder.args, tuple(sorted(encoder.keywords.items())))
+    return encoder
+
+
+def render(encoder: Encoder, registry: CollectorRegistry | Selection, gzipped: bool,
+           writer: Optional[Writer] = None) -> bytes:
     # The encoders call only collect(), which a Selection has.
-    body = encoder(registry)  # type: ignore[arg-type]
+    body = (writer(encoder, registry) if writer is not None
+            else encoder(registry))  # type: ignore[arg-type]
     return gzip.compress(body, compresslevel=GZIP_LEVEL) if gzipped else body
 
 
@@ -97,33 +114,38 @@ class RenderedMetrics:
     """The registry's exposition by (encoder, gzip), kept until `refresh()`."""
 
     def __init__(self, registry: CollectorRegistry,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 writer: Optional[Writer] = None) -> None:
         self.registry = registry
         self._clock = clock
         self._lock = threading.Lock()
         self._generation = 0
         self._bodies: dict[Key, bytes] = {}
         self._scrapes: dict[Key, _Scrapes] = {}
+        #: The encoder of each key, to render it ahead.
+        self._encoders: dict[Key, Encoder] = {}
+        #: Writes a body in the encoder's place, where one is given.
+        self.writer = writer
         #: Renders done, for tests and benches: one per scrape, at most one per poll and format.
         self.renders = 0
 
     def kept(self, encoder: Encoder, gzipped: bool) -> Optional[bytes]:
         """What was rendered since the last poll in that form, or None (then `body` renders)."""
         with self._lock:
-            key = (encoder, gzipped)
-            self._asked(key)
+            key = (encoder_key(encoder), gzipped)
+            self._asked(key, encoder)
             return self._bodies.get(key)
 
     def body(self, encoder: Encoder, gzipped: bool) -> bytes:
         """The body in that form, rendered now if it was not since the last poll. A scrape is
         counted by `kept`, asked first."""
-        key = (encoder, gzipped)
+        key = (encoder_key(encoder), gzipped)
         with self._lock:
             kept = self._bodies.get(key)
             generation = self._generation
         if kept is not None:
             return kept
-        body = self._render(key)
+        body = self._render(encoder, gzipped)
         with self._lock:
             if generation == self._generation:  # a poll ended meanwhile: this one is older
                 self._bodies[key] = body
@@ -138,24 +160,27 @@ class RenderedMetrics:
             self._bodies.clear()
             self._scrapes = {key: s for key, s in self._scrapes.items()
                              if now - s.last < FORGET_AFTER}
-            wanted = [key for key, s in self._scrapes.items()
+            self._encoders = {key: e for key, e in self._encoders.items()
+                              if key in self._scrapes}
+            wanted = [(key, self._encoders[key]) for key, s in self._scrapes.items()
                       if s.due_within(now, now + next_poll_in)]
             generation = self._generation
-        for key in wanted:
-            body = self._render(key)
+        for key, encoder in wanted:
+            body = self._render(encoder, key[1])
             with self._lock:
                 if generation != self._generation:
                     return
                 self._bodies[key] = body
 
-    def _asked(self, key: Key) -> None:
+    def _asked(self, key: Key, encoder: Encoder) -> None:
         now = self._clock()
         scrapes = self._scrapes.get(key)
         if scrapes is None:
             self._scrapes[key] = _Scrapes(now)
+            self._encoders[key] = encoder
         else:
             scrapes.asked(now)
 
-    def _render(self, key: Key) -> bytes:
+    def _render(self, encoder: Encoder, gzipped: bool) -> bytes:
         self.renders += 1
-        return render(key[0], self.registry, key[1])
+        return render(encoder, self.registry, gzipped, self.writer)

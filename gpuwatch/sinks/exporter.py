@@ -15,6 +15,7 @@ daemon's group reads (docs/security.md, rule 5). A finding's evidence is served 
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 from collections.abc import Iterable, Iterator, Mapping
@@ -23,7 +24,6 @@ from typing import Callable, Optional
 
 from prometheus_client.core import (
     CounterMetricFamily,
-    GaugeMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -49,7 +49,14 @@ from gpuwatch.model import (
     NodeReport,
     NodeSnapshot,
 )
+from gpuwatch.sinks.exposition_text import Family
 from gpuwatch.vocabulary import FoundBy, Series
+
+log = logging.getLogger(__name__)
+
+#: The sections of /metrics that ReportCollector renders apart (gpuwatch_exporter_section_success).
+EXPORTER_SECTIONS = ("build", "agent_reports", "agent_memory", "node", "gpus", "processes",
+                     "findings", "leaks")
 
 # Label names for a process. `job_id`, not `job`: Prometheus owns `job` (the scrape job) and
 # would rename ours to `exported_job` (docs/design-notes.md).
@@ -225,6 +232,8 @@ class ReportCollector(Collector):
         #: report share one selection. Replaced whole, so a scrape's thread reads it safely.
         self._exported: Optional[tuple[NodeReport, int,
                                        tuple[list[HostProcess], dict[str, int]]]] = None
+        #: Sections whose last render failed: logged once until they render again.
+        self._failing: set[str] = set()
 
     def exported(self, report: NodeReport) -> tuple[list[HostProcess], dict[str, int]]:
         """exported_processes of `report` under max_process_series, worked out once a report."""
@@ -248,6 +257,54 @@ class ReportCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
+        """The families of the latest report, section by section (EXPORTER_SECTIONS): each is
+        built whole before any of it is yielded, so a bad value (a figure that is not a number,
+        a report the exporter does not expect) costs its section, logged and counted in
+        gpuwatch_exporter_section_success, never the scrape."""
+        report = self._latest()
+        succeeded: list[tuple[str, bool]] = []
+        for section, build in self._sections(report):
+            try:
+                built = list(build())
+            except Exception as e:
+                succeeded.append((section, False))
+                if section not in self._failing:
+                    self._failing.add(section)
+                    log.warning("/metrics: the %s section is left out of the scrape, a value "
+                                "in it could not be rendered: %s: %s", section,
+                                type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+                continue
+            if section in self._failing:
+                self._failing.discard(section)
+                log.warning("/metrics: the %s section renders again", section)
+            succeeded.append((section, True))
+            yield from built
+        yield _gauge("gpuwatch_exporter_section_success",
+                     "1 when the section of /metrics rendered in this body, 0 when a value in "
+                     "it could not be (the daemon's log says which): one bad value costs its "
+                     "section, never the scrape.", ["section"],
+                     [([section], 1.0 if ok else 0.0) for section, ok in succeeded])
+
+    def _sections(self, report: Optional[NodeReport]
+                  ) -> Iterator[tuple[str, Callable[[], Iterable[Metric]]]]:
+        yield "build", self._build
+        if self._agent_counts is not None:
+            counts = self._agent_counts
+            yield "agent_reports", lambda: self._agent_totals(*counts())
+        if self._agent_budget is not None:
+            budget = self._agent_budget
+            yield "agent_memory", lambda: self._agent_memory(budget())
+        if report is None:
+            return
+        yield "node", lambda: self._node(report.snapshot)
+        yield "gpus", lambda: self._gpus(report.snapshot)
+        yield "processes", lambda: self._processes(report, self.exported(report)[0])
+        yield "findings", lambda: self._findings(
+            _findings_with_series(report, self.exported(report)[0]), report.findings)
+        yield "leaks", lambda: self._leaks(
+            report, _findings_with_series(report, self.exported(report)[0]))
+
+    def _build(self) -> Iterator[Metric]:
         build = InfoMetricFamily("gpuwatch_build", "Version of the running gpuwatch, and the "
                                  "PID of the daemon serving it (as daemon.json names it).")
         # `pid` tells whose /metrics a port serves: `gpuwatch doctor` matches it against the
@@ -255,23 +312,6 @@ class ReportCollector(Collector):
         build.add_metric([], {"version": __version__, "python": platform.python_version(),
                               "pid": str(os.getpid())})
         yield build
-        if self._agent_counts is not None:
-            yield from self._agent_totals(*self._agent_counts())
-        if self._agent_budget is not None:
-            yield from self._agent_memory(self._agent_budget())
-        report = self._latest()
-        if report is None:
-            return
-        yield from self._node(report.snapshot)
-        yield from self._gpus(report.snapshot)
-        yield _gauge("gpuwatch_agent_processes", "Processes with an agent slot at the last "
-                     "poll (at most agent.max_processes).", [],
-                     [([], float(len(report.snapshot.agents)))])
-        exported, _ = self.exported(report)
-        yield from self._processes(report, exported)
-        findings = _findings_with_series(report, exported)
-        yield from self._findings(findings, report.findings)
-        yield from self._leaks(report, findings)
 
     def _node(self, s: NodeSnapshot) -> Iterator[Metric]:
         node = InfoMetricFamily(
@@ -340,6 +380,9 @@ class ReportCollector(Collector):
 
     def _processes(self, report: NodeReport, exported: list[HostProcess]
                    ) -> Iterator[Metric]:
+        yield _gauge("gpuwatch_agent_processes", "Processes with an agent slot at the last "
+                     "poll (at most agent.max_processes).", [],
+                     [([], float(len(report.snapshot.agents)))])
         gpu_labels = [*PROCESS_LABELS, "gpu", "uuid"]
         gpu_mem, rss, start, steps, step_at, items, sizes = [], [], [], [], [], [], []
         agents = report.snapshot.agents
@@ -370,7 +413,9 @@ class ReportCollector(Collector):
             if p.rss_bytes is not None:
                 rss.append((base, float(p.rss_bytes)))
             if p.start_time is not None:
-                start.append((base, report.snapshot.wall(p.start_time)))
+                # To the kernel's tick, the figure's resolution: the wall clock's correction
+                # moves by microseconds from poll to poll, and the series stays put.
+                start.append((base, round(report.snapshot.wall(p.start_time), 2)))
         yield _gauge("gpuwatch_process_gpu_memory_bytes",
                      "GPU memory a process holds on one GPU, as NVML reports it.",
                      gpu_labels, gpu_mem)
@@ -539,8 +584,9 @@ def _by_what_and_reason(name: str, documentation: str, whats: Iterable[str],
 
 
 def _gauge(name: str, doc: str, labels: list[str] | tuple[str, ...],
-           samples: Iterable[tuple[list[str], float]]) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=list(labels))
+           samples: Iterable[tuple[list[str], float]]) -> Family:
+    """A gauge family, written line by line by exposition_text.LineWriter."""
+    family = Family(name, doc, labels)
     for values, value in samples:
-        family.add_metric(values, value)
+        family.add(values, value)
     return family

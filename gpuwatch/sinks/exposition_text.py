@@ -1,0 +1,207 @@
+"""The exposition written directly: prometheus-client's text and OpenMetrics formats, byte for
+byte, without its general formatter where that is the cost.
+
+The exporter's families of many series (one or more per process) are `Family`s: rows of label
+values and a value. Writing them through prometheus-client costs a `Sample` and a dict per
+series, the label names validated and escaped on every line, and the value formatted again each
+time, though most of a node's processes show the same figures from one poll to the next. A
+`LineWriter` writes a Family's lines itself and keeps each line until its value or labels
+change: a render after a poll formats only the series that changed. Every other family (the
+daemon's counters, its process metrics, info families) is written by prometheus-client's own
+encoder, one family at a time, so the body is what that encoder would have written whole.
+
+A Family is a prometheus-client `Metric` all the same: its samples are made when something asks
+for them (a `name[]` selection, an encoder this module does not write, a test).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from functools import partial
+from math import copysign
+from typing import Any, Callable, Optional
+
+from prometheus_client import exposition as text_format
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics import exposition as openmetrics_format
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString as _untyped_go_string
+
+#: prometheus-client's float formatting (Go's), typed.
+_go_string: Callable[[float], str] = _untyped_go_string
+
+#: Escapings under which a legacy name is written as it is (all of gpuwatch's names are).
+_PLAIN_NAMES = (openmetrics_format.UNDERSCORES, openmetrics_format.ALLOWUTF8)
+
+
+def _escape_value(value: str) -> str:
+    """A label value as both formats write it (backslash, newline, double quote)."""
+    if "\\" in value or "\n" in value or '"' in value:
+        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return value
+
+
+class Family(Metric):
+    """A family of series with the same label names: rows of (label values, value).
+
+    `add` takes the values as GaugeMetricFamily.add_metric does; a value that is not a number
+    raises there, inside the collector that adds it, not in the middle of a body."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str] = (),
+                 typ: str = "gauge") -> None:
+        super().__init__(name, documentation, typ)
+        self.labels = tuple(labels)
+        self.rows: list[tuple[tuple[str, ...], float]] = []
+        # Label names in the order the formats write them (sorted), with where each value is.
+        order = sorted(range(len(self.labels)), key=self.labels.__getitem__)
+        self.sorted_labels = tuple((self.labels[i], i) for i in order)
+
+    def add(self, values: Sequence[str], value: float) -> None:
+        if len(values) != len(self.labels):
+            raise ValueError(f"{self.name}: {len(values)} label values for "
+                             f"{len(self.labels)} labels")
+        # A label value is text (a str enumeration's value, as prometheus-client escapes it);
+        # anything else raises here.
+        self.rows.append((tuple(map(str.__str__, values)), float(value)))
+
+    # prometheus-client's Metric sets and reads `samples`: made from the rows when read, unless
+    # something (a name[] selection) set them.
+    @property
+    def samples(self) -> list[Sample]:
+        chosen = self.__dict__.get("_chosen")
+        if chosen is not None:
+            return list(chosen)
+        return [Sample(self.name, dict(zip(self.labels, values)), value, None)
+                for values, value in self.rows]
+
+    @samples.setter
+    def samples(self, samples: list[Sample]) -> None:
+        self.__dict__["_chosen"] = samples if samples else None
+
+    @property
+    def written_whole(self) -> bool:
+        """Whether the rows are the family (no selection set samples of its own)."""
+        return self.__dict__.get("_chosen") is None
+
+
+Encoder = Callable[[Any], bytes]
+
+
+def encoder_form(encoder: Encoder) -> Optional[bool]:
+    """Whether `encoder` (as prometheus-client's choose_encoder gives it) writes OpenMetrics
+    (True), the text format (False), or something this module does not write (None)."""
+    func, keywords = encoder, {}
+    if isinstance(encoder, partial):
+        if encoder.args:
+            return None
+        func, keywords = encoder.func, dict(encoder.keywords)
+    if keywords.get("escaping", openmetrics_format.UNDERSCORES) not in _PLAIN_NAMES:
+        return None
+    if func is text_format.generate_latest and set(keywords) <= {"escaping"}:
+        return False
+    if func is openmetrics_format.generate_latest and set(keywords) <= {"escaping", "version"}:
+        return True
+    return None
+
+
+class _One:
+    """One family, as an encoder's registry."""
+
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+
+    def collect(self) -> Iterator[Metric]:
+        yield self.metric
+
+
+_EOF = b"# EOF\n"
+
+
+class LineWriter:
+    """Writes bodies, keeping each Family line until its value changes.
+
+    The lines kept are those of the last body written: a series gone from the report is gone
+    from the cache at the next render. Renders on several threads at once (two formats asked
+    for together) each write a whole body; the cache is replaced whole, never changed in place."""
+
+    def __init__(self) -> None:
+        self._lines: dict[tuple[str, tuple[str, ...]], tuple[float, str]] = {}
+        self._headers: dict[tuple[str, str, bool], str] = {}
+        self._lock = threading.Lock()
+        #: Lines written from their values / kept from an earlier body (for tests and benches).
+        self.formatted = 0
+        self.kept = 0
+
+    def write(self, encoder: Encoder, registry: Any) -> bytes:
+        """What `encoder(registry)` returns, written faster where it can be."""
+        form = encoder_form(encoder)
+        if form is None:
+            return encoder(registry)
+        out: list[str] = []
+        chunks: list[bytes] = []
+        old = self._lines
+        new: dict[tuple[str, tuple[str, ...]], tuple[float, str]] = {}
+        formatted = kept = 0
+        for metric in registry.collect():
+            if isinstance(metric, Family) and metric.written_whole:
+                out.append(self._header(metric, form))
+                formatted_here, kept_here = self._rows(metric, old, new, out)
+                formatted += formatted_here
+                kept += kept_here
+                continue
+            body = encoder(_One(metric))
+            if form and body.endswith(_EOF):
+                body = body[:-len(_EOF)]
+            if out:
+                chunks.append("".join(out).encode("utf-8"))
+                out = []
+            chunks.append(body)
+        if out:
+            chunks.append("".join(out).encode("utf-8"))
+        if form:
+            chunks.append(_EOF)
+        with self._lock:
+            self._lines = new
+            self.formatted += formatted
+            self.kept += kept
+        return b"".join(chunks)
+
+    def _header(self, family: Family, openmetrics: bool) -> str:
+        key = (family.name, family.documentation, openmetrics)
+        header = self._headers.get(key)
+        if header is None:
+            doc = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
+            if openmetrics:
+                doc = doc.replace('"', r"\"")
+            header = f"# HELP {family.name} {doc}\n# TYPE {family.name} {family.type}\n"
+            if len(self._headers) > 1024:  # families are few; a bound all the same
+                self._headers.clear()
+            self._headers[key] = header
+        return header
+
+    @staticmethod
+    def _rows(family: Family, old: dict[tuple[str, tuple[str, ...]], tuple[float, str]],
+              new: dict[tuple[str, tuple[str, ...]], tuple[float, str]],
+              out: list[str]) -> tuple[int, int]:
+        name, sorted_labels = family.name, family.sorted_labels
+        formatted = kept = 0
+        for values, value in family.rows:
+            key = (name, values)
+            entry = old.get(key)
+            # 0.0 == -0.0, but they are written apart (a clock step of -0.0 is "-0.0").
+            if entry is None or entry[0] != value or (
+                    value == 0.0 and copysign(1.0, value) != copysign(1.0, entry[0])):
+                if sorted_labels:
+                    labels = ",".join([f'{label}="{_escape_value(values[i])}"'
+                                       for label, i in sorted_labels])
+                    line = f"{name}{{{labels}}} {_go_string(value)}\n"
+                else:
+                    line = f"{name} {_go_string(value)}\n"
+                entry = (value, line)
+                formatted += 1
+            else:
+                kept += 1
+            new[key] = entry
+            out.append(entry[1])
+        return formatted, kept

@@ -1,0 +1,167 @@
+"""/metrics and the status document written directly, each part kept while it does not change:
+the same bytes as prometheus-client's formatter and json.dumps wrote, on real reports; one bad
+value costs its section of /metrics, never the scrape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import MappingProxyType
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+from gpuwatch.model import NodeReport
+from gpuwatch.serve.exposition import RenderedMetrics
+from gpuwatch.sinks.document import DocumentWriter, bounded_json, status_document
+from gpuwatch.sinks.exporter import ReportCollector
+from gpuwatch.sinks.exposition_text import LineWriter
+from tests import leakreports
+from tests.realprocs import GIB, running_job
+
+#: What Prometheus (2.x, 3.x) sends by default: OpenMetrics first.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+TEXT, _ = choose_encoder("")
+
+
+def _samples(body: bytes, openmetrics: bool = False) -> set[tuple[object, ...]]:
+    parse = parse_om if openmetrics else parse_text
+    return {(f.name, f.type, f.documentation, s.name, tuple(sorted(s.labels.items())), s.value)
+            for f in parse(body.decode()) for s in f.samples}
+
+
+def _hostile_report() -> NodeReport:
+    """leakreports' findings, agents and buffers, and a process whose name and user need
+    escaping in a label."""
+    report = leakreports.leak_report()
+    p = report.snapshot.processes[700]
+    odd = replace(p, pid=799, name='a"b\\c\nd', user="x\\y")
+    processes = MappingProxyType({**report.snapshot.processes, 799: odd})
+    return replace(report, snapshot=replace(report.snapshot, processes=processes))
+
+
+def _same_as_prometheus_client(registry: CollectorRegistry, writer: LineWriter) -> bytes:
+    for accept, openmetrics in (("", False), (PROMETHEUS_ACCEPT, True)):
+        encoder, _ = choose_encoder(accept)
+        ours, theirs = writer.write(encoder, registry), encoder(registry)
+        assert ours == theirs
+        assert _samples(ours, openmetrics) == _samples(theirs, openmetrics)
+    return writer.write(TEXT, registry)
+
+
+def test_the_exposition_written_directly_is_prometheus_clients_byte_for_byte() -> None:
+    report = _hostile_report()
+    registry = CollectorRegistry()
+    registry.register(ReportCollector(lambda: report))
+    writer = LineWriter()
+    body = _same_as_prometheus_client(registry, writer)
+    assert b'name="a\\"b\\\\c\\nd"' in body and b'user="x\\\\y"' in body
+    # Again, from the lines kept, and after a figure changed.
+    _same_as_prometheus_client(registry, writer)
+    report = replace(report, snapshot=replace(report.snapshot, processes=MappingProxyType({
+        **report.snapshot.processes, 799: replace(report.snapshot.processes[799],
+                                                  rss_bytes=7 * GIB)})))
+    assert b"7.516192768e+09" in _same_as_prometheus_client(registry, writer)
+
+
+# Runs on the fake node: a daemon object's real poll of a real job, rendered both ways.
+_REAL = r"""
+import json, sys
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from gpuwatch.config import load_config
+from gpuwatch.daemon import Daemon
+from gpuwatch.sinks.document import bounded_json, status_document
+from gpuwatch.sinks.exposition_text import LineWriter
+accept = sys.argv[1]
+daemon = Daemon(load_config())
+registry = CollectorRegistry()  # its own metrics, less the process's CPU time, which moves
+registry.register(daemon.collector)
+registry.register(daemon.metrics)
+writer = LineWriter()
+out = []
+for _ in range(3):
+    daemon.poll_once()
+    for header in ("", accept):
+        encoder, _ = choose_encoder(header)
+        out.append([writer.write(encoder, registry).decode(), encoder(registry).decode()])
+    report = daemon.latest
+    out.append([daemon.document_bytes().decode(),
+                bounded_json(status_document(report, source="daemon"))[0].decode()])
+print(json.dumps({"pairs": out, "kept": writer.kept, "written": daemon.document_writer.written,
+                  "parts_kept": daemon.document_writer.kept}))
+"""
+
+
+def test_the_daemons_metrics_and_document_are_the_formatters_own_on_a_real_job(
+        fake_node: object, cli_env: dict[str, str], tmp_path: Path) -> None:
+    with running_job(tmp_path, workers=3) as job:
+        for i, pid in enumerate(job.workers):
+            fake_node.hold(pid, device=i % 2, used=(i + 1) * GIB)  # type: ignore[attr-defined]
+        out = subprocess.run([sys.executable, "-c", _REAL, PROMETHEUS_ACCEPT], env=cli_env,
+                             cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+    found = json.loads(out)
+    for i, (ours, theirs) in enumerate(found["pairs"]):
+        assert ours == theirs, i
+        if i % 3 < 2:
+            openmetrics = i % 3 == 1
+            assert _samples(ours.encode(), openmetrics) == _samples(theirs.encode(), openmetrics)
+            assert f'pid="{job.workers[0]}"' in ours
+    assert found["kept"] > 0  # lines kept from one render to the next
+    assert found["parts_kept"] > 0  # and processes' parts of the document
+
+
+def test_a_status_document_written_from_kept_parts_is_json_dumps_own() -> None:
+    report = _hostile_report()
+    writer = DocumentWriter()
+    for _ in range(2):
+        assert writer.json(report, source="daemon") == bounded_json(
+            status_document(report, source="daemon"))
+    assert writer.kept == len(report.snapshot.processes)
+    moved = replace(report, snapshot=replace(report.snapshot, clock_step=0.5))
+    assert writer.json(moved, source="daemon") == bounded_json(
+        status_document(moved, source="daemon"))
+
+
+def test_a_status_document_over_its_bound_is_made_to_fit_as_before() -> None:
+    report = _hostile_report()
+    writer = DocumentWriter(limit=2000)
+    assert writer.json(report) == bounded_json(status_document(report), 2000)
+    assert writer.json(report)[1] is not None
+
+
+def test_a_value_that_is_not_a_number_costs_its_section_not_the_scrape() -> None:
+    report = leakreports.leak_report()
+    # A bug's value: a process's start time that is not a number.
+    bad = replace(report.snapshot.processes[700], start_time="lots")  # type: ignore[arg-type]
+    report = replace(report, snapshot=replace(report.snapshot, processes=MappingProxyType(
+        {**report.snapshot.processes, 700: bad})))
+    registry = CollectorRegistry()
+    registry.register(ReportCollector(lambda: report))
+    body = generate_latest(registry).decode()
+    assert "gpuwatch_process_start_time_seconds" not in body
+    assert "gpuwatch_process_resident_memory_bytes" not in body  # its section's other families
+    assert "gpuwatch_leak_growth_bytes_per_step{" in body  # the next sections are there
+    assert "gpuwatch_finding{" in body and "gpuwatch_node_info{" in body
+    success = {s.labels["section"]: s.value for f in parse_text(body) for s in f.samples
+               if s.name == "gpuwatch_exporter_section_success"}
+    assert success["processes"] == 0.0
+    assert success["findings"] == success["leaks"] == success["node"] == 1.0
+
+
+def test_an_openmetrics_scraper_as_prometheus_asks_is_served_bytes_rendered_ahead() -> None:
+    """choose_encoder gives every OpenMetrics request an encoder of its own: the second scrape
+    is still served what the first rendered."""
+    report = leakreports.leak_report()
+    registry = CollectorRegistry()
+    registry.register(ReportCollector(lambda: report))
+    rendered = RenderedMetrics(registry)
+    first = rendered.body(choose_encoder(PROMETHEUS_ACCEPT)[0], True)
+    assert rendered.kept(choose_encoder(PROMETHEUS_ACCEPT)[0], True) == first
+    assert rendered.renders == 1

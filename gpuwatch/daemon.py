@@ -66,7 +66,7 @@ from gpuwatch.sources.agent_socket import AgentReceiver
 from gpuwatch.sources.memory import read_mem_total
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.pods import pod_source
-from gpuwatch.sources.processes import TRUNCATED_TEXTS
+from gpuwatch.sources.proc_static import TRUNCATED_TEXTS
 from gpuwatch.units import plural
 
 log = logging.getLogger("gpuwatch.daemon")

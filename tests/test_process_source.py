@@ -26,12 +26,8 @@ from gpuwatch.sources.proc_stat import (
     is_kernel_thread,
     parse_stat,
 )
-from gpuwatch.sources.processes import (
-    CMDLINE_BYTES,
-    CMDLINE_CUT,
-    ENVIRON_BYTES,
-    ProcessSource,
-)
+from gpuwatch.sources.proc_static import CMDLINE_BYTES, CMDLINE_CUT, ENVIRON_BYTES
+from gpuwatch.sources.processes import ProcessSource
 from tests.realprocs import GIB, MIB, proc_without_children_files
 from tests.scenarios import cmdline, comm, pid_namespaces, state
 

@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 import pytest
 
-from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT, ProcessSource
+from gpuwatch.sources.proc_static import CMDLINE_BYTES, CMDLINE_CUT
+from gpuwatch.sources.processes import ProcessSource
 from gpuwatch.sources.redact import redact_cmdline
 from tests.test_process_source import (  # the processes the pinning tests start
     _wait_zombie,

@@ -48,7 +48,7 @@ from gpuwatch.simulate.demo import DemoError, wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.simulate.job import launch_env
 from gpuwatch.sinks.document import bounded_json, status_document
-from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT
+from gpuwatch.sources.proc_static import CMDLINE_BYTES, CMDLINE_CUT
 from tests import leakreports
 from tests.daemonproc import (
     WAIT,

@@ -51,7 +51,8 @@ from gpuwatch.launch_env import (
 from gpuwatch.run_result import GpuCheck, Member, ProcessIdentity, RunResult
 from gpuwatch.sources.kernel_files import read_head
 from gpuwatch.sources.nvml import NvmlSource
-from gpuwatch.sources.processes import CMDLINE_BYTES, CMDLINE_CUT, ProcessSource, ProcStat
+from gpuwatch.sources.proc_static import CMDLINE_BYTES, CMDLINE_CUT
+from gpuwatch.sources.processes import ProcessSource, ProcStat
 from gpuwatch.subreaper import become_subreaper, exited_children
 from gpuwatch.units import human_bytes, plural, short_command
 from gpuwatch.vocabulary import ProcState

@@ -25,13 +25,22 @@ pass sorting and recording every module). Escalated share: over the steps while 
 searched faster or traced, CPU time in `agent.step()` plus what the training step's compute grew
 by (tracing slows the program's own allocations), over their wall time.
 
+With `--auto` the program has no line of gpuwatch: it runs with the agent's bootstrap on
+PYTHONPATH and GPUWATCH_AGENT=auto, as `gpuwatch run` runs a job, and the agent counts its
+optimizer steps; its share of the training thread is then the CPU time of the optimizer step
+hook (torch_trainer.py --auto). bench/run.py runs it as `culprit_torch_auto`: 0.3 s and 2 s
+steps at 8 MiB a step, and a healthy run of 10 minutes (`--healthy-seconds`) that must show no
+leak.
+
     python bench/culprit_torch.py [--healthy-seconds 600] [--cases 0.3:8,0.3:256,2:8,2:256]
+        [--auto]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -150,14 +159,20 @@ def leak_of(doc: dict[str, Any], pid: int) -> Optional[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def trainer(env: dict[str, str], tmp: Path, case: Case) -> Iterator[tuple[subprocess.Popen[bytes],
-                                                                           Path]]:
+def trainer(env: dict[str, str], tmp: Path, case: Case, auto: bool = False
+            ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     progress = tmp / f"progress-{time.monotonic_ns()}"
     holder = "closure" if case.holder == "closure" else "dict"
+    if auto:
+        from gpuwatch.launch_env import AGENT_BOOTSTRAP_DIR
+
+        env = {**env, "GPUWATCH_AGENT": "auto",
+               "PYTHONPATH": os.pathsep.join([AGENT_BOOTSTRAP_DIR, str(ROOT)])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuwatch.simulate.torch_trainer", "--progress", str(progress),
          "--step-seconds", str(case.step_seconds), "--leak-bytes", str(case.leak),
-         "--leak-from", str(WARMUP), "--holder", holder], env=env, cwd=ROOT)
+         "--leak-from", str(WARMUP), "--holder", holder, *(["--auto"] if auto else [])],
+        env=env, cwd=ROOT)
     try:
         yield proc, progress
     finally:
@@ -165,13 +180,14 @@ def trainer(env: dict[str, str], tmp: Path, case: Case) -> Iterator[tuple[subpro
         proc.wait()
 
 
-def run_case(b: Any, port: int, case: Case, after_named: int, max_leak: int) -> Outcome:
+def run_case(b: Any, port: int, case: Case, after_named: int, max_leak: int,
+             auto: bool = False) -> Outcome:
     env = cli_env(b)
     state = Path(env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME
     daemon = start_daemon(b, port, 1.0)
     out = Outcome(case)
     try:
-        with trainer(env, b.tmp, case) as (proc, progress):
+        with trainer(env, b.tmp, case, auto) as (proc, progress):
             b.node.hold(proc.pid, device=0, used=GIB)
             started = time.monotonic()
             # A leak case ends once named (and a few steps after), or when the leak has taken
@@ -225,6 +241,9 @@ def main() -> None:
     parser.add_argument("--max-leak-gib", type=float, default=6.0,
                         help="a case stops once its leak holds this much, named or not")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--auto", action="store_true",
+                        help="no agent.step() in the program: the agent's bootstrap counts its "
+                             "optimizer steps")
     args = parse_args(parser, quick={"cases": "0.3:8", "healthy_seconds": 20.0},
                       smoke={"healthy_seconds": 2.0, "closure": False, "after_named": 1})
     import importlib.util
@@ -233,7 +252,7 @@ def main() -> None:
         why = ("PyTorch is not installed here (make test installs its CPU build): "
                "nothing to measure")
         print(why)
-        write_figures(args.figures, {"cases": [], "skipped": why})
+        write_figures(args.figures, {"cases": [], "skipped": why, "auto": args.auto})
         return
     import socket
 
@@ -253,11 +272,11 @@ def main() -> None:
                 port = s.getsockname()[1]
             print(f"-- {case.label}", flush=True)
             after = args.after_named if case.leak < 64 * MIB else 0
-            out = run_case(b, port, case, after, int(args.max_leak_gib * GIB))
+            out = run_case(b, port, case, after, int(args.max_leak_gib * GIB), args.auto)
             f = out.figures()
             results.append(f)
             report(f)
-    write_figures(args.figures, {"cases": results, "warmup": WARMUP})
+    write_figures(args.figures, {"cases": results, "warmup": WARMUP, "auto": args.auto})
 
 
 def report(f: dict[str, Any]) -> None:

@@ -36,14 +36,17 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "render_cost", "equal_work", "oneshot",
            "daemon_rss",
-           "agent_step", "culprit_torch", "agent_ingest", "run_overhead", "agent_bootstrap",
-           "top_cpu", "daemon_poll",
+           "agent_step", "culprit_torch", "culprit_torch_auto", "agent_ingest", "run_overhead",
+           "agent_bootstrap", "top_cpu", "daemon_poll",
            "agent_flood", "agent_junk_flood", "argv_flood", "web_auth_flood", "chaos"]
 #: Benches that run a script under another name, with arguments of their own (a --quick run
 #: still gives way to the script's quick sizes where these name none).
 SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
     # name: (script, arguments of a full run, arguments of a quick run)
     "agent_junk_flood": ("agent_flood", ["--junk", "--processes", "2000"], ["--junk"]),
+    # The same PyTorch program with no line of gpuwatch: the bootstrap counts its steps.
+    "culprit_torch_auto": ("culprit_torch", ["--auto", "--cases", "0.3:8,2:8", "--no-closure"],
+                           ["--auto", "--no-closure"]),
 }
 PACKAGES = ["gpuwatch", "nvidia-ml-py", "psutil", "prometheus-client", "nvitop",
             "nvitop-exporter", "gpustat"]
@@ -310,22 +313,29 @@ def tracing_rows(t: Optional[Figures]) -> list[Row]:
                 None)]
 
 
+#: The PyTorch program of culprit_torch with no line of gpuwatch (`--auto`), as its rows say.
+AUTO_PROGRAM = "PyTorch program without a line (auto agent)"
+
+
 def culprit_rows(f: Figures) -> list[Row]:
+    program = AUTO_PROGRAM if f.get("auto") else "PyTorch program"
     if f.get("skipped"):
-        return [Row("culprit named in a PyTorch program", f"not measured: {f['skipped']}")]
+        return [Row(f"culprit named in a {program}", f"not measured: {f['skipped']}")]
     rows = []
     for c in f["cases"]:
         if c["holder"] == "none":
             share = c["agent_share"]
             rows += [
-                Row(f"healthy PyTorch program, {c['steps']:,} steps of 0.3 s "
+                Row(f"healthy {program}, {c['steps']:,} steps of 0.3 s "
                     f"({c['wall_s'] / 60:.0f} min): polls that showed a leak",
                     f"{c['leak_polls']}", "0", c["leak_polls"] == 0),
-                Row("agent's share of a PyTorch program's training thread, no leak (0.3 s steps)",
+                Row(f"agent's share of the training thread, {program}, no leak (0.3 s steps)"
+                    if f.get("auto") else
+                    "agent's share of a PyTorch program's training thread, no leak (0.3 s steps)",
                     f"{100 * share:.2f}%" if share is not None else "no steps",
                     "<= 1%", share is not None and share <= 0.01)]
             continue
-        what = (f"PyTorch program, {c['step_seconds']:g} s steps, {c['leak_mib']:.0f} MiB a step"
+        what = (f"{program}, {c['step_seconds']:g} s steps, {c['leak_mib']:.0f} MiB a step"
                 + (", held by a closure" if c["holder"] == "closure" else ""))
         steps = c["steps_to_name"]
         value = (f"{steps} (raised at step {c['raised_step']}, `{c['named']}` ({c['found_by']}) "
@@ -506,7 +516,7 @@ ROWS: dict[str, Callable[[Figures], list[Row]]] = {
     "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "render_cost": render_rows,
     "equal_work": equal_work_rows,
     "oneshot": oneshot_rows, "daemon_rss": rss_rows, "agent_step": agent_step_rows,
-    "culprit_torch": culprit_rows,
+    "culprit_torch": culprit_rows, "culprit_torch_auto": culprit_rows,
     "agent_ingest": ingest_rows,
     "run_overhead": run_overhead_rows, "agent_bootstrap": agent_bootstrap_rows,
     "top_cpu": top_rows, "agent_flood": agent_flood_rows,

@@ -131,7 +131,7 @@ class StepSeries:
 
     __slots__ = ("budget", "buffer_bytes", "buffer_items", "capacity", "charged", "cuda",
                  "discovered_bytes", "discovered_items", "discovered_latest", "gpu",
-                 "refused_names", "rss", "series_points", "times", "uid")
+                 "refused_names", "rss", "series_points", "ticking", "times", "uid")
 
     def __init__(self, capacity: int, budget: Optional[AgentBudget] = None, uid: int = 0,
                  charged: int = 0, series_points: int = SERIES_POINTS) -> None:
@@ -157,6 +157,9 @@ class StepSeries:
         self.discovered_bytes: OrderedDict[str, Series] = OrderedDict()
         #: The names in the newest report that carried a discovery pass: what grows now.
         self.discovered_latest: frozenset[str] = frozenset()
+        #: Its points are `tick` reports (a process that has not stepped): every series is by
+        #: the time received, not by step. Its first step report starts the series afresh.
+        self.ticking = False
 
     @property
     def last_report_at(self) -> float:
@@ -190,7 +193,11 @@ class StepSeries:
         return charged
 
     def add(self, point: StepPoint) -> None:
-        step = float(point.step)
+        if point.ticked:
+            self.ticking = True
+            step = point.at
+        else:
+            step = float(point.step)
         self.times.add(step, point.at)
         self.cuda.add(step, point.cuda_allocated_bytes)
         items, sizes = self.buffer_items, self.buffer_bytes
@@ -472,7 +479,17 @@ class History:
                 h.steps_refused = False
                 h.steps = StepSeries(STEP_POINTS, budget, agent.uid, STEP_BYTES)
                 self._stepped[h.identity] = h
+            if h.steps.ticking and any(not point.ticked for point in agent.points):
+                # Its first step: the series by time give way to series by step.
+                uid = h.steps.uid
+                self._drop_steps(h)
+                if budget.grant(uid, "history", STEP_BYTES) is not None:
+                    continue
+                h.steps = StepSeries(STEP_POINTS, budget, uid, STEP_BYTES)
+                self._stepped[h.identity] = h
             for point in agent.points:
+                if point.ticked and len(h.steps.times) and not h.steps.ticking:
+                    continue  # a tick after a step (reordered): the series are by step now
                 h.steps.add(point)
             if p is not None and agent.step is not None:
                 h.steps.add_rss(agent.step, p.rss_bytes)

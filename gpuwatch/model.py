@@ -390,6 +390,9 @@ class StepPoint(NamedTuple):
     #: Growing containers the agent found by itself, by qualified name; NO_DISCOVERY when the
     #: report followed no discovery pass.
     discovered: Mapping[str, BufferSize] = NO_DISCOVERY
+    #: A `tick` report: a process that has not stepped, reporting on a timer. Its `step` means
+    #: nothing (0); its figures are by the time received (`at`).
+    ticked: bool = False
 
 
 @_frozen

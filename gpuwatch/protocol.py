@@ -25,8 +25,9 @@ SOCKET_NAME = "agent.sock"
 PRIVATE_SOCKET_DIR = "agent.d"
 
 # -- reports, agent to daemon ----------------------------------------------------------------
-#: The `kind` of a report.
-REPORT_KINDS = ("step", "finished", "exit", "trace")
+#: The `kind` of a report. `tick`: a process that has not stepped yet (a data worker), on a
+#: timer, with what a step report carries but the step.
+REPORT_KINDS = ("step", "finished", "exit", "trace", "tick")
 #: A datagram's size, at most. It bounds every text a report brings in bytes (docs/security.md,
 #: rule 1); each name is bounded besides, below: buffer and discovered names are ASCII (a
 #: character a byte), a trace file or thread name at most 4 bytes a character.

@@ -93,6 +93,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_unreadable_process_list.py",
     "tests/test_web_tls.py",
     "tests/test_worker_memory.py",
+    "tests/test_worker_ticks.py",
     "tests/gpu",
     "tests/test_agent_budget.py::test_one_users_flood_neither_grows_the_daemon_nor_hides_another_users_leak",
     "tests/test_agent_socket.py::test_a_flood_from_one_user_does_not_starve_another_user_s_reports",

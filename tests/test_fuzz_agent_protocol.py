@@ -84,7 +84,7 @@ CUDA = anything_or(st.fixed_dictionaries({}, optional={
 
 REPORTS = st.fixed_dictionaries(
     {"v": anything_or(st.just(1)),
-     "kind": anything_or(st.sampled_from(["step", "finished", "exit", "trace"])),
+     "kind": anything_or(st.sampled_from(["step", "finished", "exit", "trace", "tick"])),
      "step": anything_or(GOOD_INTS)},
     optional={"seq": anything_or(GOOD_INTS), "rss": anything_or(GOOD_INTS), "cuda": CUDA,
               "buffers": SIZES, "discovered": SIZES, "exit": EXIT, "trace": TRACE,

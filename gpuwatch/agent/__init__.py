@@ -76,6 +76,11 @@ SEARCH_BUDGET_MAX = 0.04
 SEARCH_COOLDOWN = 300.0
 #: How often the agent looks for a request from the daemon (one non-blocking read).
 REQUEST_INTERVAL = 0.5
+#: A process loaded by the bootstrap that has not stepped (a data worker, a helper, a trainer
+#: still loading its data) reports a `tick` every TICK_INTERVAL seconds from a daemon thread,
+#: with a discovery slice before each (SCAN_SHARE of the interval, at most SCAN_BUDGET_MAX), so
+#: that its growth is tested too. Its first step ends the ticks.
+TICK_INTERVAL = 1.0
 _OFF = frozenset({"0", "false", "no", "off"})
 
 __all__ += ["BACKOFF_FIRST", "BACKOFF_MAX", "EXIT_CODE_INTERRUPTED", "MAX_SEARCH_SECONDS",
@@ -173,6 +178,9 @@ _fork_hook_installed = False
 _cleanups: tuple[Callable[[], Any], ...] = ()
 _previous_sigint: Any = None
 _interrupted = False
+#: tick_until_stepped() was called: forked children tick too, each from a thread of its own.
+_ticking = False
+_ticker: Optional[threading.Thread] = None
 
 
 # ---- public API --------------------------------------------------------------------------------
@@ -357,7 +365,7 @@ def _report(kind: str, step_value: Any, now: float, extra: Optional[dict[str, An
             if buffers:
                 report["buffers"] = buffers
         discovered = st.discovered
-        if discovered and kind == "step":
+        if discovered and (kind == "step" or kind == "tick"):
             report["discovered"] = discovered
     else:
         report.update(extra)
@@ -538,6 +546,62 @@ def _answer(request: dict[str, Any], n: Optional[int], now: float) -> None:
         _send_trace(refusal, n)
 
 
+def tick_until_stepped() -> None:
+    """Report on a timer until the first step (and in every forked child until its own): the
+    bootstrap's call, for processes that may never step. Never raises."""
+    global _ticking
+    try:
+        _ticking = True
+        _install_fork_hook()
+        _start_ticker()
+    except Exception:
+        pass
+
+
+def _start_ticker() -> None:
+    global _ticker
+    if not _enabled or _st.last is not None:
+        return
+    # A daemon thread: it never keeps the program alive, and it ends at the first step.
+    _ticker = threading.Thread(target=_tick_loop, args=(_st,), name="gpuwatch-agent-tick",
+                               daemon=True)
+    _ticker.start()
+
+
+def _tick_loop(st: _State) -> None:
+    count = 0
+    try:
+        while True:
+            time.sleep(TICK_INTERVAL)
+            # Stepped, or a forked child's state is not this one's: this thread is done.
+            if st is not _st or st.last is not None or st.finished or not _enabled:
+                return
+            count += 1
+            _tick(st, count)
+    except Exception:
+        return
+
+
+def _tick(st: _State, count: int) -> None:
+    if not _lock.acquire(timeout=TICK_INTERVAL):
+        return
+    try:
+        if st.last is not None:
+            return
+        if not _used:
+            _first_use()
+        now = _monotonic()
+        if _discover_on and now >= st.next_scan:
+            _discover(count, now)
+        if now < st.due:
+            return  # no daemon a moment ago: the backoff holds for ticks too
+        data = _report("tick", None, now)
+        if data is not None:
+            _send(data, now)
+    finally:
+        _lock.release()
+
+
 def _send_trace(body: dict[str, Any], n: Optional[int]) -> None:
     now = _monotonic()
     data = _report("trace", n, now, {"trace": body})
@@ -595,6 +659,9 @@ def _after_fork_in_child() -> None:
     _st.reset()
     _used = False  # the exit check is for children that use the agent themselves
     _interrupted = False
+    if _ticking:
+        with contextlib.suppress(Exception):
+            _start_ticker()  # the parent's thread is not here
     # DataLoader workers and other forked children must not run the parent's cleanups on the
     # Ctrl+C the whole foreground process group receives.
     try:

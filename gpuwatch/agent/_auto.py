@@ -71,4 +71,6 @@ def install() -> StepCounter:
     counter = StepCounter()
     counter.handle = optimizer_module.register_optimizer_step_post_hook(counter)
     _counter = counter
+    # Until its first step (and in a forked data worker that never steps), on a timer.
+    _agent.tick_until_stepped()
     return counter

@@ -85,8 +85,13 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         h = history.get(p.identity)
         if h is None:
             continue
-        if h.steps is not None:
-            found = _by_step(p, h.steps, snapshot, history, config)
+        steps = h.steps
+        if steps is not None and steps.ticking:
+            # An agent that has not stepped, reporting on a timer: tested by time, whatever
+            # its job, with the containers its discovery names for culprits.
+            found = _by_time(p, h, snapshot, config, steps)
+        elif steps is not None and len(steps.times):
+            found = _by_step(p, steps, snapshot, history, config)
         elif p.holds_gpu or _in_gpu_job(p, history):
             found = _by_time(p, h, snapshot, config)
         else:
@@ -393,7 +398,9 @@ def _seconds_per_step(steps: StepSeries, g: Growth) -> Optional[float]:
 
 
 def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
-             config: DetectorConfig) -> Optional[Finding]:
+             config: DetectorConfig, ticks: Optional[StepSeries] = None) -> Optional[Finding]:
+    """The leak test per second on the poll's samples; `ticks`: what the process's agent
+    reported on its timer (it has not stepped), by time, where a culprit may be found."""
     after = h.first_seen + config.leak_warmup_seconds
     if not len(h.times) or h.times[-1] - max(after, h.times[0]) < config.leak_min_span_seconds:
         return None  # runs every poll for every GPU holder: leave early while nothing can show
@@ -424,8 +431,20 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
                 at=round(snapshot.taken_at + seconds_left)))
             severity = _by_time_left(seconds_left)
         against = f"; runs out against the {limit.source} limit" if limit is not None else ""
-        return replace(finding(Kind.LEAK, severity, p, Evidence.public(
-            f"{series} grows steadily (no agent){against}")), details=evidence)
+        if ticks is None:
+            return replace(finding(Kind.LEAK, severity, p, Evidence.public(
+                f"{series} grows steadily (no agent){against}")), details=evidence)
+        # Discovery's figures are by the time received, as the growth is: per second both. The
+        # culprit's own growth is per second then, kept out of its per-step figures.
+        found = _discovered(g, ticks, config)
+        reason = summary = f"{series} grows steadily (not stepping)"
+        if found is not None:
+            culprit = Culprit(found.name, found.found_by)
+            evidence = replace(evidence, culprit=culprit)
+            reason += "; " + _explains(culprit)
+            summary += "; " + _explains_publicly(culprit)
+        return replace(finding(Kind.LEAK, severity, p, Evidence(
+            reason + against, summary + against)), details=evidence)
     return None
 
 

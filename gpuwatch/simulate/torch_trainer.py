@@ -19,6 +19,11 @@ agent was asked for after the step: 1 while it searches faster, plus 2 while it 
 follows the first field; the benchmark the rest.
 `--steps N` stops after N steps, with `--linger` seconds of teardown (as writing a last
 checkpoint takes) after the agent's exit check.
+
+With `--auto` it has no line of gpuwatch at all: run with the agent's bootstrap on PYTHONPATH
+and GPUWATCH_AGENT=auto (as `gpuwatch run` runs it), the agent counts its optimizer steps. The
+agent's CPU time is then what the optimizer step hooks take (each wrapped in a timer here), and
+the step's compute is the rest.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=10_000_000)
     parser.add_argument("--process-group", default=None, metavar="FILE")
     parser.add_argument("--linger", type=float, default=0.0)
+    parser.add_argument("--auto", action="store_true",
+                        help="no agent.step(): the bootstrap's optimizer hook counts the steps")
     args = parser.parse_args(argv)
 
     import torch
@@ -57,7 +64,28 @@ def main(argv: list[str]) -> int:
     import torch.utils.data as data
     from torch import nn
 
-    from gpuwatch import agent
+    hooked = [0.0]  # the thread's CPU time in the optimizer step hooks (--auto)
+    if args.auto:
+        agent: Any = None
+        hooks = sys.modules["torch.optim.optimizer"]._global_optimizer_post_hooks
+        if not hooks:
+            print("torch_trainer: --auto, but no optimizer step hook is registered (is the "
+                  "agent's bootstrap on PYTHONPATH, with GPUWATCH_AGENT=auto?)", file=sys.stderr)
+            return 2
+
+        def timed(hook: Any) -> Any:
+            def run(*a: Any) -> Any:
+                cpu = time.thread_time()
+                try:
+                    return hook(*a)
+                finally:
+                    hooked[0] += time.thread_time() - cpu
+            return run
+
+        for key, hook in list(hooks.items()):
+            hooks[key] = timed(hook)
+    else:
+        from gpuwatch import agent
 
     torch.set_num_threads(1)
     if args.process_group:
@@ -88,7 +116,10 @@ def main(argv: list[str]) -> int:
             closure_fetch(step)
 
     def escalated() -> int:
-        st: Any = agent._st
+        loaded = sys.modules.get("gpuwatch.agent")
+        if loaded is None:
+            return 0
+        st: Any = loaded._st
         tracer = st.tracer
         return (int(time.monotonic() < st.search_until)
                 | int(tracer is not None and tracer.active) << 1)
@@ -107,6 +138,7 @@ def main(argv: list[str]) -> int:
         for step in range(args.steps):
             started = time.monotonic()
             cpu = time.thread_time()
+            in_hooks = hooked[0]
             inputs, labels = next(it)
             loss = F.cross_entropy(model(inputs), labels)
             optimizer.zero_grad()
@@ -116,10 +148,12 @@ def main(argv: list[str]) -> int:
                 fetch(step)
             remember(step)
             computed = time.thread_time()
-            agent.step(step)
+            if agent is not None:
+                agent.step(step)
             stepped = time.thread_time()
-            progress.write(f"{step} {stepped - computed:.7f} {computed - cpu:.7f} {started:.4f} "
-                           f"{escalated()}\n")
+            hook_s = hooked[0] - in_hooks
+            progress.write(f"{step} {stepped - computed + hook_s:.7f} "
+                           f"{computed - cpu - hook_s:.7f} {started:.4f} {escalated()}\n")
             time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))
     return 0
 

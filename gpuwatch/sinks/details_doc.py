@@ -51,6 +51,8 @@ def _leak_doc(e: LeakEvidence) -> dict[str, Any]:
     culprit = e.culprit
     if e.unit == GrowthUnit.STEP:
         out["window_steps"] = list(e.window_steps) if e.window_steps is not None else None
+    # A leak by time names a culprit only where the process reported on a timer (tick reports).
+    if e.unit == GrowthUnit.STEP or culprit is not None:
         out["culprit"] = culprit.name if culprit is not None else None
         out["found_by"] = _value(culprit.found_by) if culprit is not None else None
     if e.growth_bytes_per_step is not None:

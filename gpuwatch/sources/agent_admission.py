@@ -273,7 +273,7 @@ class AgentStore:
             growth += (min(len(known) + fresh, MAX_DISCOVERED_NAMES_PER_PROCESS)
                        - len(known)) * DISCOVERED_NAME_BYTES
         report_trace: Optional[TraceReport] = None
-        if kind == "step":
+        if kind == "step" or kind == "tick":
             entries = 1 + len(buffers or ()) + len(discovered or ())
             growth += (entries - _cost(agent.latest)) * ENTRY_BYTES
         elif kind == "trace":
@@ -313,6 +313,13 @@ class AgentStore:
             point = StepPoint(step, now, rss, allocated, reserved, stored, active, allocations,
                               NO_DISCOVERY if discovered is None
                               else _intern_discovered(agent.discovered_names, discovered))
+            agent.latest = point
+            self._add_pending(agent, point)
+        elif kind == "tick":
+            point = StepPoint(0, now, rss, allocated, reserved, stored, active, allocations,
+                              NO_DISCOVERY if discovered is None
+                              else _intern_discovered(agent.discovered_names, discovered),
+                              ticked=True)
             agent.latest = point
             self._add_pending(agent, point)
         elif kind == "finished":

@@ -99,7 +99,8 @@ class Daemon:
                                           config.kubernetes.pod_logs_dir,
                                           config.kubernetes.runtime_dirs,
                                           refresh=config.kubernetes.refresh,
-                                          timeout=config.kubernetes.timeout)
+                                          timeout=config.kubernetes.timeout,
+                                          clock=self.poller.clock)
         #: MemTotal, with the GPUs' memory the most a report's figure may be.
         self._mem_total = read_mem_total()
         self.trace_requests = TraceRequests(self.agents, config.agent)

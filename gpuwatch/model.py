@@ -164,11 +164,13 @@ class Job:
     #: "systemd"
     source: str
     #: A Kubernetes pod's namespace, name and the process's container name, where the node says
-    #: (gpuwatch.sources.pods): the names a person and an alert route go by. Not part of what
-    #: tells one job from another: the pod UID (`id`) is, and the names come a poll later.
-    namespace: Optional[str] = field(default=None, compare=False, repr=False)
-    pod: Optional[str] = field(default=None, compare=False, repr=False)
-    container: Optional[str] = field(default=None, compare=False, repr=False)
+    #: (gpuwatch.sources.pods): the names a person and an alert route go by. They arrive a poll
+    #: after the UID: a job with them compares unequal to the same job without (what renders it
+    #: must render it again), but hashes the same; what tells one job from another where that
+    #: matters (`reap --job`, a finding's identity, a job tree) is the id.
+    namespace: Optional[str] = field(default=None, repr=False, hash=False)
+    pod: Optional[str] = field(default=None, repr=False, hash=False)
+    container: Optional[str] = field(default=None, repr=False, hash=False)
 
     def __str__(self) -> str:
         return f"{self.source}:{self.id}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -104,6 +105,13 @@ def test_a_process_in_a_pod_is_named_by_namespace_pod_and_container_within_a_pol
         orphan = watched.findings_of("orphan", [proc.pid])[proc.pid]
         assert "pod ml-team/trainer-0" in orphan["reason"], orphan
         assert "gone from the kubelet's pods" in orphan["reason"], orphan
+        # Said on the wall clock, as every time of a reason is: a minute or so ago at most.
+        since = re.search(r"since (\d\d):(\d\d):(\d\d)Z", orphan["reason"])
+        assert since is not None, orphan
+        now = time.gmtime()
+        ago = ((now.tm_hour * 3600 + now.tm_min * 60 + now.tm_sec)
+               - (int(since[1]) * 3600 + int(since[2]) * 60 + int(since[3]))) % 86400
+        assert ago < 120, orphan["reason"]
         assert orphan["job"]["pod"] == "trainer-0"
         plan = gpuwatch(["reap", "--dry-run", "--pod", "ml-team/trainer-0", "--json"], cli_env)
         assert plan.returncode == 0, plan.stdout + plan.stderr

@@ -50,9 +50,10 @@ class StatusSource:
             from gpuwatch.sources.pods import pod_source
 
             k = self.cfg.kubernetes
-            pods = pod_source(k.pod_resources_socket, k.pod_logs_dir, k.runtime_dirs,
-                              refresh=k.refresh, timeout=k.timeout)
-            self._poller = Poller(hostname=self.cfg.daemon.node_name or None, pods=pods)
+            self._poller = Poller(hostname=self.cfg.daemon.node_name or None)
+            self._poller.pods = pod_source(k.pod_resources_socket, k.pod_logs_dir,
+                                           k.runtime_dirs, refresh=k.refresh, timeout=k.timeout,
+                                           clock=self._poller.clock)
             self._history = History(self.cfg.history.samples, self.cfg.history.max_processes,
                                     sample_spacing=sample_spacing(self.cfg))
         snapshot = self._poller.poll(watch=self._history.watch_pids())

@@ -57,11 +57,12 @@ def _finding(p: HostProcess, pod: Pod, outside: list, given: set[str]  # type: i
     held = human_bytes(memory) if memory is not None else "memory"
     where = "GPU " + ",".join(map(str, gpus)) if len(gpus) == 1 else "GPUs " + ",".join(
         map(str, gpus))
+    outside_of = (f"outside the {len(given)} GPU device(s) the kubelet allocated its pod"
+                  if given else "and the kubelet allocated its pod no GPU")
     evidence = Evidence(
         f"holds {held} on {on}, which the kubelet did not allocate to pod {pod.full_name}: "
         f"its containers were given {allocated}",
-        f"holds {held} on {where}, outside the {len(given)} GPU device(s) the kubelet "
-        f"allocated its pod (UID {pod.uid})")
+        f"holds {held} on {where}, {outside_of} (UID {pod.uid})")
     return Finding(kind=Kind.UNALLOCATED, severity=Severity.WARNING, reason=evidence.reason,
                    summary=evidence.summary, pid=p.pid, start_time=p.start_time, name=p.name,
                    user=p.user, job=p.job, gpus=gpus, gpu_memory_bytes=memory)

@@ -476,7 +476,10 @@ def kubelet_reachable(socket_path: str) -> tuple[bool, str]:
 
 
 def pod_source(socket_path: str, pod_logs_dir: str, runtime_dirs: Iterable[str],
-               refresh: float = 5.0, timeout: float = 2.0) -> PodSource:
-    """The daemon's pod source (config section [kubernetes]); an empty path is not read."""
+               refresh: float = 5.0, timeout: float = 2.0,
+               clock: Callable[[], float] = time.monotonic) -> PodSource:
+    """The daemon's pod source (config section [kubernetes]); an empty path is not read.
+    `clock` is the poll's (gpuwatch.clock), so that a gone pod's time reads right in a
+    snapshot."""
     return PodSource(socket_path or "", pod_logs_dir or "", tuple(d for d in runtime_dirs if d),
-                     refresh=refresh, timeout=timeout)
+                     refresh=refresh, timeout=timeout, clock=clock)

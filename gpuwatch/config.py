@@ -18,6 +18,22 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from gpuwatch.bounded_read import read_at_most
+from gpuwatch.config_values import (
+    absolute_paths,
+    boolean,
+    int_between,
+    kinds,
+    names,
+    non_negative_float,
+    non_negative_int,
+    non_negative_seconds,
+    one_of,
+    path,
+    positive_float,
+    positive_int,
+    positive_seconds,
+    unit_names,
+)
 from gpuwatch.frozen import frozen_dataclass
 from gpuwatch.protocol import (
     DEFAULT_RUNTIME_DIR,
@@ -26,8 +42,7 @@ from gpuwatch.protocol import (
     RUNTIME_DIR_VARIABLE,
     SOCKET_NAME,
 )
-from gpuwatch.units import parse_duration
-from gpuwatch.vocabulary import KINDS, Kind
+from gpuwatch.vocabulary import Kind
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -101,31 +116,12 @@ def _setting(default: Any, check: Callable[[Any], Any], help: str, env: Optional
     return field(default=default, metadata={"check": check, "help": help, "env": env})
 
 
-# -- value checks: each returns the normalised value or raises ValueError with the expectation --
-def _positive_float(v: Any) -> float:
-    try:
-        f = float(v) if not isinstance(v, bool) else 0.0
-    except (TypeError, ValueError):
-        f = 0.0
-    if not 0 < f < float("inf"):
-        raise ValueError("a number > 0")
-    return f
-
-
-def _positive_int(v: Any) -> int:
-    try:
-        i = int(v) if not isinstance(v, (bool, float)) else 0
-    except (TypeError, ValueError):
-        i = 0
-    if i < 1:
-        raise ValueError("an integer >= 1")
-    return i
-
-
-def _path(v: Any) -> Path:
-    if not isinstance(v, (str, Path)) or not str(v):
-        raise ValueError("a path")
-    return Path(v)
+def split_listen(value: str) -> tuple[str, int]:
+    """'HOST:PORT', '[::1]:PORT' or ':PORT' (all interfaces) -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("HOST:PORT with a port from 0 to 65535")
+    return host.strip("[]"), int(port)
 
 
 def _listen(v: Any) -> str:
@@ -135,144 +131,24 @@ def _listen(v: Any) -> str:
     return v
 
 
-def _non_negative_float(v: Any) -> float:
-    try:
-        f = float(v) if not isinstance(v, bool) else -1.0
-    except (TypeError, ValueError):
-        f = -1.0
-    if not 0 <= f < float("inf"):
-        raise ValueError("a number >= 0")
-    return f
-
-
-def _seconds(v: Any) -> float:
-    """A duration: a number of seconds, or a string with units ("30s", "5m", "1h30m")."""
-    if isinstance(v, str):
-        try:
-            return parse_duration(v)
-        except ValueError:
-            raise ValueError("a duration (seconds, or \"30s\", \"5m\")"
-                             ) from None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError("a duration (seconds, or \"30s\", \"5m\")")
-    return float(v)
-
-
-def _positive_seconds(v: Any) -> float:
-    f = _seconds(v)
-    if not 0 < f < float("inf"):
-        raise ValueError("a duration > 0 (seconds, or \"30s\", \"5m\")")
-    return f
-
-
-def _non_negative_seconds(v: Any) -> float:
-    f = _seconds(v)
-    if not 0 <= f < float("inf"):
-        raise ValueError("a duration >= 0 (seconds, or \"30s\", \"5m\")")
-    return f
-
-
-def _non_negative_int(v: Any) -> int:
-    try:
-        i = int(v) if not isinstance(v, (bool, float)) else -1
-    except (TypeError, ValueError):
-        i = -1
-    if i < 0:
-        raise ValueError("an integer >= 0")
-    return i
-
-
-def _names(v: Any) -> tuple[str, ...]:
-    items = v.split(",") if isinstance(v, str) else v
-    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
-        raise ValueError("a list of names")
-    return tuple(i.strip() for i in items if i.strip())
-
-
-def _kinds(v: Any) -> tuple[Kind, ...]:
-    names = _names(v)
-    kinds = tuple(Kind.parse(n) for n in names)
-    unknown = [n for n, k in zip(names, kinds) if k is None]
-    if unknown:
-        raise ValueError("a list of finding kinds, each one of " + ", ".join(KINDS)
-                         + f" ({_shown_name(unknown[0])} is none)")
-    return tuple(k for k in kinds if k is not None)
-
-
-def _shown_name(name: str, limit: int = 40) -> str:
-    return repr(name if len(name) <= limit else name[:limit] + "...")
-
-
-def _absolute_paths(v: Any) -> tuple[str, ...]:
-    paths = _names(v)
-    if not all(p.startswith("/") and "\0" not in p for p in paths):
-        raise ValueError("a list of absolute paths")
-    return tuple(os.path.normpath(p) for p in paths)
-
-
-def _unit_names(v: Any) -> tuple[str, ...]:
-    units = _names(v)
-    if not all(u.endswith((".service", ".scope")) and "/" not in u for u in units):
-        raise ValueError('a list of systemd unit names ("nvidia-persistenced.service")')
-    return units
-
-
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    # on/off too: GPUWATCH_AGENT_TRACING is also read by the agent in training processes, which
-    # takes "off", and a gpuwatch command run from such a shell reads the same environment.
-    word = v.strip().lower() if isinstance(v, str) else None
-    if word in ("true", "yes", "on", "1", "false", "no", "off", "0"):
-        return word in ("true", "yes", "on", "1")
-    raise ValueError("true or false")
-
-
-def _int_between(low: int, high: int) -> Callable[[Any], int]:
-    def check(v: Any) -> int:
-        try:
-            i = int(v) if not isinstance(v, (bool, float)) else low - 1
-        except (TypeError, ValueError):
-            i = low - 1
-        if not low <= i <= high:
-            raise ValueError(f"an integer from {low} to {high}")
-        return i
-    return check
-
-
-def _one_of(*choices: str) -> Callable[[Any], str]:
-    def check(v: Any) -> str:
-        if v not in choices:
-            raise ValueError("one of " + ", ".join(choices))
-        return str(v)
-    return check
-
-
-def split_listen(value: str) -> tuple[str, int]:
-    """'HOST:PORT', '[::1]:PORT' or ':PORT' (all interfaces) -> (host, port)."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError("HOST:PORT with a port from 0 to 65535")
-    return host.strip("[]"), int(port)
-
 
 @frozen_dataclass
 class DaemonConfig:
     listen: str = _setting(f":{DEFAULT_PORT}", _listen,
                            "address for /metrics; ':PORT' listens on all interfaces",
                            env="GPUWATCH_LISTEN")
-    interval: float = _setting(2.0, _positive_seconds, "seconds between polls",
+    interval: float = _setting(2.0, positive_seconds, "seconds between polls",
                                env="GPUWATCH_INTERVAL")
-    runtime_dir: Path = _setting(Path(DEFAULT_RUNTIME_DIR), _path,
+    runtime_dir: Path = _setting(Path(DEFAULT_RUNTIME_DIR), path,
                                  f"{SOCKET_NAME} and state.sock live here",
                                  env=RUNTIME_DIR_VARIABLE)
-    state_dir: Path = _setting(Path("/var/lib/gpuwatch"), _path,
+    state_dir: Path = _setting(Path("/var/lib/gpuwatch"), path,
                                "the reaper's audit log lives here", env="GPUWATCH_STATE_DIR")
-    log_format: str = _setting("text", _one_of("text", "json"), "text or json",
+    log_format: str = _setting("text", one_of("text", "json"), "text or json",
                                env="GPUWATCH_LOG_FORMAT")
-    log_level: str = _setting("info", _one_of("debug", "info", "warning", "error"),
+    log_level: str = _setting("info", one_of("debug", "info", "warning", "error"),
                               "log threshold", env="GPUWATCH_LOG_LEVEL")
-    nvml_retry_max: float = _setting(60.0, _positive_seconds,
+    nvml_retry_max: float = _setting(60.0, positive_seconds,
                                      "longest wait between NVML re-initialisation attempts")
     state_socket_group: str = _setting("gpuwatch", str,
                                        "group allowed to read state.sock besides root")
@@ -288,83 +164,83 @@ class DaemonConfig:
 @frozen_dataclass
 class ExporterConfig:
     max_process_series: int = _setting(
-        1000, _positive_int,
+        1000, positive_int,
         "most processes with per-process series; the rest are dropped and counted")
 
 
 @frozen_dataclass
 class HistoryConfig:
     samples: int = _setting(
-        300, _positive_int, "samples kept per process, spread over 1.5 x "
+        300, positive_int, "samples kept per process, spread over 1.5 x "
         "detectors.leak_min_span_seconds whatever the interval (every poll's where that is "
         "longer)")
     max_processes: int = _setting(
-        4096, _positive_int, "processes with history, shared by user (max-min fair); within a "
+        4096, positive_int, "processes with history, shared by user (max-min fair); within a "
         "user's share its GPU holders are kept first, then the most recently seen")
 
 
 @frozen_dataclass
 class DetectorConfig:
     leftover_grace: float = _setting(
-        60.0, _non_negative_seconds,
+        60.0, non_negative_seconds,
         "seconds a job member may outlive the job's last trainer before it is a leftover")
     zombie_grace: float = _setting(
-        10.0, _non_negative_seconds, "seconds a process may stay defunct before it is a zombie")
+        10.0, non_negative_seconds, "seconds a process may stay defunct before it is a zombie")
     unkillable_after: float = _setting(
-        60.0, _positive_seconds,
+        60.0, positive_seconds,
         "seconds in uninterruptible sleep (D) before a process is unkillable")
     min_age: float = _setting(
-        10.0, _non_negative_seconds,
+        10.0, non_negative_seconds,
         "a process younger than this is never an orphan from environment evidence alone")
     ghost_min_bytes: int = _setting(
-        1 << 30, _positive_int,
+        1 << 30, positive_int,
         "used GPU memory no process accounts for, above which a GPU has a ghost finding")
     ghost_grace: float = _setting(
-        10.0, _non_negative_seconds,
+        10.0, non_negative_seconds,
         "seconds GPU memory must stay unaccounted for (or a PID listed by NVML stay absent "
         "from /proc) before it is a ghost: a process exiting mid-poll leaves one for a poll")
     protected_names: tuple[str, ...] = _setting(
         ("nvidia-persistenced", "nv-hostengine", "nvidia-fabricmanager", "dcgm-exporter",
-         "Xorg", "Xwayland", "gnome-shell", "gpuwatch"), _names,
+         "Xorg", "Xwayland", "gnome-shell", "gpuwatch"), names,
         "file names of programs never reported (nor reaped): a process of root's is protected "
         "when the file it runs (/proc/PID/exe) has this name and is root's (it and every "
         "directory above it owned by root, writable by no one else); its comm and command line "
         "never count")
     protected_executables: tuple[str, ...] = _setting(
-        (), _absolute_paths,
+        (), absolute_paths,
         "absolute paths of programs never reported (nor reaped): a process of root's is "
         "protected when it runs the file at this path and that file is root's (as for "
         "protected_names)")
     protected_units: tuple[str, ...] = _setting(
         ("nvidia-persistenced.service", "nvidia-fabricmanager.service", "nvidia-dcgm.service",
          "dcgm.service", "dcgm-exporter.service", "display-manager.service", "gdm.service",
-         "gpuwatch.service"), _unit_names,
+         "gpuwatch.service"), unit_names,
         "systemd system units whose processes are never reported (nor reaped), from their "
         "cgroup (\"nvidia-persistenced.service\"); a user's own units never count")
     protected_users: tuple[str, ...] = _setting(
-        (), _names, "users whose processes are never reported (nor reaped), by real uid")
+        (), names, "users whose processes are never reported (nor reaped), by real uid")
     stall_after: float = _setting(
-        600.0, _positive_seconds,
+        600.0, positive_seconds,
         "seconds an instrumented process holding GPU memory may stay on one step")
     leak_warmup_steps: int = _setting(
-        10, _non_negative_int, "steps ignored at the start of a run (allocations, caches, CoW)")
-    leak_window: int = _setting(64, _positive_int, "newest step reports the leak test looks at")
+        10, non_negative_int, "steps ignored at the start of a run (allocations, caches, CoW)")
+    leak_window: int = _setting(64, positive_int, "newest step reports the leak test looks at")
     leak_min_points: int = _setting(
-        8, _positive_int, "step reports after warm-up needed before a leak can be called")
+        8, positive_int, "step reports after warm-up needed before a leak can be called")
     leak_min_bytes_per_step: int = _setting(
-        1 << 20, _positive_int, "growth per step below which nothing is a leak")
+        1 << 20, positive_int, "growth per step below which nothing is a leak")
     leak_min_relative: float = _setting(
-        0.001, _non_negative_float,
+        0.001, non_negative_float,
         "growth per step below this share of the current size is no leak")
     leak_warmup_seconds: float = _setting(
-        300.0, _non_negative_seconds,
+        300.0, non_negative_seconds,
         "without an agent: seconds of a process's life ignored by the leak test")
     leak_min_bytes_per_second: float = _setting(
-        64 << 10, _positive_float, "without an agent: growth per second below which no leak")
+        64 << 10, positive_float, "without an agent: growth per second below which no leak")
     leak_min_span_seconds: float = _setting(
-        600.0, _positive_seconds, "without an agent: shortest stretch of time to call a leak on")
+        600.0, positive_seconds, "without an agent: shortest stretch of time to call a leak on")
     host_memory_limit_bytes: int = _setting(
-        0, _non_negative_int,
+        0, non_negative_int,
         "a host-memory limit per process to project leaks against when no cgroup sets one "
         "(0: the node's MemAvailable)")
 
@@ -376,57 +252,57 @@ class DetectorConfig:
 
 @frozen_dataclass
 class ReaperConfig:
-    grace: float = _setting(10.0, _non_negative_seconds,
+    grace: float = _setting(10.0, non_negative_seconds,
                             "seconds between SIGTERM and SIGKILL")
     allow_other_users: bool = _setting(
-        True, _bool, "with CAP_KILL (root, or the unit's gpuwatch account), signal other users' "
+        True, boolean, "with CAP_KILL (root, or the unit's gpuwatch account), signal other users' "
         "processes (without CAP_KILL the reaper never does)")
-    auto: bool = _setting(False, _bool, "the daemon reaps on its own (off by default)")
-    auto_kinds: tuple[Kind, ...] = _setting((Kind.ORPHAN,), _kinds,
+    auto: bool = _setting(False, boolean, "the daemon reaps on its own (off by default)")
+    auto_kinds: tuple[Kind, ...] = _setting((Kind.ORPHAN,), kinds,
                                            "finding kinds the daemon may reap on its own")
     auto_after: float = _setting(
-        300.0, _non_negative_seconds,
+        300.0, non_negative_seconds,
         "seconds a finding must stay open before the daemon reaps it on its own")
-    auto_max_per_minute: int = _setting(10, _positive_int,
+    auto_max_per_minute: int = _setting(10, positive_int,
                                         "most processes the daemon reaps on its own a minute")
 
 
 @frozen_dataclass
 class AgentConfig:
     tracing: bool = _setting(
-        True, _bool, "ask instrumented processes whose leak has no culprit to trace their "
+        True, boolean, "ask instrumented processes whose leak has no culprit to trace their "
         "allocations (tracemalloc, for agent.trace_steps steps)", env="GPUWATCH_AGENT_TRACING")
     trace_after: float = _setting(
-        0.0, _non_negative_seconds,
+        0.0, non_negative_seconds,
         "seconds a leak must stay without a watched or discovered culprit before its process is "
         "asked to trace (0: as soon as the leak is raised)")
     search_seconds: int = _setting(
-        60, _int_between(0, MAX_SEARCH_SECONDS),
+        60, int_between(0, MAX_SEARCH_SECONDS),
         "seconds an instrumented process whose leak has no culprit is asked to search for "
         "growing containers at a higher share of its time (0: never asked)")
-    trace_steps: int = _setting(10, _int_between(1, MAX_TRACE_STEPS),
+    trace_steps: int = _setting(10, int_between(1, MAX_TRACE_STEPS),
                                 "training steps a process is asked to trace, 1 to 100")
     trace_cooldown: float = _setting(
-        900.0, _non_negative_seconds,
+        900.0, non_negative_seconds,
         "seconds before the same process is asked to trace again; also how long a request "
         "may go unanswered")
     trace_max_pending: int = _setting(
-        4, _positive_int, "most trace requests awaiting an answer on the node at once")
+        4, positive_int, "most trace requests awaiting an answer on the node at once")
     max_processes: int = _setting(
-        1024, _positive_int,
+        1024, positive_int,
         "most reporting processes the daemon keeps state for; when all slots are taken, a "
         "user holding fewer than max_processes / users takes one from the user holding most")
     memory_budget: int = _setting(
-        64 << 20, _positive_int,
+        64 << 20, positive_int,
         "bytes of state that agent reports may make the daemon keep (receiver, pending points, "
         "step history), shared by the users holding some: past it, a user at its share is "
         "refused and those above their share give back")
     max_reports_per_second: int = _setting(
-        20_000, _positive_int,
+        20_000, positive_int,
         "agent reports a second the daemon accepts, shared by the users sending; a process "
         "may always send 50")
     max_series_per_user: int = _setting(
-        2000, _positive_int,
+        2000, positive_int,
         "most /metrics series that instrumented processes of one user get (agent step and "
         "buffer series, and the process series of those that matter only as reporters)")
 
@@ -443,14 +319,14 @@ class KubernetesConfig:
         "pod a UID is; empty: not read")
     runtime_dirs: tuple[str, ...] = _setting(
         ("/run/containerd/io.containerd.runtime.v2.task/k8s.io",
-         "/run/containers/storage/overlay-containers"), _absolute_paths,
+         "/run/containers/storage/overlay-containers"), absolute_paths,
         "where the container runtimes keep each container's OCI config.json (containerd, "
         "CRI-O), whose annotations name its pod and container")
     refresh: float = _setting(
-        5.0, _positive_seconds, "seconds between two reads of the pods (a pod not known yet "
+        5.0, positive_seconds, "seconds between two reads of the pods (a pod not known yet "
         "is looked for at once, off the poll loop)")
     timeout: float = _setting(
-        2.0, _positive_seconds, "seconds the kubelet has to answer one call")
+        2.0, positive_seconds, "seconds the kubelet has to answer one call")
 
 
 @frozen_dataclass

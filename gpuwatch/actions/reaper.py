@@ -77,14 +77,14 @@ class Reaper:
                  signaller: Optional[Signaller] = None) -> None:
         self.config = config
         self.audit_path = audit_path
-        self.daemon_pid = daemon_pid
-        self.actor = actor
-        self.euid = os.geteuid() if euid is None else euid
-        self.may_signal_others = (may_signal_other_users() if may_signal_others is None
-                                  else may_signal_others)
-        self.planner = Planner(config, daemon_pid, self.euid, self.may_signal_others)
+        uid = os.geteuid() if euid is None else euid
+        #: What is planned, for whom (the daemon's PID, this reaper's uid and right to signal
+        #: other users' processes): the planner keeps them.
+        self.planner = Planner(config, daemon_pid, uid,
+                               may_signal_other_users() if may_signal_others is None
+                               else may_signal_others)
         self._signals = signaller or Signaller()
-        self.audit = AuditWriter(audit_path, actor, self.euid, clock)
+        self.audit = AuditWriter(audit_path, actor, uid, clock)
         #: Why a dry run's plan is not in the audit log (None: it is, or nothing was planned).
         self.unrecorded: Optional[str] = None
 

@@ -5,40 +5,24 @@ and the state of the interface (sort, filter, selection, scroll) in; lines out, 
 (text, style) segments no wider than the terminal. No curses here, so every layout can be tested
 without a terminal; gpuwatch/app/top.py only maps the style names to attributes and draws.
 
-The process trees are status_view's (gpuwatch.sinks.proctree): the same processes shown (each GPU
-holder, each process with a finding, with its chain up to its job root), the same cells and
-markers, the same leak figures (gpuwatch.sinks.phrases).
-Sorting orders whole trees (by the tree's total for a figure) and siblings within each tree, so a
-tree is never torn apart.
+Here the screen's layout (header, GPU lines, the table, the panel, the message and key lines);
+its rows are rows.py's (the process trees, filtered and sorted), its lines lines.py's, and the
+pages over the table (a process's details, a reap's plan) details.py's.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import shlex
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
-from gpuwatch.evidence import LeakEvidence
 from gpuwatch.model import (
-    Finding,
     GpuDevice,
-    HostProcess,
-    Job,
-    Kind,
     NodeReport,
-    gpu_memory,
 )
-from gpuwatch.sinks.details_doc import details_doc
-from gpuwatch.sinks.phrases import agent_phrase, buffer_phrases, clock, finding_figures, leak_notes
 from gpuwatch.sinks.proctree import (
-    command_cell,
-    gpu_cell,
-    job_cell,
     no_holders_sentence,
-    shown_pids,
-    walk_trees,
 )
 from gpuwatch.sinks.text import (
     ASCII,
@@ -47,261 +31,49 @@ from gpuwatch.sinks.text import (
     clean,
     cut,
     cut_left,
-    evidence,
     fit_widths,
     glyphs_for,
-    wrap_text,
 )
-from gpuwatch.units import human_bytes, human_duration, plural
-from gpuwatch.vocabulary import Severity, severity_rank
+from gpuwatch.sinks.top.details import confirm_lines, details_lines
+from gpuwatch.sinks.top.lines import (
+    BAR,
+    CRITICAL,
+    DIM,
+    HEAD,
+    INFO,
+    KEY,
+    MIN_HEIGHT,
+    MIN_WIDTH,
+    PLAIN,
+    TITLE,
+    WARNING,
+    Line,
+    SampleHistory,
+    fit,
+    sparkline,
+)
+from gpuwatch.sinks.top.rows import (
+    CAPS,
+    COLUMNS,
+    COMMAND_COLUMN,
+    JOB_COLUMN,
+    MIN_COMMAND,
+    NARROWING,
+    PID_COLUMN,
+    SORT_COLUMN,
+    SORT_KEYS,
+    SORT_NAMES,
+    Row,
+    ViewState,
+    build_rows,
+)
+from gpuwatch.units import human_bytes
+from gpuwatch.vocabulary import severity_rank
 
-__all__ = ["ASCII", "UNICODE", "Glyphs", "clean", "cut", "cut_left", "glyphs_for"]
-
-# ---- styles: names the screen maps to attributes (colours, or bold/reverse under NO_COLOR) ----
-
-PLAIN = ""
-TITLE = "title"
-DIM = "dim"
-HEAD = "head"  # the table's column names
-# A finding's row and marker take its severity's style.
-CRITICAL, WARNING, INFO = Severity.CRITICAL, Severity.WARNING, Severity.INFO
-BAR = "bar"
-KEY = "key"
-
-#: The smallest terminal top draws on; below it, a line that says so.
-MIN_WIDTH, MIN_HEIGHT = 40, 10
-
-Segment = tuple[str, str]
-
-
-class SampleHistory(Protocol):
-    """What top has sampled of each process (feed.Samples): oldest first, each with `at`,
-    `rss_bytes` and `gpu_memory_bytes`."""
-
-    def of(self, pid: int) -> Sequence[Any]: ...
-
-
-@dataclass
-class Line:
-    segments: list[Segment] = field(default_factory=list)
-    #: The selected row: drawn in reverse video across the whole width.
-    selected: bool = False
-
-    @property
-    def text(self) -> str:
-        return "".join(text for text, _ in self.segments)
-
-    def add(self, text: str, style: str = PLAIN) -> Line:
-        if text:
-            self.segments.append((text, style))
-        return self
-
-
-def fit(line: Line, width: int, ellipsis: str = "") -> Line:
-    """`line` cut at `width` columns (the last one replaced by `ellipsis` where it was cut)."""
-    if len(line.text) <= width:
-        return line
-    room = max(0, width - len(ellipsis))
-    out = Line(selected=line.selected)
-    for text, style in line.segments:
-        if room <= 0:
-            break
-        out.add(text[:room], style)
-        room -= len(text[:room])
-    if ellipsis and width >= len(ellipsis):
-        out.add(ellipsis, out.segments[-1][1] if out.segments else PLAIN)
-    return out
-
-
-def sparkline(values: Sequence[Optional[float]], width: int, glyphs: Glyphs) -> str:
-    """The last `width` values as bars, scaled from their minimum to their maximum (a flat line
-    sits on the floor); an unknown value is a gap."""
-    shown = list(values)[-width:] if width > 0 else []
-    known = [v for v in shown if v is not None]
-    if not known:
-        return " " * len(shown)
-    low, high = min(known), max(known)
-    top = len(glyphs.spark) - 1
-    out = []
-    for v in shown:
-        if v is None:
-            out.append(" ")
-        elif high == low:
-            out.append(glyphs.spark[0])
-        else:
-            out.append(glyphs.spark[round((v - low) / (high - low) * top)])
-    return "".join(out)
-
-
-# ---- the state of the interface ------------------------------------------------------------------
-
-#: What `s` cycles through, in order; `M`, `R`, `P`, `J` pick one directly.
-SORTS = ("gpu", "rss", "pid", "job")
-SORT_NAMES = {"gpu": "GPU memory", "rss": "RSS", "pid": "PID", "job": "job"}
-SORT_KEYS = {"M": "gpu", "R": "rss", "P": "pid", "J": "job"}
-
-
-@dataclass
-class ViewState:
-    sort: str = "gpu"
-    #: Text matched against each process's job (`source:id`) and user; empty: everything.
-    filter: str = ""
-    #: The selected process, followed across refreshes and re-sorts.
-    selected: Optional[int] = None
-    #: Where the selection was, for when its process leaves: the row now there is selected.
-    index: int = 0
-    #: The first line of the table's body on screen.
-    scroll: int = 0
-
-    def next_sort(self) -> None:
-        self.sort = SORTS[(SORTS.index(self.sort) + 1) % len(SORTS)]
-
-
-# ---- rows: the process trees, sorted and filtered -----------------------------------------------
-
-COLUMNS = ("PID", "USER", "JOB", "STATE", "RSS", "GPU MEM", "COMMAND")
-_PID, _USER, _JOB, _STATE, _RSS, _GPU, _COMMAND = range(len(COLUMNS))
-_SORT_COLUMN = {"gpu": _GPU, "rss": _RSS, "pid": _PID, "job": _JOB}
-#: Cells cut at these widths whatever the room: a 60-character job id would crowd the rest out.
-_CAPS = {_PID: 32, _USER: 12, _JOB: 40, _STATE: 10, _RSS: 9, _GPU: 24}
-#: COMMAND is cut first, down to this; then the steps below make room, one at a time.
-MIN_COMMAND = 20
-_NARROWING: tuple[tuple[str, int, int], ...] = (
-    ("shrink", _JOB, 20), ("hide", _STATE, 0), ("hide", _USER, 0), ("shrink", _JOB, 14),
-    ("hide", _RSS, 0), ("hide", _JOB, 0))
-
-
-@dataclass(frozen=True)
-class Row:
-    pid: int
-    #: status_view's branch drawing before the PID (`├─ `), in this terminal's glyphs.
-    prefix: str
-    proc: HostProcess
-    #: Its job (NodeReport.job_of) and its GPU memory in all (model.gpu_memory).
-    job: Optional[Job]
-    gpu_memory_bytes: Optional[int]
-    findings: tuple[Finding, ...]
-    #: PID (with prefix), USER, JOB, STATE, RSS, GPU MEM; COMMAND is `markers` + `command`.
-    cells: tuple[str, ...]
-    command: str
-    #: Lines drawn under the row: a leak's figures and culprit.
-    notes: tuple[str, ...]
-
-    @property
-    def severity(self) -> Optional[str]:
-        ranked = sorted((f.severity for f in self.findings),
-                        key=severity_rank)
-        return ranked[0] if ranked else None
-
-    @property
-    def markers(self) -> list[tuple[str, str]]:
-        return [(f"[{f.kind}] ", f.severity) for f in self.findings]
-
-
-def findings_by_pid(report: NodeReport) -> dict[int, list[Finding]]:
-    out: dict[int, list[Finding]] = {}
-    for f in report.findings:
-        if f.pid is not None:
-            out.setdefault(f.pid, []).append(f)
-    return out
-
-
-def matches(report: NodeReport, p: HostProcess, text: str) -> bool:
-    wanted = text.strip().lower()
-    if not wanted:
-        return True
-    return wanted in job_cell(report.job_of(p)).lower() or wanted in (p.user or "").lower()
-
-
-def build_rows(report: NodeReport, sort: str = "gpu", filter_text: str = "",
-               glyphs: Glyphs = UNICODE) -> list[Row]:
-    procs = report.snapshot.processes
-    blind = report.snapshot.blind_gpus
-    found = findings_by_pid(report)
-    shown = shown_pids(report, set(found))
-    if filter_text.strip():
-        # A match keeps its chain up to its root, so it is still drawn in its tree.
-        kept: set[int] = set()
-        for pid in shown:
-            if matches(report, procs[pid], filter_text):
-                current: Optional[int] = pid
-                while current in shown and current not in kept:
-                    kept.add(current)
-                    current = procs[current].ppid
-        shown = kept
-    rows = []
-    for prefix, p in walk_trees(procs, shown, key=_sort_key(sort, report, shown)):
-        pid = p.pid
-        if glyphs.tree is not None:
-            prefix = prefix.translate(glyphs.tree)
-        its = tuple(found.get(pid, ()))
-        job = report.job_of(p)
-        rows.append(Row(
-            pid=pid, prefix=prefix, proc=p, job=job, gpu_memory_bytes=gpu_memory(p, blind),
-            findings=its,
-            cells=(prefix + str(pid), clean(p.user or "?"), clean(job_cell(job)),
-                   p.state or "-",
-                   human_bytes(p.rss_bytes) if p.rss_bytes is not None else "-",
-                   gpu_cell(p)),
-            command=clean(command_cell(p, procs, shown)),
-            notes=tuple(note for f in its for note in _row_notes(f)),
-        ))
-    return rows
-
-
-def _sort_key(sort: str, report: NodeReport, shown: set[int]) -> Callable[[int], Any]:
-    procs = report.snapshot.processes
-    if sort == "pid":
-        return lambda pid: pid
-    if sort == "job":
-        return lambda pid: (job_cell(report.job_of(procs[pid])), pid)
-    blind = report.snapshot.blind_gpus
-
-    def figure(p: HostProcess) -> Optional[int]:
-        return gpu_memory(p, blind) if sort == "gpu" else p.rss_bytes
-
-    totals = _subtree_totals(procs, shown, figure)
-    return lambda pid: (-totals[pid], pid)
-
-
-def _subtree_totals(procs: Mapping[int, HostProcess], shown: set[int],
-                    figure: Callable[[HostProcess], Optional[int]]) -> dict[int, int]:
-    """Each shown process's figure plus its shown descendants': a tree sorts by its total."""
-    totals = {pid: figure(procs[pid]) or 0 for pid in shown}
-    depth: dict[int, int] = {}
-    for pid in shown:
-        chain: list[int] = []
-        current = pid
-        while current in shown and current not in depth and current not in chain:
-            chain.append(current)
-            current = procs[current].ppid
-        base = depth.get(current, -1)
-        for i, member in enumerate(reversed(chain)):
-            depth[member] = base + 1 + i
-    for pid in sorted(shown, key=lambda p: -depth[p]):  # leaves first
-        parent = procs[pid].ppid
-        if parent in totals and parent != pid:
-            totals[parent] += totals[pid]
-    return totals
-
-
-def _row_notes(f: Finding) -> list[str]:
-    """Under a leak's row: its figures (growth, projected out-of-memory step) and its culprit."""
-    if f.kind != Kind.LEAK:
-        return []
-    notes = []
-    figures = finding_figures(f.details).strip()
-    if figures:
-        notes.append(f"leak {figures[1:-1]}")
-    culprit_notes = leak_notes(f.details)
-    culprit = f.details.culprit if isinstance(f.details, LeakEvidence) else None
-    if culprit is not None and culprit.name and not any("culprit" in n for n in culprit_notes):
-        # status_view names such a culprit in the reason (the buffer is what grows): here the
-        # reason is not on screen, so the culprit gets its line.
-        found_by = f" ({culprit.found_by})" if culprit.found_by else ""
-        culprit_notes.insert(0, f"culprit `{culprit.name}`{found_by}")
-    return notes + [clean(n) for n in culprit_notes]
-
+# What the screen (gpuwatch.app.top) and the tests take from here, wherever it is defined.
+__all__ = ["ASCII", "BAR", "CRITICAL", "DIM", "HEAD", "INFO", "KEY", "SORT_KEYS", "SORT_NAMES",
+           "TITLE", "UNICODE", "WARNING", "Glyphs", "Line", "ViewState", "build_rows", "clean",
+           "confirm_lines", "cut", "cut_left", "details_lines", "glyphs_for", "sparkline"]
 
 # ---- the layout ---------------------------------------------------------------------------------
 
@@ -519,8 +291,8 @@ class TopView:
             for row in rows:
                 for i, cell in enumerate(row.cells):
                     natural[i] = max(natural[i], len(cell))
-            self._widths = [min(w, _CAPS.get(i, w)) for i, w in enumerate(natural)]
-        return fit_widths([*self._widths[:_COMMAND], 1 << 30], width, _NARROWING,
+            self._widths = [min(w, CAPS.get(i, w)) for i, w in enumerate(natural)]
+        return fit_widths([*self._widths[:COMMAND_COLUMN], 1 << 30], width, NARROWING,
                           MIN_COMMAND)
 
     def table(self, state: ViewState, width: int, height: int) -> list[Line]:
@@ -532,10 +304,10 @@ class TopView:
         for i, name in enumerate(COLUMNS):
             if not widths[i]:
                 continue
-            if i == _SORT_COLUMN[state.sort]:
+            if i == SORT_COLUMN[state.sort]:
                 name += self.glyphs.ascending if state.sort in ("pid", "job") else \
                     self.glyphs.descending
-            head.add((name.ljust(widths[i]) + "  ") if i < _COMMAND else name, HEAD)
+            head.add((name.ljust(widths[i]) + "  ") if i < COMMAND_COLUMN else name, HEAD)
         lines = [fit(head, width)]
         if not rows:
             empty = ("no process matches the filter" if state.filter.strip() or not self.report
@@ -575,15 +347,15 @@ class TopView:
             w = widths[i]
             if not w:
                 continue
-            if i == _JOB and len(cell) > w:
+            if i == JOB_COLUMN and len(cell) > w:
                 job = row.job
                 cell = cut_left(clean(job.id) if job else cell, w, self.glyphs)
-            elif i == _PID and len(cell) > w:
+            elif i == PID_COLUMN and len(cell) > w:
                 cell = cut_left(cell, w, self.glyphs)
             else:
                 cell = cut(cell, w, self.glyphs)
-            line.add(cell.ljust(w) + "  ", (row.severity or PLAIN) if i == _PID else PLAIN)
-        room = widths[_COMMAND]
+            line.add(cell.ljust(w) + "  ", (row.severity or PLAIN) if i == PID_COLUMN else PLAIN)
+        room = widths[COMMAND_COLUMN]
         for marker, severity in row.markers:
             line.add(marker[:room], severity)
             room -= len(marker[:room])
@@ -683,96 +455,6 @@ def finding_counts(report: NodeReport) -> list[tuple[str, int]]:
 
 # ---- overlays: a process's details, a reap's confirmation ---------------------------------------
 
-def wrap(text: str, width: int, indent: str = "") -> list[str]:
-    """`text` in lines of at most `width`, broken at spaces where it can be (never between a
-    figure and its unit), hard where not (a command line's one long argument, on lines of its
-    own)."""
-    out: list[str] = []
-    for line in wrap_text(text, width, subsequent_indent=indent, break_long_words=False,
-                          break_on_hyphens=False) or [""]:
-        while len(line) > width > len(indent):
-            out.append(line[:width])
-            line = indent + line[width:]
-        out.append(line)
-    return out
-
-
-def details_lines(report: NodeReport, pid: int, samples: Optional[SampleHistory],
-                  width: int) -> list[Line]:
-    """Everything about one process: its command line whole, its job, its figures per GPU, the
-    samples top took of it, what its agent reports, and each finding with its evidence."""
-    snapshot = report.snapshot
-    procs = snapshot.processes
-    p = procs.get(pid)
-    if p is None:
-        return [Line().add(f"PID {pid} is no longer in the document (it exited, or holds no "
-                           "GPU memory any more)", WARNING)]
-    out: list[Line] = []
-
-    def say(text: str, style: str = PLAIN, label: str = "", indent: int = 0) -> None:
-        head = f"{label:<10}" if label else " " * indent
-        for i, chunk in enumerate(wrap(clean(text), max(10, width - len(head)), "  ")):
-            line = Line()
-            if head:
-                line.add(head if i == 0 else " " * len(head), TITLE)
-            out.append(line.add(chunk, style))
-
-    say(f"PID {pid}  {p.name or '?'}  (user {p.user or '?'}, uid {p.uid})", TITLE)
-    say(shlex.join(p.cmdline) if p.cmdline else f"[{p.name or '?'}]",
-        label="command")
-    parent = procs.get(p.ppid) if p.ppid else None
-    say(f"{job_cell(report.job_of(p))}; job root {snapshot.job_roots.get(pid) or '-'}; "
-        f"parent {p.ppid} ({parent.name if parent else '?'}); session {p.sid}, "
-        f"group {p.pgid}", label="job")
-    state = p.state or "-"
-    if p.wchan:
-        state += f", waiting in {p.wchan}"
-    threads = plural(p.num_threads, "thread") if p.num_threads else "? threads"
-    say(f"{state}; {threads}; started "
-        f"{clock(snapshot.wall_or_none(p.start_time))}"
-        + ("" if p.in_procfs else "; not in /proc (exited, or another PID namespace)"),
-        label="state")
-    gpus = ", ".join(f"GPU {u.gpu_index}: {human_bytes(u.memory_bytes)} ({u.kind})"
-                     for u in p.gpu_usage) or "none"
-    say(f"RSS {human_bytes(p.rss_bytes)}; GPU memory "
-        f"{human_bytes(gpu_memory(p, snapshot.blind_gpus))} ({gpus})", label="memory")
-    findings = findings_by_pid(report).get(pid, [])
-    if not findings:
-        say("none", DIM, label="findings")
-    taken_at = snapshot.wall(snapshot.taken_at)
-    for f in findings:
-        out.append(Line().add(f"{f.kind} ({f.severity})", f.severity).add(
-            f", open {human_duration(taken_at - snapshot.wall(f.since))}", DIM))
-        say(f.reason + finding_figures(f.details), indent=2)
-        for note in leak_notes(f.details, verbose=True):
-            say(note, indent=2)
-        for key, value in details_doc(f.details).items():
-            if key != "trace":  # leak_notes said what the trace found
-                say(evidence(key, value), DIM, indent=4)
-    history = samples.of(pid) if samples is not None else []
-    if history:
-        for name, attr in (("RSS", "rss_bytes"), ("GPU memory", "gpu_memory_bytes")):
-            known = [getattr(s, attr) for s in history if getattr(s, attr) is not None]
-            if known:
-                say(f"{name}: min {human_bytes(min(known))}, max {human_bytes(max(known))}, "
-                    f"last {human_bytes(known[-1])}", label="samples")
-        say(f"{len(history)} taken by top since {clock(history[0].at)}", DIM, label="samples")
-    agent = snapshot.agents.get(pid)
-    if agent is not None:
-        say(agent_phrase(report, agent, taken_at), label="agent")
-        for phrase in buffer_phrases(agent):
-            say(phrase, label="buffer")
-    if p.cgroup:
-        say(p.cgroup, DIM, label="cgroup")
-    if p.launch_env:
-        say(" ".join(f"{k}={v}" for k, v in sorted(p.launch_env.items())), DIM, label="env")
-    if p.kernel_stack:
-        say(" < ".join(p.kernel_stack), DIM, label="kstack")
-    if p.read_errors:
-        say("; ".join(p.read_errors), WARNING, label="unread")
-    return out
-
-
 def overlay(view: TopView, title: str, body: Iterable[Line], scroll: int, width: int,
             height: int, chrome: Chrome) -> tuple[list[Line], int]:
     """A full-screen page under the header: `body` scrolled to `scroll` (clamped, returned)."""
@@ -790,21 +472,3 @@ def overlay(view: TopView, title: str, body: Iterable[Line], scroll: int, width:
     return [fit(line, width) for line in lines], scroll
 
 
-def confirm_lines(plan_text: str, command: str, width: int,
-                  in_full: Sequence[str] = ()) -> list[Line]:
-    """The plan exactly as `gpuwatch reap --dry-run` prints it (its table cut at the width,
-    never rewrapped), each action `in_full` and wrapped where the table was cut, the command
-    that prints the same plan, and what `y` does."""
-    head, *table = plan_text.rstrip("\n").split("\n")
-    # The first line is a sentence (node, findings of when, dry run): wrapped, not cut.
-    out = [Line().add(chunk) for chunk in wrap(clean(head), width, "  ")]
-    out += [Line().add(clean(line)) for line in table]
-    if any(len(line) > width for line in table) and in_full:
-        out.append(Line())
-        for text in in_full:
-            out += [Line().add(chunk) for chunk in wrap(clean(text), width, "    ")]
-    out += [Line(), Line().add("the same plan: ", DIM).add(command),
-            Line().add("y", TITLE).add(": reap now (SIGTERM, then SIGKILL after the grace; "
-                                       "audited like `gpuwatch reap`)"),
-            Line().add("any other key: cancel", DIM)]
-    return out

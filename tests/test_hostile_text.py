@@ -70,7 +70,10 @@ def _hostile_report() -> NodeReport:
         "name": HOSTILE_NAME, "user": HOSTILE, "job": p["job"], "gpus": [0],
         "gpu_memory_bytes": 1 << 30, "since": doc["taken_at"] - 60,
         "reason": f"buffer `{HOSTILE}` grows",
-        "details": {"culprit": HOSTILE, "found_by": "watched", "limit_bytes": None}})
+        "details": {"series": f"buffer `{HOSTILE}`", "unit": "step", "window_steps": [1, 3],
+                    "culprit": HOSTILE, "found_by": "watched", "growth_bytes_per_step": 1 << 20,
+                    "limit_source": "node", "limit_bytes": None, "available_bytes": 1 << 30,
+                    "projected_oom_step": 1027}})
     return report(doc)
 
 

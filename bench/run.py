@@ -35,7 +35,7 @@ from cmdline import columns, verdict
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "render_cost", "equal_work", "oneshot",
-           "daemon_rss",
+           "daemon_rss", "rss_plateau",
            "agent_step", "culprit_torch", "culprit_torch_auto", "agent_ingest", "run_overhead",
            "agent_bootstrap", "top_cpu", "daemon_poll",
            "agent_flood", "agent_junk_flood", "argv_flood", "web_auth_flood", "chaos"]
@@ -268,6 +268,27 @@ def rss_rows(f: Figures) -> list[Row]:
     return [Row(f"daemon RSS after {first_at:,.0f} -> {last_at:,.0f} polls",
                 f"{first:.1f} -> {last:.1f} MiB ({100 * f['growth']:+.1f}%)", "within 5%",
                 abs(f["growth"]) <= 0.05)]
+
+
+#: Daemon RSS after warm-up against nvitop-exporter's (bench/rss_plateau.py).
+RSS_PLATEAU_GOAL = 0.8
+
+
+def rss_plateau_rows(f: Figures) -> list[Row]:
+    rows = []
+    for n, r in f["by_gpu_procs"].items():
+        gw, nv = r["gpuwatch"], r["nvitop-exporter"]
+        ratio = gw["end_mib"] / nv["end_mib"]
+        before = r.get("against")
+        versus = (f" (against: {before['end_mib']:.1f} MiB = "
+                  f"{before['end_mib'] / nv['end_mib']:.2f}x)" if before else "")
+        rows.append(Row(
+            f"daemon RSS / nvitop-exporter RSS after {gw['seconds']:.0f} s (the history's span), "
+            f"{f['gpus']} GPUs x {n} GPU processes; the daemon's at warm-up -> end",
+            f"{gw['end_mib']:.1f} / {nv['end_mib']:.1f} MiB = {ratio:.2f}x; "
+            f"{gw['warm_mib']:.1f} -> {gw['end_mib']:.1f} MiB" + versus,
+            f"<= {RSS_PLATEAU_GOAL:g}x", ratio <= RSS_PLATEAU_GOAL))
+    return rows
 
 
 def agent_step_rows(f: Figures) -> list[Row]:
@@ -515,7 +536,8 @@ def chaos_rows(f: Figures) -> list[Row]:
 ROWS: dict[str, Callable[[Figures], list[Row]]] = {
     "poll_cost": poll_rows, "exporter_vs_nvitop": exporter_rows, "render_cost": render_rows,
     "equal_work": equal_work_rows,
-    "oneshot": oneshot_rows, "daemon_rss": rss_rows, "agent_step": agent_step_rows,
+    "oneshot": oneshot_rows, "daemon_rss": rss_rows, "rss_plateau": rss_plateau_rows,
+    "agent_step": agent_step_rows,
     "culprit_torch": culprit_rows, "culprit_torch_auto": culprit_rows,
     "agent_ingest": ingest_rows,
     "run_overhead": run_overhead_rows, "agent_bootstrap": agent_bootstrap_rows,

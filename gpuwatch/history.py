@@ -8,8 +8,10 @@ memory samples. Per job: its members and trainers (GPU holders), and when the la
 since when NVML has listed each PID that /proc lacks (a ghost must outlast process churn).
 
 Everything is capped and whatever is absent from a poll is forgotten, so the daemon's memory stays
-flat however long it runs. Samples are packed arrays (8 bytes a figure, NaN for unknown) rather
-than one Python object each.
+flat however long it runs. Samples are rings of doubles (8 bytes a figure, NaN for unknown) taken
+whole at a process's first sight, so the history's memory is the processes' count times
+history.samples x 16 bytes from the first poll on, not a climb over the history's span; every
+process is sampled at the same polls, so their times are kept once (SampleClock).
 
 An instrumented process's RSS series is the kernel's figure (/proc) at each poll, against the
 step it had reached, as its GPU memory is NVML's: the RSS its agent reports is its own word,
@@ -244,15 +246,91 @@ class StepSeries:
         self.rss.add(float(step), rss)
 
 
+class Ring:
+    """The newest `capacity` figures, in one array of doubles taken whole when the ring is made:
+    a process's samples cost their memory at its first sight, never more as they fill, and the
+    oldest is overwritten in place."""
+
+    __slots__ = ("_data", "_size", "_start")
+
+    def __init__(self, capacity: int, unknown: int = 0) -> None:
+        self._data = array("d", [_NAN]) * max(1, capacity)
+        self._start = 0
+        #: How many are filled; `unknown` NaNs to begin with.
+        self._size = min(unknown, len(self._data))
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, value: float) -> None:
+        data = self._data
+        if self._size < len(data):
+            data[self._size] = value  # _start stays 0 until the ring is full
+            self._size += 1
+        else:
+            data[self._start] = value
+            self._start = (self._start + 1) % len(data)
+
+    def values(self) -> array[float]:
+        """The figures, oldest first (a copy)."""
+        if self._start == 0:
+            return self._data[:self._size]
+        return self._data[self._start:] + self._data[:self._start]
+
+    def resize(self, capacity: int) -> None:
+        kept = self.values()[-max(1, capacity):]
+        self._data = array("d", [_NAN]) * max(1, capacity)
+        self._data[:len(kept)] = kept
+        self._start, self._size = 0, len(kept)
+
+
+class SampleClock:
+    """When the history's samples were taken: one time for every process sampled then.
+
+    Every process is sampled at the same polls (those at least `sample_spacing` after the last
+    one), so the times are kept once, not once per process: a process's samples are the newest
+    of these, as many as it has."""
+
+    __slots__ = ("_ordered", "_times")
+
+    def __init__(self, capacity: int) -> None:
+        self._times = Ring(capacity)
+        self._ordered: Optional[array[float]] = None
+
+    def due(self, now: float, spacing: float) -> bool:
+        """Whether a poll at `now` is a sample (a hundredth of the spacing spares one that
+        came a rounding error early)."""
+        return not len(self._times) or now - self.newest(1)[0] >= 0.99 * spacing
+
+    def add(self, now: float) -> None:
+        self._times.append(now)
+        self._ordered = None
+
+    def newest(self, n: int) -> memoryview:
+        """The newest `n` times, oldest first: a view, no copy."""
+        if self._ordered is None:
+            self._ordered = self._times.values()
+        view = memoryview(self._ordered)
+        return view[len(view) - n:] if n else view[:0]
+
+    def resize(self, capacity: int) -> None:
+        self._times.resize(capacity)
+        self._ordered = None
+
+
 class ProcessHistory:
-    __slots__ = ("capacity", "disk_sleep_since", "first_ppid", "first_seen", "gpu_memory",
-                 "held_gpu", "job_key", "last_seen", "name", "parent_comm", "parent_name",
-                 "parent_start", "pid",
-                 "reparented_at", "rss", "start_time", "steps", "steps_refused", "times",
-                 "uid", "uss", "zombie_since")
+    """What the history keeps of one process: its lineage and states, and its samples (RSS,
+    GPU memory, and USS once read), in rings taken whole at its first sight (Ring), at the
+    times the history's SampleClock keeps for every process."""
+
+    __slots__ = ("_clock", "_gpu_memory", "_rss", "_uss", "capacity", "disk_sleep_since",
+                 "first_ppid", "first_seen", "held_gpu", "job_key", "last_seen", "name",
+                 "parent_comm", "parent_name", "parent_start", "pid",
+                 "reparented_at", "start_time", "steps", "steps_refused",
+                 "uid", "zombie_since")
 
     def __init__(self, p: HostProcess, parent: Optional[HostProcess], job_key: Optional[JobKey],
-                 first_seen: float, capacity: int) -> None:
+                 first_seen: float, capacity: int, clock: SampleClock) -> None:
         self.pid = p.pid
         self.start_time = p.start_time
         self.name = p.name
@@ -279,20 +357,38 @@ class ProcessHistory:
         #: The budget refused it a step history (counted once until one is granted).
         self.steps_refused = False
         self.capacity = capacity
-        self.times = array("d")
-        self.rss = array("d")
-        self.gpu_memory = array("d")
+        #: The history's: when its samples were taken.
+        self._clock = clock
+        self._rss = Ring(capacity)
+        self._gpu_memory = Ring(capacity)
         #: USS at each sample (NaN where unknown), once the poll has read one for the process
         #: (forked workers of GPU jobs): None until then, so other processes pay nothing for it.
-        self.uss: Optional[array[float]] = None
+        self._uss: Optional[Ring] = None
 
     @property
     def identity(self) -> Identity:
         return (self.pid, self.start_time)
 
-    def observe(self, p: HostProcess, taken_at: float, spacing: float = 0.0) -> None:
-        """Record what one poll saw; its figures are kept as a sample when at least `spacing`
-        seconds have passed since the last sample kept (History.sample_spacing)."""
+    @property
+    def times(self) -> memoryview:
+        """When each sample was taken, oldest first."""
+        return self._clock.newest(len(self._rss))
+
+    @property
+    def rss(self) -> array[float]:
+        return self._rss.values()
+
+    @property
+    def gpu_memory(self) -> array[float]:
+        return self._gpu_memory.values()
+
+    @property
+    def uss(self) -> Optional[array[float]]:
+        return self._uss.values() if self._uss is not None else None
+
+    def observe(self, p: HostProcess, taken_at: float, sample: bool = True) -> None:
+        """Record what one poll saw; with `sample` (a poll the history samples, at the
+        SampleClock's time), its figures too."""
         self.last_seen = taken_at
         if self.reparented_at is None and p.ppid != self.first_ppid:
             self.reparented_at = taken_at
@@ -300,26 +396,21 @@ class ProcessHistory:
         self.disk_sleep_since = _since(self.disk_sleep_since, p.state == ProcState.DISK_SLEEP,
                                        taken_at)
         self.held_gpu = self.held_gpu or p.holds_gpu
-        # (A hundredth of the spacing spares a sample a poll that came a rounding error early.)
-        if len(self.times) and taken_at - self.times[-1] < 0.99 * spacing:
+        if not sample:
             return
-        for series, value in ((self.times, taken_at), (self.rss, p.rss_bytes),
-                              (self.gpu_memory, p.gpu_memory_bytes)):
-            series.append(_NAN if value is None else float(value))
-            if len(series) > self.capacity:
-                del series[0]
-        if self.uss is None and p.uss_bytes is not None:
-            self.uss = array("d", [_NAN]) * (len(self.times) - 1)
-        if self.uss is not None:
-            self.uss.append(_NAN if p.uss_bytes is None else float(p.uss_bytes))
-            if len(self.uss) > self.capacity:
-                del self.uss[0]
+        rss, gpu = p.rss_bytes, p.gpu_memory_bytes
+        self._rss.append(_NAN if rss is None else float(rss))
+        self._gpu_memory.append(_NAN if gpu is None else float(gpu))
+        if self._uss is None and p.uss_bytes is not None:
+            self._uss = Ring(self.capacity, unknown=len(self._rss) - 1)
+        if self._uss is not None:
+            self._uss.append(_NAN if p.uss_bytes is None else float(p.uss_bytes))
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
-        for series in (self.times, self.rss, self.gpu_memory, self.uss or array("d")):
-            if len(series) > capacity:
-                del series[: len(series) - capacity]
+        for ring in (self._rss, self._gpu_memory, self._uss):
+            if ring is not None:
+                ring.resize(capacity)
 
     def samples(self) -> Iterator[Sample]:
         for t, rss, gpu in zip(self.times, self.rss, self.gpu_memory):
@@ -327,7 +418,7 @@ class ProcessHistory:
                          None if math.isnan(gpu) else int(gpu))
 
     def __len__(self) -> int:
-        return len(self.times)
+        return len(self._rss)
 
 
 def _since(since: Optional[float], now_in_state: bool, taken_at: float) -> Optional[float]:
@@ -351,6 +442,8 @@ class History:
         self.budget = budget if budget is not None else AgentBudget()
         self.budget.add_reclaimer(self._reclaim, order=0)
         self._by_identity: OrderedDict[Identity, ProcessHistory] = OrderedDict()
+        #: When the samples were taken: every process is sampled at the same polls.
+        self._clock = SampleClock(samples)
         #: The processes that have a step history, for the poll's pass over them.
         self._stepped: dict[Identity, ProcessHistory] = {}
         self._departed: OrderedDict[Identity, Departed] = OrderedDict()
@@ -420,6 +513,9 @@ class History:
         now = snapshot.taken_at
         procs = snapshot.processes
         seen: set[Identity] = set()
+        sample = self._clock.due(now, self.sample_spacing)
+        if sample:
+            self._clock.add(now)
         for p in procs.values():
             if not p.in_procfs or p.start_time is None:
                 continue
@@ -429,9 +525,9 @@ class History:
             if h is None:
                 parent = procs.get(p.ppid) if p.ppid else None
                 h = ProcessHistory(p, parent, self._first_job_key(p, parent, snapshot), now,
-                                   self.samples)
+                                   self.samples, self._clock)
                 self._by_identity[key] = h
-            h.observe(p, now, self.sample_spacing)
+            h.observe(p, now, sample)
             self._by_identity.move_to_end(key)
         for key in [k for k in self._by_identity if k not in seen]:
             gone = self._by_identity.pop(key)
@@ -561,6 +657,7 @@ class History:
         if sample_spacing is not None:
             self.sample_spacing = sample_spacing
         if samples != self.samples:
+            self._clock.resize(samples)
             for h in self._by_identity.values():
                 h.resize(samples)
         self.samples = samples

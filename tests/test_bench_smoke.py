@@ -24,6 +24,7 @@ ROWS: dict[str, tuple[str, ...]] = {
     "equal_work": ("daemon poll / nvitop-exporter's per-process collection alone (equal work)",),
     "oneshot": ("`gpuwatch status --json` / `gpustat --json`",),
     "daemon_rss": ("daemon RSS after",),
+    "rss_plateau": ("daemon RSS / nvitop-exporter RSS after",),
     "agent_step": ("`agent.step()` / bare `sendto`",),
     "culprit_torch": ("PyTorch program",),
     "culprit_torch_auto": ("PyTorch program without a line (auto agent), 0.3 s steps",

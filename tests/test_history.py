@@ -272,3 +272,51 @@ def test_workers_a_trainer_forks_after_it_was_first_seen_are_in_the_trainers_job
                                job_roots=MappingProxyType(job_roots(by_pid))))
     job = history.job_of(worker)
     assert job is not None and job is history.job_of(trainer) and job.had_trainer
+
+
+def _history_bytes(processes: int, polls: int, samples: int = 300) -> tuple[int, int]:
+    """Bytes the history of `processes` processes holds (tracemalloc) after their first poll,
+    and after `polls` more, every one a sample."""
+    import gc
+    import tracemalloc
+    history = History(samples=samples, max_processes=processes)
+    procs = [_proc(100 + i, 1.0, rss=1 << 30) for i in range(processes)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        history.record(_snapshot(1.0, *procs))
+        first = tracemalloc.get_traced_memory()[0] - before
+        for t in range(polls):
+            history.record(_snapshot(2.0 + t, *procs))
+        gc.collect()
+        full = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    return first, full
+
+
+def test_a_process_s_samples_take_their_memory_at_its_first_sight_not_as_they_fill() -> None:
+    first, full = _history_bytes(200, 400)
+    # The samples are there from the first poll: filling 300 of them takes nothing more (a
+    # few bytes a process of what was allocated meanwhile, never its samples' 4.8 KB).
+    assert full - first < 200 * 200, (first, full)
+
+
+def test_samples_cost_16_bytes_a_process_their_times_kept_once() -> None:
+    _, full = _history_bytes(200, 400)
+    # RSS and GPU memory, 8 bytes each; the times once for every process (2.4 KB in all);
+    # each process's record (about 1 KB).
+    assert full < 200 * (300 * 16 + 1200) + 300 * 8 + 8192, full
+
+
+def test_a_process_first_seen_between_two_samples_has_its_first_at_the_next() -> None:
+    history = History(samples=10, sample_spacing=3.0)
+    history.record(_snapshot(0.0, _proc(10, 1.0, rss=1)))
+    history.record(_snapshot(1.0, _proc(10, 1.0, rss=2), _proc(11, 1.0, rss=20)))
+    history.record(_snapshot(3.0, _proc(10, 1.0, rss=3), _proc(11, 1.0, rss=30)))
+    old, new = history.get((10, 1.0)), history.get((11, 1.0))
+    assert old is not None and new is not None
+    assert [(s.taken_at, s.rss_bytes) for s in old.samples()] == [(0.0, 1), (3.0, 3)]
+    assert [(s.taken_at, s.rss_bytes) for s in new.samples()] == [(3.0, 30)]
+    assert new.first_seen == 1.0

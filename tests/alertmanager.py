@@ -13,10 +13,11 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Optional
 
 from gpuwatch.simulate.demo import wait_for
@@ -86,26 +87,37 @@ class WebhookReceiver:
 
 
 @contextlib.contextmanager
-def alertmanager_routing_to(receiver: WebhookReceiver, tmp_path: Path) -> Iterator[str]:
-    """A real Alertmanager sending every notification, resolved ones too, to `receiver`;
-    yields its HOST:PORT (for Prometheus's alerting config) once it is ready."""
+def alertmanager_routing_to(receiver: WebhookReceiver, tmp_path: Path,
+                            routes: Mapping[str, WebhookReceiver] = MappingProxyType({}),
+                            group_by: str = "alertname, node, job_id") -> Iterator[str]:
+    """A real Alertmanager sending every notification, resolved ones too, to `receiver`, or
+    to the receiver of the first of `routes` (a matcher, `namespace="ml-team"`) the alert
+    matches; yields its HOST:PORT (for Prometheus's alerting config) once it is ready."""
     binary = alertmanager_binary()
     assert binary is not None, f"{ALERTMANAGER} is not installed (make test installs it)"
     port = free_port()
     config = tmp_path / "alertmanager.yml"
+    sub_routes = "".join(f"""    - matchers: ['{matcher}']
+      receiver: routed-{i}
+""" for i, matcher in enumerate(routes))
+    sub_receivers = "".join(f"""  - name: routed-{i}
+    webhook_configs:
+      - url: "{routed.url}"
+        send_resolved: true
+""" for i, routed in enumerate(routes.values()))
     config.write_text(f"""
 route:
   receiver: on-call
-  group_by: [alertname, node, job_id]
+  group_by: [{group_by}]
   group_wait: 1s
   group_interval: 1s
   repeat_interval: 4h
-receivers:
+{"  routes:" + chr(10) + sub_routes if routes else ""}receivers:
   - name: on-call
     webhook_configs:
       - url: "{receiver.url}"
         send_resolved: true
-""")
+{sub_receivers}""")
     log = open(tmp_path / "alertmanager.log", "wb")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.path={tmp_path / 'alertmanager'}",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,8 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode, default_uuid
+from tests.alertmanager import WebhookReceiver, alertmanager_binary, alertmanager_routing_to
 from tests.daemonproc import WatchedNode, running_daemon
+from tests.promserver import built_rules, prometheus_scraping
 from tests.realprocs import gpuwatch
 from tests.scenarios import GONE_TIMEOUT
 from tests.standin_kubelet import (
@@ -169,3 +175,53 @@ def test_a_hung_kubelet_delays_no_poll(fake_node: FakeNode, cli_env: dict[str, s
         doctor = gpuwatch(["doctor"], {**cli_env, "GPUWATCH_CONFIG": str(daemon.config_path)})
         assert "pod log directories" in doctor.stdout and "did not answer" in doctor.stdout, \
             doctor.stdout
+
+
+def test_an_alert_about_a_deleted_pod_pages_its_namespace_through_an_alertmanager_route(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """The orphan of a deleted pod, scraped as the Prometheus Operator scrapes (every series gets
+    gpuwatch's own `namespace`), fires GpuwatchOrphansHoldGpuMemory with the pod's namespace,
+    and Alertmanager's route on `namespace` sends it to that namespace's receiver alone."""
+    if alertmanager_binary() is None or shutil.which("prometheus") is None:
+        pytest.skip("needs prometheus and alertmanager (make test installs them)")
+    pod = FakePod("ml-team", "trainer-0", UID, {"trainer": [default_uuid(0)]})
+    ml_team, research, on_call = WebhookReceiver(), WebhookReceiver(), WebhookReceiver()
+    operator_like = ("relabel_configs:\n  - target_label: namespace\n"
+                     "    replacement: gpuwatch\n")
+    try:
+        with short_dir() as short, standin_kubelet(short / "kubelet.sock", tmp_path) as kubelet, \
+                pod_cgroup(UID, CTR) as cgroup, process_in(cgroup) as proc, \
+                running_daemon(cli_env, tmp_path,
+                               config=config(short / "kubelet.sock", tmp_path),
+                               args=("--interval", str(INTERVAL))) as daemon, \
+                alertmanager_routing_to(on_call, tmp_path,
+                                        routes={'namespace="ml-team"': ml_team,
+                                                'namespace="research"': research},
+                                        group_by="alertname, namespace, node, job_id") as am, \
+                prometheus_scraping(daemon.metrics_url.split("//", 1)[1].split("/", 1)[0],
+                                    tmp_path, [built_rules(tmp_path / "rules")], am,
+                                    job_options=operator_like):
+            kubelet.set_pods(pod)
+            write_pod_logs(tmp_path / "pods", pod)
+            watched = WatchedNode(fake_node, cli_env, daemon)
+            fake_node.hold(proc.pid, device=0, used=4 * GIB)
+            watched.doc_when("the pod's names",
+                             lambda d: (_job(d, proc.pid) or {}).get("pod") is not None)
+            kubelet.set_pods()
+            watched.findings_of("orphan", [proc.pid])
+            page = wait_for("the orphan's page", lambda: next(
+                (n for n in ml_team.notifications for a in n.alerts
+                 if a["labels"]["alertname"] == "GpuwatchOrphansHoldGpuMemory"), None), 90)
+            (alert,) = page.alerts
+            labels = alert["labels"]
+            assert labels["namespace"] == "ml-team" and labels["pod_name"] == "trainer-0", labels
+            assert labels["pod_namespace"] == "ml-team" and labels["job_id"] == UID, labels
+            assert page.group_labels["namespace"] == "ml-team"
+            assert alert["annotations"]["description"].startswith(
+                "1 process of pod ml-team/trainer-0 on "), alert["annotations"]
+            assert not [n for n in research.notifications + on_call.notifications
+                        for a in n.alerts
+                        if a["labels"]["alertname"] == "GpuwatchOrphansHoldGpuMemory"]
+    finally:
+        for receiver in (ml_team, research, on_call):
+            receiver.close()

@@ -19,7 +19,9 @@ RUN groupadd --system --gid 10001 gpuwatch \
     && useradd --system --uid 10001 --gid gpuwatch --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin gpuwatch
 COPY --from=wheel /dist/ /tmp/dist/
-RUN python -m pip install --no-cache-dir /tmp/dist/gpuwatch-*.whl && rm -rf /tmp/dist
+# With the kubernetes extra (grpcio): the kubelet's PodResources names pods and their GPUs.
+RUN python -m pip install --no-cache-dir "$(ls /tmp/dist/gpuwatch-*.whl)[kubernetes]" \
+    && rm -rf /tmp/dist
 # The root file system is read-only in the DaemonSet: no bytecode written at run time.
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 USER 10001:10001

@@ -62,6 +62,7 @@ from gpuwatch.sinks.document import SOURCE_DAEMON, DocumentWriter
 from gpuwatch.sinks.exit_reports import ExitReportLog
 from gpuwatch.sinks.exporter import SERIES_DROPPED_REASONS, ReportCollector
 from gpuwatch.sinks.exposition_text import LineWriter
+from gpuwatch.sinks.pod_metrics import PodSourceCollector
 from gpuwatch.sources.agent_socket import AgentReceiver
 from gpuwatch.sources.memory import read_mem_total
 from gpuwatch.sources.nvml import NvmlSource
@@ -144,6 +145,9 @@ class Daemon:
         # How the metrics port and state.sock ended their connections (timeouts, the cap).
         self.connections = ConnectionStats()
         self.registry.register(ConnectionCollector(self.connections))
+        pod_status = getattr(self.poller.pods, "status", None)
+        if pod_status is not None:
+            self.registry.register(PodSourceCollector(pod_status))
         self.metrics_url: Optional[str] = None
 
     # -- what the sinks read -----------------------------------------------------------------

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,9 @@ def test_a_process_in_a_pod_is_named_by_namespace_pod_and_container_within_a_pol
                                        "container": "trainer"}
         text = watched.status_text()
         assert "ml-team/trainer-0/trainer" in text, text
+        metrics = urllib.request.urlopen(daemon.metrics_url, timeout=30).read().decode()
+        assert "gpuwatch_kubelet_up 1.0" in metrics
+        assert 'pod_namespace="ml-team"' in metrics and 'pod_container="trainer"' in metrics
 
         # Deleted: the kubelet stops listing it while its process still holds GPU memory.
         kubelet.set_pods()
@@ -172,6 +176,12 @@ def test_a_hung_kubelet_delays_no_poll(fake_node: FakeNode, cli_env: dict[str, s
             durations.append(watched.doc()["poll_duration_seconds"])
             time.sleep(0.5)
         assert max(durations) < 1.0, durations
+        # Counted: the calls that got no answer, and the kubelet down.
+        metrics = urllib.request.urlopen(daemon.metrics_url, timeout=30).read().decode()
+        assert "gpuwatch_kubelet_up 0.0" in metrics, metrics
+        failed = re.search(r'^gpuwatch_kubelet_calls_total\{result="failed"\} (\S+)$', metrics,
+                           re.M)
+        assert failed is not None and float(failed[1]) >= 1, metrics
         doctor = gpuwatch(["doctor"], {**cli_env, "GPUWATCH_CONFIG": str(daemon.config_path)})
         assert "pod log directories" in doctor.stdout and "did not answer" in doctor.stdout, \
             doctor.stdout

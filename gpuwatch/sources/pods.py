@@ -228,6 +228,10 @@ class PodSourceStatus:
     refreshes: int
     #: What the bounds of the kubelet's answers left out, by what.
     cut: Mapping[str, int] = field(default_factory=dict)
+    #: Calls to the kubelet so far that it answered, and that failed (no answer within the
+    #: timeout, a refusal, an answer that is not the protocol's); a socket absent is not asked.
+    calls_answered: int = 0
+    calls_failed: int = 0
 
 
 @dataclass(frozen=True)
@@ -273,6 +277,8 @@ class PodSource:
         self._kubelet_error: Optional[str] = None
         self._pod_log_pods = 0
         self._refreshes = 0
+        self._calls_answered = 0
+        self._calls_failed = 0
         self._cut: dict[str, int] = {}
 
     # -- the refresher --
@@ -308,9 +314,13 @@ class PodSource:
         answer: Optional[PodList] = None
         error: Optional[str] = None
         started = self.clock()
+        asked = False
         if not self.socket_path:
             error = "not configured (kubernetes.pod_resources_socket is empty)"
+        elif not is_socket(self.socket_path):
+            error = f"no socket at {self.socket_path}"
         else:
+            asked = True
             try:
                 answer = self._client.list()
             except Unavailable as e:
@@ -334,6 +344,11 @@ class PodSource:
             self._kubelet_error = error
             self._pod_log_pods = len(logs)
             self._refreshes += 1
+            if asked:
+                if answer is not None:
+                    self._calls_answered += 1
+                else:
+                    self._calls_failed += 1
             if answer is not None:
                 for what, n in answer.cut.items():
                     self._cut[what] = self._cut.get(what, 0) + n
@@ -462,7 +477,8 @@ class PodSource:
                 kubelet_answered_at=kubelet.answered_at if kubelet is not None else None,
                 kubelet_pods=len(kubelet.listed) if kubelet is not None else 0,
                 pod_log_pods=self._pod_log_pods, runtime_containers=records,
-                refreshes=self._refreshes, cut=dict(self._cut))
+                refreshes=self._refreshes, cut=dict(self._cut),
+                calls_answered=self._calls_answered, calls_failed=self._calls_failed)
 
 
 def kubelet_reachable(socket_path: str) -> tuple[bool, str]:

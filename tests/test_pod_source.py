@@ -5,6 +5,9 @@ poll loop."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -159,12 +162,15 @@ def test_a_pod_unknown_at_one_lookup_is_named_at_the_next_and_allocations_come_a
         source.start()
         try:
             wait_for("a first refresh", lambda: source.status().refreshes or None, 30)
-            pods, _ = source.lookup({UID: {CTR}})
-            assert pods == {}  # nothing says yet which pod this is
+            # The pod is created (the kubelet lists it, its records are written), then its
+            # first process is seen: not named yet, the records were read before they existed.
             kubelet.set_pods(TRAINER)
             write_pod_logs(logs, TRAINER)
             write_containerd_record(tmp_path / "k8s.io", CTR, TRAINER, "trainer")
-            # The lookup woke the refresher: the next one has the names.
+            pods, _ = source.lookup({UID: {CTR}})
+            assert pods == {}
+            # The lookup woke the refresher (the next refresh is a minute away): the next
+            # lookup has the names.
             pods, containers = wait_for(
                 "the pod's names", lambda: (r if (r := source.lookup({UID: {CTR}}))[0]
                                             else None), 30)
@@ -231,3 +237,40 @@ def test_a_hung_kubelet_never_delays_a_lookup(tmp_path: Path) -> None:
             assert pods[UID].name == "trainer-0" and pods[UID].listed is None
         finally:
             source.stop()
+
+
+def test_without_grpcio_the_pod_logs_still_name_pods_and_doctor_says_what_to_install(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """grpcio is the kubernetes extra: where it is missing, the kubelet is not asked, the pod
+    log directories name the pods, and `gpuwatch doctor` says so and what to install."""
+    path = _short_socket(tmp_path, "kubelet.sock")
+    logs = tmp_path / "pods"
+    write_pod_logs(logs, TRAINER)
+    with standin_kubelet(path, tmp_path) as kubelet:
+        kubelet.set_pods(TRAINER)
+        monkeypatch.setitem(sys.modules, "grpc", None)  # `import grpc` raises ImportError
+        source = PodSource(str(path), str(logs), (), refresh=60)
+        pods, _ = source.lookup({UID: ()})
+        source.stop()
+        assert (pods[UID].name, pods[UID].listed, pods[UID].source) == \
+            ("trainer-0", None, "pod-logs")
+        assert "grpcio is not installed" in (source.status().kubelet_error or "")
+        assert kubelet.calls == 0
+        monkeypatch.delitem(sys.modules, "grpc")
+        # The CLI, in an interpreter whose `import grpc` fails as it does without the extra.
+        blocker = tmp_path / "no-grpc"
+        (blocker / "grpc").mkdir(parents=True)
+        (blocker / "grpc" / "__init__.py").write_text(
+            "raise ImportError('No module named grpc')\n")
+        config = tmp_path / "gpuwatch.toml"
+        config.write_text(f'[kubernetes]\npod_resources_socket = "{path}"\n'
+                          f'pod_logs_dir = "{logs}"\n')
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(blocker), os.environ.get("PYTHONPATH", "")]), "GPUWATCH_CONFIG": str(config)}
+        done = subprocess.run([sys.executable, "-m", "gpuwatch", "doctor", "--check",
+                               "kubernetes"], env=env, capture_output=True, text=True,
+                              timeout=120)
+    assert "warn  kubernetes" in done.stdout, done.stdout + done.stderr
+    assert "grpcio is not installed" in done.stdout, done.stdout
+    assert "pip install 'gpuwatch[kubernetes]'" in done.stdout, done.stdout
+    assert "the pod log directories" in done.stdout, done.stdout

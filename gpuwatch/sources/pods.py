@@ -422,8 +422,13 @@ class PodSource:
                 only = next(iter(containers))
                 for cid in container_ids:
                     container_names.setdefault(cid, only)
+        # Woken once for each pod or container first seen unknown: one the node's records do
+        # not name (not a pod's, or the records not mounted) waits for the next refresh
+        # instead of costing a kubelet call at every poll.
+        new = ([uid for uid in unknown_uids if uid not in self._seen]
+               or [cid for cid in unknown_containers if cid not in self._wanted_containers])
         self._note_wanted({uid: () for uid in wanted}, unknown_containers)
-        if unknown_uids or unknown_containers:
+        if new:
             self._wake.set()
         return MappingProxyType(pods), MappingProxyType(container_names)
 

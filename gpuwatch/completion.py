@@ -75,16 +75,16 @@ $scriptblock = {
 Register-ArgumentCompleter -Native -CommandName %(prog_name)s -ScriptBlock $scriptblock"""
 
 
-def _words_typed(incomplete_last: bool = True) -> tuple[list[str], str]:
-    """zsh's, fish's and PowerShell's way: the command line so far in _TYPER_COMPLETE_ARGS."""
-    line = os.environ.get("_TYPER_COMPLETE_ARGS", "")
-    args = split_arg_string(line)[1:]
-    if incomplete_last and args and not line.endswith(" "):
-        return args[:-1], args[-1]
-    return args, ""
-
-
 class _Complete(ShellComplete):
+    def get_completion_args(self) -> tuple[list[str], str]:
+        """zsh's and fish's way: the command line so far in _TYPER_COMPLETE_ARGS, the word
+        being completed last unless a space ends it."""
+        line = os.environ.get("_TYPER_COMPLETE_ARGS", "")
+        args = split_arg_string(line)[1:]
+        if args and not line.endswith(" "):
+            return args[:-1], args[-1]
+        return args, ""
+
     def source_vars(self) -> dict[str, Any]:
         return {"complete_func": self.func_name, "autocomplete_var": self.complete_var,
                 "prog_name": self.prog_name}
@@ -110,9 +110,6 @@ class _Zsh(_Complete):
     name = "zsh"
     source_template = _ZSH
 
-    def get_completion_args(self) -> tuple[list[str], str]:
-        return _words_typed()
-
     def complete(self) -> str:
         def escape(s: str) -> str:
             return (s.replace('"', '""').replace("'", "''").replace("$", "\\$")
@@ -126,9 +123,6 @@ class _Zsh(_Complete):
 class _Fish(_Complete):
     name = "fish"
     source_template = _FISH
-
-    def get_completion_args(self) -> tuple[list[str], str]:
-        return _words_typed()
 
     def complete(self) -> str:
         shown = [f"{i.value}\t{_one_line(i.help)}" if i.help else i.value for i in self.items()]
@@ -249,25 +243,27 @@ def _add_lines(rc: Path, lines: list[str]) -> None:
         rc.write_text(kept + "\n".join(missing) + "\n")
 
 
-def install_option(ctx: click.Context, _param: click.Parameter, value: Optional[str]) -> None:
-    if value is None or ctx.resilient_parsing:
-        return
+def _shell_of(value: str, param: click.Parameter) -> str:
+    """The shell an option names, or else the one this is (a usage error where neither)."""
     shell = value or detect_shell()
     if not shell:
         raise click.UsageError("cannot tell which shell this is: name it, "
-                               f"--install-completion SHELL ({', '.join(SHELLS)})")
+                               f"{param.opts[0]} SHELL ({', '.join(SHELLS)})")
+    return shell
+
+
+def install_option(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> None:
+    if value is None or ctx.resilient_parsing:
+        return
+    shell = _shell_of(value, param)
     path = install(shell)
     click.secho(f"{shell} completion installed in {path}", fg="green")
     click.echo("Completion will take effect once you restart the terminal")
     ctx.exit(0)
 
 
-def show_option(ctx: click.Context, _param: click.Parameter, value: Optional[str]) -> None:
+def show_option(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> None:
     if value is None or ctx.resilient_parsing:
         return
-    shell = value or detect_shell()
-    if not shell:
-        raise click.UsageError("cannot tell which shell this is: name it, "
-                               f"--show-completion SHELL ({', '.join(SHELLS)})")
-    click.echo(script(shell))
+    click.echo(script(_shell_of(value, param)))
     ctx.exit(0)

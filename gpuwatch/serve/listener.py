@@ -56,6 +56,8 @@ _SEND_CHUNK = 256 << 10
 _RECV_CHUNK = 64 << 10
 _EXPIRY_CHECK = 0.1
 _NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+#: What a non-blocking socket's call raises when it would block (`_waits_for`).
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 # Connection states.
 _HANDSHAKE = "handshake"
@@ -363,11 +365,8 @@ class Listener:
         assert isinstance(sock, ssl.SSLSocket)
         try:
             sock.do_handshake()
-        except ssl.SSLWantReadError:
-            self._want(conn, selectors.EVENT_READ)
-            return
-        except ssl.SSLWantWriteError:
-            self._want(conn, selectors.EVENT_WRITE)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as exc:
+            self._want(conn, _waits_for(exc, selectors.EVENT_READ))
             return
         refusal = self.handler.after_handshake(sock)
         if refusal is not None:
@@ -381,11 +380,8 @@ class Listener:
         while True:
             try:
                 data = conn.sock.recv(_RECV_CHUNK)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
-                self._want(conn, selectors.EVENT_READ)
-                return
-            except ssl.SSLWantWriteError:
-                self._want(conn, selectors.EVENT_WRITE)
+            except _WOULD_BLOCK as exc:
+                self._want(conn, _waits_for(exc, selectors.EVENT_READ))
                 return
             except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
                 data = b""
@@ -446,11 +442,8 @@ class Listener:
         while conn.off < len(out):
             try:
                 conn.off += conn.sock.send(out[conn.off:conn.off + _SEND_CHUNK])
-            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
-                self._want(conn, selectors.EVENT_WRITE)
-                return
-            except ssl.SSLWantReadError:
-                self._want(conn, selectors.EVENT_READ)
+            except _WOULD_BLOCK as exc:
+                self._want(conn, _waits_for(exc, selectors.EVENT_WRITE))
                 return
             except OSError as exc:  # the client reset or went away before the end
                 self._end(conn, "failed", exc)
@@ -556,3 +549,13 @@ def _phase(conn: Conn) -> str:
     if conn.state == _READING:
         return "request"
     return "answer read by the client"
+
+
+def _waits_for(exc: BaseException, events: int) -> int:
+    """The selector event a call that would block (`_WOULD_BLOCK`) waits for: `events`, its own
+    direction, unless TLS must first read to write or write to read."""
+    if isinstance(exc, ssl.SSLWantReadError):
+        return selectors.EVENT_READ
+    if isinstance(exc, ssl.SSLWantWriteError):
+        return selectors.EVENT_WRITE
+    return events

@@ -43,6 +43,7 @@ from gpuwatch.model import (
     COMM_CHARS,
     KINDS,
     Finding,
+    GpuDevice,
     HostProcess,
     Job,
     Kind,
@@ -66,6 +67,27 @@ EXPORTER_SECTIONS = ("build", "agent_reports", "agent_memory", "node", "gpus", "
 # alert rules copy `pod_namespace` into the alert's `namespace` for Alertmanager's routes.
 PROCESS_LABELS = ("pid", "name", "user", "job_id", "job_source", "pod_namespace", "pod_name",
                   "pod_container")
+
+
+_GPU_LABELS = ("gpu", "uuid", "name")
+#: The gauges a GPU has, by name: their help, and the GPU's figure (None: no sample).
+_GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuDevice], Optional[float]]], ...] = (
+    ("gpuwatch_gpu_read_ok", "1 when every NVML call for the GPU succeeded in the last poll.",
+     lambda g: 0.0 if g.errors else 1.0),
+    ("gpuwatch_gpu_memory_total_bytes", "Total memory of the GPU.",
+     lambda g: g.memory_total_bytes),
+    ("gpuwatch_gpu_memory_used_bytes",
+     "GPU memory in use (driver reservations excluded where NVML separates them).",
+     lambda g: g.memory_used_bytes),
+    ("gpuwatch_gpu_memory_reserved_bytes", "GPU memory reserved by the driver.",
+     lambda g: g.memory_reserved_bytes),
+    ("gpuwatch_gpu_unattributed_memory_bytes",
+     "Used GPU memory that no process listed by NVML accounts for.",
+     lambda g: g.unattributed_memory_bytes),
+    ("gpuwatch_gpu_utilization_ratio",
+     "Share of the last sample period in which a kernel ran on the GPU (0-1).",
+     lambda g: None if g.utilization_gpu_percent is None else g.utilization_gpu_percent / 100.0),
+)
 
 
 def process_labels(pid: Optional[int], name: Optional[str], user: Optional[str],
@@ -348,35 +370,11 @@ class ReportCollector(Collector):
                      [], [([], s.poll_duration_seconds)])
 
     def _gpus(self, s: NodeSnapshot) -> Iterator[Metric]:
-        labels = ["gpu", "uuid", "name"]
-        total, used, reserved, unattributed, util, ok = [], [], [], [], [], []
-        for g in s.gpus:
-            key = [str(g.index), g.uuid or "", g.name or ""]
-            ok.append((key, 0.0 if g.errors else 1.0))
-            if g.memory_total_bytes is not None:
-                total.append((key, float(g.memory_total_bytes)))
-            if g.memory_used_bytes is not None:
-                used.append((key, float(g.memory_used_bytes)))
-            if g.memory_reserved_bytes is not None:
-                reserved.append((key, float(g.memory_reserved_bytes)))
-            if g.unattributed_memory_bytes is not None:
-                unattributed.append((key, float(g.unattributed_memory_bytes)))
-            if g.utilization_gpu_percent is not None:
-                util.append((key, g.utilization_gpu_percent / 100.0))
-        yield _gauge("gpuwatch_gpu_read_ok",
-                     "1 when every NVML call for the GPU succeeded in the last poll.", labels, ok)
-        yield _gauge("gpuwatch_gpu_memory_total_bytes", "Total memory of the GPU.", labels, total)
-        yield _gauge("gpuwatch_gpu_memory_used_bytes",
-                     "GPU memory in use (driver reservations excluded where NVML separates them).",
-                     labels, used)
-        yield _gauge("gpuwatch_gpu_memory_reserved_bytes",
-                     "GPU memory reserved by the driver.", labels, reserved)
-        yield _gauge("gpuwatch_gpu_unattributed_memory_bytes",
-                     "Used GPU memory that no process listed by NVML accounts for.",
-                     labels, unattributed)
-        yield _gauge("gpuwatch_gpu_utilization_ratio",
-                     "Share of the last sample period in which a kernel ran on the GPU (0-1).",
-                     labels, util)
+        keyed = [([str(g.index), g.uuid or "", g.name or ""], g) for g in s.gpus]
+        for name, doc, figure in _GPU_GAUGES:
+            yield _gauge(name, doc, _GPU_LABELS,
+                         [(key, float(value)) for key, g in keyed
+                          if (value := figure(g)) is not None])
 
     def _processes(self, report: NodeReport, exported: list[HostProcess]
                    ) -> Iterator[Metric]:

@@ -429,37 +429,31 @@ class Scanner:
             if own is None:
                 own = self._own = self._own_pass()
             done = _advance(own, own_deadline, clock)
+            middle = clock()
+            spent[0] += middle - start
+            spent[1] += 1
+            if done:
+                self._own = None
+                self._stats.update(last_pass_seconds=spent[0], slices_last_pass=spent[1])
+                spent[0], spent[1] = 0.0, 0
+            if middle < deadline and self._library_names:
+                library = self._library
+                if library is None:
+                    library = self._library = self._library_round()
+                if _advance(library, deadline, clock):
+                    self._library = None
+                spent[2] += clock() - middle
+                spent[3] += 1
+                if self._library is None:
+                    self._stats.update(library_round_seconds=spent[2],
+                                       library_round_slices=spent[3])
+                    spent[2], spent[3] = 0.0, 0
         except Exception:
             self._abandon()
             return False
         except BaseException:
             self._abandon()
             raise
-        middle = clock()
-        spent[0] += middle - start
-        spent[1] += 1
-        if done:
-            self._own = None
-            self._stats.update(last_pass_seconds=spent[0], slices_last_pass=spent[1])
-            spent[0], spent[1] = 0.0, 0
-        if middle < deadline and self._library_names:
-            try:
-                library = self._library
-                if library is None:
-                    library = self._library = self._library_round()
-                if _advance(library, deadline, clock):
-                    self._library = None
-            except Exception:
-                self._abandon()
-                return False
-            except BaseException:
-                self._abandon()
-                raise
-            spent[2] += clock() - middle
-            spent[3] += 1
-            if self._library is None:
-                self._stats.update(library_round_seconds=spent[2], library_round_slices=spent[3])
-                spent[2], spent[3] = 0.0, 0
         return done
 
     def growers(self) -> dict[str, dict[str, int]]:

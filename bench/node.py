@@ -156,6 +156,45 @@ def dataloader_node(gpus: int = 8, ranks: int = 8, workers: int = 16) -> Iterato
             _stop_tree(launcher, workers_now)
 
 
+@contextlib.contextmanager
+def churning_node(gpus: int = 8, gpu_procs: int = 64) -> Iterator[tuple[BenchNode, int]]:
+    """A job whose one rank holds `gpu_procs` GPU processes (its children) and runs
+    short-lived programs in a loop (about 150 new processes a second): the node and the rank,
+    which SIGSTOP pauses and SIGCONT resumes."""
+    with tempfile.TemporaryDirectory(prefix="gpuwatch-bench-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        node = FakeNode(tmp / "fake-nvml.state", build_fake_nvml(tmp / "lib"), gpus=gpus)
+        check_room_for(gpu_procs + 8)
+        rank = (f"i=0; while [ $i -lt {gpu_procs} ]; do sleep 3600 & i=$((i+1)); done; "
+                "while :; do /bin/true; /bin/sleep 0.01; done")
+        launcher, (churner,) = _spawn_tree(0, new_session=False, command=["sh", "-c", rank],
+                                           count=1)
+        holders: list[int] = []
+        try:
+            deadline = time.monotonic() + 60
+            while len(holders) < gpu_procs:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the rank did not start its GPU processes")
+                holders = [pid for pid in children(churner) if _is_long_sleep(pid)]
+                time.sleep(0.05)
+            for i, pid in enumerate(holders):
+                node.processes.append(FakeProcess(device=i % gpus, pid=pid, used=GIB + i * MIB))
+            node.write()
+            yield BenchNode(node, holders, tmp), churner
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(churner, 18)  # SIGCONT: a stopped rank would not die of SIGKILL late
+            _stop_tree(launcher, [churner, *holders])
+
+
+def _is_long_sleep(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read() == b"sleep\x003600\x00"
+    except OSError:
+        return False
+
+
 def children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:

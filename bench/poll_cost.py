@@ -17,6 +17,11 @@
     none. Steady, and churning: every few polls one rank's workers are killed and the rank starts
     new ones, as a DataLoader does each epoch; the excess CPU over the steady polls, per process
     that appeared, is the first sighting in the daemon's own loop.
+(e) Churn inside a job: 256 GPU processes under one rank, which runs short-lived programs in a
+    loop (`/bin/true`, `/bin/sleep 0.01`: about 150 processes a second), polls 1 s apart as the
+    daemon's; blocks with the loop running and stopped (SIGSTOP) alternate. CPU per poll,
+    churning against steady: the job's tree is followed through the new PIDs, most of them
+    gone by the poll, rather than walked again.
 
 A poll here is what the daemon does each interval: read NVML and /proc, update the history, run
 every detector. Polls here run back to back, with the CPU's caches warm; the daemon's, one an
@@ -26,9 +31,9 @@ it lists inside each call, which a real driver (asking the kernel module) does n
 a poll is therefore reported on its own, and the floors make the same calls.
 
     python bench/poll_cost.py [--polls 300] [--gpu-procs 8,64,512] [--host-procs 200,2000,10000]
-        [--ratio-procs 64,512] [--rounds 300] [--against DIR]
+        [--ratio-procs 64,512] [--rounds 300] [--churn-rounds 4] [--against DIR]
 
---against DIR measures (c) and (d) for the gpuwatch package in DIR too (another revision's
+--against DIR measures (c), (d) and (e) for the gpuwatch package in DIR too (another revision's
 checkout), alternating with this one in the same run: before/after ratios on a shared machine.
 """
 
@@ -46,7 +51,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cmdline import options, parse_args, write_figures
-from node import FakeNode, bench_node, dataloader_node, settle, unrelated_host_processes
+from node import (
+    FakeNode,
+    bench_node,
+    churning_node,
+    dataloader_node,
+    settle,
+    unrelated_host_processes,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -222,6 +234,50 @@ print(json.dumps({"steady": steady, "churn": churn, "new": new, "polls": rounds 
 """
 
 
+# (e): churn inside a job, polls an interval apart, in one process.
+_CHURN = r"""
+import json, os, signal, sys, time
+from gpuwatch.config import DetectorConfig
+from gpuwatch.detectors import assess
+from gpuwatch.history import History
+from gpuwatch.poll import Poller
+rounds, block, interval, churner = (int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]),
+                                    int(sys.argv[4]))
+config = DetectorConfig(leak_warmup_seconds=0, leak_min_span_seconds=1, min_age=0)
+poller, history = Poller(), History()
+
+def last_pid():
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[-1])
+
+def poll():
+    c0 = time.process_time()
+    assess(poller.poll(watch=history.watch_pids()), history, config)
+    return time.process_time() - c0
+
+os.kill(churner, signal.SIGSTOP)
+for _ in range(3):
+    poll()
+found = {"steady": [], "churn": []}
+pids = {"steady": 0, "churn": 0}
+for _ in range(rounds):
+    for mode in ("steady", "churn"):
+        os.kill(churner, signal.SIGCONT if mode == "churn" else signal.SIGSTOP)
+        time.sleep(interval)
+        poll()  # the first of a block: the switch in between
+        first = last_pid()
+        for _ in range(block):
+            time.sleep(interval)
+            found[mode].append(poll())
+        pids[mode] += last_pid() - first
+os.kill(churner, signal.SIGCONT)
+print(json.dumps({**found, "pids": pids, "seconds": rounds * block * interval}))
+"""
+
+CHURN_HEADER = (f"{'':<26}{'steady ms':>10}{'churn ms':>11}{'churn/st':>10}"
+                f"{'PIDs/s':>9}")
+
+
 def run_child(script: str, args: list[str], node: FakeNode,
               code: Optional[Path] = None) -> dict[str, Any]:
     """`script` in a fresh interpreter on the node, importing gpuwatch from `code` (default:
@@ -328,16 +384,20 @@ def main() -> None:
         rounds=(300, "rounds of (c), each variant once a round; blocks of (d)"), ranks=8,
         workers=(16, "dataloader workers per rank"),
         churn_every=(5, "(d): one rank's workers replaced every this many polls"),
+        churn_rounds=(4, "(e): rounds of a churning and a steady block of 10 polls, 1 s apart"),
+        churn_procs=(256, "(e): GPU processes under the churning rank"),
         only_floors=(False, "(c) and (d) only, for a quick comparison (no figures written)"))
     parser.add_argument("--against", type=Path, default=None,
                         help="a directory holding another revision's gpuwatch package: (c) and "
                              "(d) for it too, alternating with this one")
     args = parse_args(parser, quick={"polls": 40, "gpu_procs": [8, 64], "host_procs": [200, 1000],
-                                     "ratio_procs": [64], "rounds": 40},
-                      smoke={"polls": 5, "host_procs": [50, 100], "rounds": 5})
+                                     "ratio_procs": [64], "rounds": 40, "churn_rounds": 1},
+                      smoke={"polls": 5, "host_procs": [50, 100], "rounds": 5,
+                             "churn_rounds": 1, "churn_procs": 16})
     if args.only_floors:
         floors(args)
         dataloader(args)
+        churn(args)
         return
     for name in ("gpu_procs", "host_procs"):
         if len(set(getattr(args, name))) < 2:
@@ -384,8 +444,9 @@ def main() -> None:
           f"{host_growth:.2f}x the CPU ({per_host_proc * 1e3:.3f} us per host process)")
     by_ratio = floors(args)
     loader = dataloader(args)
+    churned = churn(args)
     write_figures(args.figures, {
-        "ratios": by_ratio, "dataloader": loader,
+        "ratios": by_ratio, "dataloader": loader, "churn": churned,
         "gpus": args.gpus, "polls": args.polls, "base_gpu_procs": args.base_gpu_procs,
         "by_gpu_procs": {str(n): summary(r) for n, (_, r) in zip(args.gpu_procs, by_gpu)},
         "by_host_procs": {str(n): summary(r)
@@ -430,6 +491,31 @@ def dataloader(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             f = dataloader_figures(r, args.churn_every, args.workers)
             print_dataloader(label or "this checkout", f)
             found.setdefault(label or "this", f)
+    print(flush=True)
+    return found
+
+
+
+def churn(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """(e), for this checkout and, alternating, for --against."""
+    codes = [("", None)] + ([("against", args.against)] if args.against else [])
+    block, interval = (2, 0.2) if args.smoke else (10, 1.0)
+    found: dict[str, dict[str, float]] = {}
+    print(f"(e) churn inside a job: {args.churn_procs} GPU processes under one rank running "
+          f"short-lived programs in a loop; {args.churn_rounds} rounds of {block} steady and "
+          f"{block} churning polls, {interval:g} s apart; CPU per poll, medians")
+    print(CHURN_HEADER)
+    with churning_node(args.gpus, args.churn_procs) as (b, churner):
+        for label, code in codes * (2 if args.against else 1):
+            r = run_child(_CHURN, [str(args.churn_rounds), str(block), str(interval),
+                                   str(churner)], b.node, code)
+            steady, churning = median_ms(r["steady"]), median_ms(r["churn"])
+            rate = r["pids"]["churn"] / r["seconds"]
+            print(f"{label or 'this checkout':<26}{steady:>10.2f}{churning:>11.2f}"
+                  f"{churning / steady:>9.2f}x{rate:>9.0f}", flush=True)
+            found.setdefault(label or "this", {
+                "steady_ms": steady, "churn_ms": churning, "churn_over_steady": churning / steady,
+                "pids_per_second": rate})
     print(flush=True)
     return found
 

@@ -105,7 +105,8 @@ def poll_rows(f: Figures) -> list[Row]:
     rows.append(Row(f"poll CPU growth, {host_sizes[-1] // host_sizes[0]}x the host processes",
                     f"{f['host_growth']:.2f}x ({f['us_per_host_proc']:.3f} us per host process)",
                     "flat: <= 1.25x", f["host_growth"] <= 1.25))
-    return rows + floor_rows(f.get("ratios", {}), f["gpus"]) + dataloader_rows(f.get("dataloader"))
+    return (rows + floor_rows(f.get("ratios", {}), f["gpus"])
+            + dataloader_rows(f.get("dataloader")) + churn_rows(f.get("churn")))
 
 
 #: Goals of the poll against its floors (bench/poll_cost.py (c), (d)).
@@ -156,6 +157,23 @@ def dataloader_rows(loaders: Optional[Figures]) -> list[Row]:
             f"{_ms(d['churn_ms'])} / {_ms(d['steady_ms'])} = {d['churn_over_steady']:.2f}x; "
             f"{d['per_new_us']:.0f} us"),
     ]
+
+
+#: Churn of short-lived processes inside a job adds at most this to a poll (bench/poll_cost.py (e)).
+CHURN_GOAL = 1.1
+
+
+def churn_rows(churn: Optional[Figures]) -> list[Row]:
+    c = (churn or {}).get("this")
+    if not c:
+        return []
+    before = (churn or {}).get("against")
+    versus = f" (against: {before['churn_over_steady']:.2f}x)" if before else ""
+    return [Row(f"churn inside a job: a rank starting {c['pids_per_second']:.0f} short-lived "
+                "processes a second, polls 1 s apart, CPU per poll churning / steady",
+                f"{_ms(c['churn_ms'])} / {_ms(c['steady_ms'])} = "
+                f"{c['churn_over_steady']:.2f}x" + versus,
+                f"<= {CHURN_GOAL:g}x", c["churn_over_steady"] <= CHURN_GOAL)]
 
 
 def _us_per_kb(f: Figures) -> float:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuwatch.jobs.walker import MAX_NEW_PIDS, JobWalker
+from gpuwatch.jobs.walker import DEAD_PIDS_PER_LIVE, MAX_NEW_PIDS, JobWalker
 from gpuwatch.model import GpuDevice, GpuProcessUsage, NodeSnapshot, NvmlReading, NvmlStatus
 from gpuwatch.poll import Poller
 from gpuwatch.simulate.demo import wait_for
@@ -72,6 +72,10 @@ for line in sys.stdin:
                      "print(c.stdout.readline().decode(), end='', flush=True); c.wait()",
                      MID_EXEC])
         pid = int(p.stdout.readline())
+    elif what == "churn":  # short-lived children, each gone before the next starts
+        for _ in range(int(arg[0])):
+            subprocess.run(["true"])
+        pid = started(["sleep", "600"]).pid  # and one that stays
     elif what == "zombie":  # a child that exits, not reaped
         pid = started(["true"]).pid
     elif what == "reap":  # a child killed and reaped
@@ -205,6 +209,27 @@ def test_a_job_tree_that_changes_is_followed_without_walking_it_again(
         assert not set(orphaned) & set(snap.processes), "an orphan left the job's tree"
         if _last_pid() - before <= MAX_NEW_PIDS:  # else the host was too busy to look: walked
             assert walker.walks == walked, f"{step}: the tree was walked again"
+
+
+def test_a_job_starting_hundreds_of_short_lived_processes_between_polls_is_not_walked_again(
+        launcher: _Launcher) -> None:
+    """Churn inside a job (a rank running `true` in a loop, hundreds a second): the PIDs handed
+    out since the last poll are mostly of processes gone already, each a failed open, and the
+    one that stays is found among them without reading every member's children again."""
+    holder = launcher.ask("spawn")
+    poller = Poller(nvml=_Holds(holder), hostname="n")  # type: ignore[arg-type]
+    walker = poller.job_walker = _CountingWalker(poller.processes)
+    root = launcher.proc.pid
+    poller.poll()
+    for _ in range(3):
+        before, walked = _last_pid(), walker.walks
+        stays = launcher.ask("churn 300")
+        snap = poller.poll()
+        assert _members(snap, root) == _tree(root), "the tree as a walk finds it"
+        assert stays in snap.processes
+        # Unless the host handed out more PIDs than are looked at before walking.
+        if _last_pid() - before <= DEAD_PIDS_PER_LIVE * MAX_NEW_PIDS:
+            assert walker.walks == walked, "the tree was walked again"
 
 
 def test_a_member_that_was_reparented_out_of_the_tree_leaves_the_snapshot(

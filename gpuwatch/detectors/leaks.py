@@ -402,14 +402,15 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
     """The leak test per second on the poll's samples; `ticks`: what the process's agent
     reported on its timer (it has not stepped), by time, where a culprit may be found."""
     after = h.first_seen + config.leak_warmup_seconds
-    if not len(h.times) or h.times[-1] - max(after, h.times[0]) < config.leak_min_span_seconds:
+    taken = h.times
+    if not len(taken) or taken[-1] - max(after, taken[0]) < config.leak_min_span_seconds:
         return None  # runs every poll for every GPU holder: leave early while nothing can show
     # Every poll's sample is kept, but a window of leak_window points spread over all of them
     # answers the question as well at a fraction of the cost.
     # (Rounded up, so that the window's points spread over every sample kept: rounded down, the
     # newest leak_window of them could cover half the samples, and less than the span.)
-    stride = max(1, -(-len(h.times) // config.leak_window))
-    times = h.times[::stride]
+    stride = max(1, -(-len(taken) // config.leak_window))
+    times = taken[::stride]
     for series, ys, limit_of in ((Series.RSS, h.rss, host_limit),
                                  (Series.GPU_MEMORY, h.gpu_memory, None)):
         sampled = ys[::stride]
@@ -513,11 +514,12 @@ def _over_time(h: ProcessHistory, what: str, config: DetectorConfig
     "uss"): its growth when growing, with the first point of its window."""
     ys = getattr(h, what)
     after = h.first_seen + config.leak_warmup_seconds
-    if ys is None or not len(h.times) or (
-            h.times[-1] - max(after, h.times[0]) < config.leak_min_span_seconds):
+    taken = h.times
+    if ys is None or not len(taken) or (
+            taken[-1] - max(after, taken[0]) < config.leak_min_span_seconds):
         return None
-    stride = max(1, -(-len(h.times) // config.leak_window))
-    times, sampled = h.times[::stride], ys[::stride]
+    stride = max(1, -(-len(taken) // config.leak_window))
+    times, sampled = taken[::stride], ys[::stride]
     if not may_grow(times, sampled, config.leak_window, config.leak_min_bytes_per_second):
         return None
     g = growth(times, sampled, after, config.leak_window, config.leak_min_points)

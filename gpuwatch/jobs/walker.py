@@ -36,10 +36,15 @@ class ProcessReader(Protocol):
 
 #: Bounds the walk down job trees, so a fork bomb under a launcher cannot stall a poll.
 MAX_JOB_MEMBERS = 4096
-#: New PIDs looked at, at least, to find the children job trees gained since the last walk (as
-#: many as the trees hold members, if more); beyond that many processes started between two
-#: polls the trees are walked again.
+#: New PIDs that are live processes looked at, at least, to find the children job trees gained
+#: since the last walk (as many as the trees hold members, if more); beyond that many the trees
+#: are walked again, which costs a read per member.
 MAX_NEW_PIDS = 64
+#: A PID handed out since the last poll whose process has exited already costs a kill(pid, 0),
+#: a fraction of a stat line's read: under churn (a job starting short-lived processes, hundreds
+#: a second) most are, and up to this many times MAX_NEW_PIDS (or the members) of them are looked
+#: at before a walk is cheaper.
+DEAD_PIDS_PER_LIVE = 8
 #: The job trees are walked again after this many polls whatever the evidence says: a bound on
 #: how long any case the evidence misses could last.
 WALK_EVERY = 64
@@ -84,9 +89,10 @@ class JobWalker:
         (PIDs are handed out in order; /proc/loadavg names the last), and the members are
         worked out again from each one's parent as read: a member that exited, or was
         reparented out of its tree, leaves it; a child forked since joins it. Each new PID
-        costs one stat line, about what a member costs a walk, so the trees are walked again
-        when more processes started than they hold, when a record cannot say who its parent
-        is, when the roots change, and every WALK_EVERY polls whatever the evidence says.
+        costs one stat line, about what a member costs a walk (one that exited already, a
+        kill(pid, 0): churn's short-lived processes), so the trees are walked again when more live
+        processes started than they hold, when a record cannot say who its parent is, when the
+        roots change, and every WALK_EVERY polls whatever the evidence says.
         """
         last = self._last
         last_pid = self._processes.last_pid()
@@ -122,8 +128,14 @@ class JobWalker:
         started to tell for less than a walk costs."""
         if last_pid < walk.last_pid:
             return None  # PIDs wrapped around
-        if last_pid - walk.last_pid > max(MAX_NEW_PIDS, len(walk.members)) + WALK_SLACK:
+        # What a walk costs, in stat lines of live new processes: more of those, and walking is
+        # cheaper. New PIDs whose process exited already (churn) cost a failed open each.
+        budget = max(MAX_NEW_PIDS, len(walk.members))
+        if last_pid - walk.last_pid > DEAD_PIDS_PER_LIVE * budget + WALK_SLACK:
             return None  # a busy host: a walk costs less than looking at every new PID
+        live = 0
+        # (A stand-in source without `exists` has each PID's stat line read.)
+        exists = getattr(self._processes, "exists", None)
         tree = walk.shape.keys()
         born: set[int] = set()
         listed: dict[int, set[int]] = {}
@@ -134,15 +146,21 @@ class JobWalker:
             if pid in tree:
                 continue  # found before (a PID reused since shows in the shape)
             try:
-                stat = self._processes.stat(pid)
+                stat = (self._processes.stat(pid) if exists is None or exists(pid)
+                        else None)
             except (OSError, ValueError, IndexError):
                 return None
             if stat is None:
-                # Exited already, or not in /proc yet: a fork that is not complete. Looked at
-                # once more at the next poll, by when a fork has long completed.
-                if pid not in walk.unseen:
+                # Exited already, or, among the newest, not in /proc yet: a fork that is not
+                # complete. Those are looked at once more at the next poll, by when a fork has
+                # long completed (an older one had its PID before the newest forks began).
+                if pid > last_pid - WALK_SLACK and pid not in walk.unseen:
                     unseen.append(pid)
-            elif stat.ppid in tree or stat.ppid in born:
+                continue
+            live += 1
+            if live > budget + WALK_SLACK:
+                return None  # as many live new processes as a walk reads: walk
+            if stat.ppid in tree or stat.ppid in born:
                 # A child as a walk finds it, in its parent's children file: not a thread (its
                 # stat line names the process's parent too), nor a child another thread forked.
                 kids = listed.get(stat.ppid)

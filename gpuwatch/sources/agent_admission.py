@@ -116,6 +116,14 @@ class _Rate:
         self.tokens = tokens
         self.at = at
 
+    def refill(self, now: float, rate: float) -> bool:
+        """Refill to `now` at `rate`; whether a report's token is there (the caller takes it
+        once every bucket a report passes has one)."""
+        tokens = self.tokens + (now - self.at) * rate
+        self.tokens = tokens if tokens < rate else rate
+        self.at = now
+        return self.tokens >= 1.0
+
 
 class RateLimiter:
     """The report rate, shared by user and then by process, checked before a report is parsed:
@@ -155,18 +163,10 @@ class RateLimiter:
         rate = user_rate / self._processes_by_uid[uid]
         if rate < PROCESS_REPORTS_PER_SECOND_MIN:
             rate = PROCESS_REPORTS_PER_SECOND_MIN
-        # Two token buckets (_Rate.take, inlined: this runs for every datagram).
-        tokens = process.tokens + (now - process.at) * rate
-        process.tokens = tokens if tokens < rate else rate
-        process.at = now
-        if process.tokens < 1.0:
+        if not process.refill(now, rate):
             return False
-        if user_rate < rate:
-            user_rate = rate
-        tokens = user.tokens + (now - user.at) * user_rate
-        user.tokens = tokens if tokens < user_rate else user_rate
-        user.at = now
-        if user.tokens < 1.0:
+        # A user's bucket refills at least as fast as one of its processes' (the minimum).
+        if not user.refill(now, user_rate if user_rate > rate else rate):
             return False
         process.tokens -= 1.0
         user.tokens -= 1.0

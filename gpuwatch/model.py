@@ -283,6 +283,8 @@ class HostProcess:
     #: The Kubernetes pod its cgroup names, by UID (set by the poll; NodeSnapshot.pods has
     #: what the node says of it).
     pod_uid: Optional[str] = None
+    #: The id of the container its cgroup names (64 hex), the one the node's runtime knows.
+    container_id: Optional[str] = None
     #: Distributed-launch variables from the environment (LOCAL_RANK, RANK, SLURM_PROCID, ...):
     #: evidence that this is a training worker. Nothing else of the environment is kept.
     launch_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))

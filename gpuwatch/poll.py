@@ -31,11 +31,11 @@ from gpuwatch.model import (
     GpuDevice,
     GpuProcessUsage,
     HostProcess,
+    Job,
     NodeSnapshot,
     Pod,
     SourceError,
 )
-from gpuwatch.sources.jobs import pod_of_path
 from gpuwatch.sources.memory import CgroupMemory, read_mem_available
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.private_memory import PrivateMemorySource
@@ -69,6 +69,8 @@ class Poller:
         self.agents = agents
         #: Kubernetes pods' names and allocations (gpuwatch.sources.pods), read without waiting.
         self.pods = pods
+        #: Each named job made so far, by its id, source and names: one record, not one a poll.
+        self._named_jobs: dict[tuple[str, str, str, str, Optional[str]], Job] = {}
         self.cgroup_memory = CgroupMemory()
         self.hostname = hostname or socket.gethostname()
         #: Every time in a snapshot is on this clock (gpuwatch.clock): the agent receiver that
@@ -138,30 +140,31 @@ class Poller:
         name on their job, as the pod source knows them now; and those pods."""
         if self.pods is None:
             return processes, MappingProxyType({})
-        in_pod: dict[int, tuple[str, Optional[str]]] = {}
         wanted: dict[str, set[str]] = defaultdict(set)
-        for pid, p in processes.items():
-            uid = p.pod_uid
-            if uid is None or p.job is None:
-                continue
-            _, container_id = pod_of_path(p.cgroup)
-            in_pod[pid] = (uid, container_id)
-            if container_id:
-                wanted[uid].add(container_id)
-            else:
-                wanted.setdefault(uid, set())
+        for p in processes.values():
+            if p.pod_uid is not None and p.job is not None:
+                if p.container_id:
+                    wanted[p.pod_uid].add(p.container_id)
+                else:
+                    wanted.setdefault(p.pod_uid, set())
         if not wanted:
             return processes, MappingProxyType({})
         pods, containers = self.pods.lookup(wanted)
         named = dict(processes)
-        for pid, (uid, container_id) in in_pod.items():
-            pod = pods.get(uid)
-            job = processes[pid].job
-            if pod is None or job is None:
+        jobs = self._named_jobs
+        for pid, p in processes.items():
+            pod = pods.get(p.pod_uid) if p.pod_uid is not None else None
+            if pod is None or p.job is None:
                 continue
-            container = containers.get(container_id) if container_id else None
-            named[pid] = evolve(processes[pid], job=replace(
-                job, namespace=pod.namespace, pod=pod.name, container=container))
+            container = containers.get(p.container_id) if p.container_id else None
+            key = (p.job.id, p.job.source, pod.namespace, pod.name, container)
+            job = jobs.get(key)
+            if job is None:
+                job = jobs[key] = replace(p.job, namespace=pod.namespace, pod=pod.name,
+                                          container=container)
+            named[pid] = evolve(p, job=job)
+        if len(jobs) > 4 * len(named) + 64:  # the jobs of processes long gone
+            jobs.clear()
         return MappingProxyType(named), pods
 
     def _observer_pid(self) -> Optional[int]:

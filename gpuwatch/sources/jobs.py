@@ -196,16 +196,6 @@ def _facts(path: str) -> _PathFacts:
                       container=_container(segments), unit=_unit(segments))
 
 
-def pod_of_path(path: Optional[str]) -> tuple[Optional[str], Optional[str]]:
-    """The pod UID and the container id a cgroup path (HostProcess.cgroup) names, each None
-    where it names none."""
-    if not path:
-        return None, None
-    facts = _facts(path)
-    return (facts.pod[0] if facts.pod else None,
-            facts.container[0] if facts.container else None)
-
-
 def _slurm(segments: list[str]) -> Optional[tuple[str, Optional[str], Optional[int]]]:
     for i, segment in enumerate(segments):
         if not _SLURM_ROOT.fullmatch(segment):

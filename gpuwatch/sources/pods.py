@@ -268,6 +268,8 @@ class PodSource:
         self._names: Mapping[str, PodNames] = MappingProxyType({})
         self._containers: Mapping[str, ContainerRecord] = MappingProxyType({})
         self._kubelet: Optional[_Kubelet] = None
+        # The Pod records lookup made from the published state (names, kubelet) it was made of.
+        self._built: tuple[object, object, dict[str, Pod]] = (None, None, {})
         # Written by the poll under the lock: when each pod UID was first asked for, and the
         # containers it asked for and found no names for.
         self._seen: OrderedDict[str, float] = OrderedDict()
@@ -401,6 +403,7 @@ class PodSource:
             self.refresh_once()
             self.start()
         names, records, kubelet = self._names, self._containers, self._kubelet
+        built = self._built
         pods: dict[str, Pod] = {}
         container_names: dict[str, str] = {}
         unknown_uids, unknown_containers = [], []
@@ -415,7 +418,14 @@ class PodSource:
             if pod_names is None:
                 unknown_uids.append(uid)
                 continue
-            pods[uid] = self._pod(uid, pod_names, kubelet)
+            # One Pod record per UID while the published state stays the same.
+            if built[0] is not names or built[1] is not kubelet:
+                built = (names, kubelet, {})
+                self._built = built
+            pod = built[2].get(uid)
+            if pod is None:
+                pod = built[2][uid] = self._pod(uid, pod_names, kubelet)
+            pods[uid] = pod
             # One container: every process of the pod is in it.
             containers = (set(pods[uid].allocated) or set(pod_names.containers))
             if len(containers) == 1:

@@ -70,6 +70,7 @@ class Static:
     exe: Optional[Executable]
     job: Optional[Job]
     pod_uid: Optional[str]
+    container_id: Optional[str]
     launch_env: Mapping[str, str]
     namespace_pids: tuple[int, ...]
     read_errors: tuple[str, ...]
@@ -196,6 +197,7 @@ class StaticReader:
             exe=exe,
             job=attribute_job(cgroup, launch_env),
             pod_uid=cgroup.pod_uid if cgroup is not None else None,
+            container_id=cgroup.container_id if cgroup is not None else None,
             launch_env=launch_env,
             namespace_pids=namespace_pids,
             read_errors=errors,

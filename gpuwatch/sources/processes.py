@@ -281,6 +281,7 @@ class ProcessSource:
             "exe": static.exe,
             "job": static.job,
             "pod_uid": static.pod_uid,
+            "container_id": static.container_id,
             "launch_env": static.launch_env,
             "namespace_pids": static.namespace_pids,
             "gpu_usage": usage,

@@ -483,6 +483,50 @@ def test_a_forked_child_reports_as_itself(runtime_dir: Path, receiver: Receiver)
     assert own["seq"] == 1 and own["step"] == 3
 
 
+def test_a_process_that_has_not_stepped_ticks_until_its_first_step_and_so_do_its_forked_children(
+        runtime_dir: Path, receiver: Receiver) -> None:
+    proc = start("""
+        import json, os, sys, time
+        from gpuwatch import agent
+        agent.tick_until_stepped()
+        time.sleep(2.6)  # two ticks, at 1 s and 2 s
+        child = os.fork()
+        if child == 0:
+            time.sleep(2.5)  # its own thread ticks: it has not stepped
+            print(json.dumps({"child": os.getpid()}))
+            sys.stdout.flush()
+            os._exit(0)
+        agent.step(1)
+        time.sleep(2.5)  # no tick after the step
+        os.waitpid(child, 0)
+        """, runtime_dir)
+    out, err = receiver.drain_until_exit(proc)
+    assert proc.returncode == 0, err
+    child = json.loads(out)["child"]
+    ticks = of_kind(receiver.reports, "tick", proc.pid)
+    assert len(ticks) == 2, receiver.reports
+    assert all("step" not in r[2] and r[2]["rss"] > 0 for r in ticks)
+    steps = of_kind(receiver.reports, "step", proc.pid)
+    assert [r[2]["step"] for r in steps] == [1]
+    assert receiver.reports.index(ticks[-1]) < receiver.reports.index(steps[0])
+    assert len(of_kind(receiver.reports, "tick", child)) == 2, receiver.reports
+
+
+def test_the_tick_thread_never_keeps_a_program_alive(runtime_dir: Path, receiver: Receiver
+                                                      ) -> None:
+    proc = start("""
+        import threading
+        from gpuwatch import agent
+        agent.tick_until_stepped()
+        ticker, = [t for t in threading.enumerate() if t.name == "gpuwatch-agent-tick"]
+        print(ticker.daemon)
+        """, runtime_dir)
+    out, err = wait_exit(proc, timeout=10)
+    assert proc.returncode == 0, err
+    assert out.split() == ["True"]
+    assert err == ""
+
+
 def test_finished_is_sent_at_once_with_the_newest_step(
         runtime_dir: Path, receiver: Receiver) -> None:
     proc = start("""

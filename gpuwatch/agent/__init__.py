@@ -23,6 +23,10 @@ report in SIZE_INTERVAL); then at most one round of chores when due: a discovery
 0.9% of the time, in slices of at most SCAN_BUDGET_MAX seconds; SEARCH_SHARE for a bounded time
 when the daemon asks for a faster search), a look for a daemon request every REQUEST_INTERVAL,
 and while a trace runs, its step count.
+
+Loaded by the bootstrap (gpuwatch.agent._auto), a process that has not stepped reports on a
+timer instead (tick_until_stepped: a `tick` report every TICK_INTERVAL from a daemon thread,
+after a discovery slice), until its first step.
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ checkpoint takes) after the agent's exit check.
 With `--auto` it has no line of gpuwatch at all: run with the agent's bootstrap on PYTHONPATH
 and GPUWATCH_AGENT=auto (as `gpuwatch run` runs it), the agent counts its optimizer steps. The
 agent's CPU time is then what the optimizer step hooks take (each wrapped in a timer here), and
-the step's compute is the rest.
+the step's compute is the rest. It also logs its loss as a program should
+(`_total_loss += loss.item()`) and keeps the newest one (`_last_loss`, its graph replaced every
+step), which the agent's discovery follows and must never call an autograd history.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ CACHE_ENTRIES = 16
 
 _fetch_buffer: dict[int, Any] = {}  # the leak: a fetched tensor kept every step
 _cache: collections.OrderedDict[int, Any] = collections.OrderedDict()  # bounded
+#: With --auto, the loss logged the right way: `_total_loss += loss.item()`, and the newest loss
+#: kept (`_last_loss`, one step's graph, replaced every step): neither may be called a leak.
+_total_loss = 0.0
+_last_loss: Any = None
 
 
 def main(argv: list[str]) -> int:
@@ -56,6 +62,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--auto", action="store_true",
                         help="no agent.step(): the bootstrap's optimizer hook counts the steps")
     args = parser.parse_args(argv)
+    global _total_loss, _last_loss
 
     import torch
     import torch.distributed as dist
@@ -147,6 +154,9 @@ def main(argv: list[str]) -> int:
             if args.leak_bytes and step >= args.leak_from:
                 fetch(step)
             remember(step)
+            if args.auto:
+                _total_loss += loss.item()
+                _last_loss = loss
             computed = time.thread_time()
             if agent is not None:
                 agent.step(step)

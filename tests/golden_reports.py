@@ -25,6 +25,7 @@ from gpuwatch.model import (
     NodeReport,
     NodeSnapshot,
     NvmlStatus,
+    Pod,
 )
 from tests import leakreports
 
@@ -216,6 +217,34 @@ _MORE_LEAKS = (
 )
 
 
+def kubernetes() -> NodeReport:
+    """A Kubernetes node: a training pod given GPU 0 was deleted while its process still holds
+    it (an orphan naming the pod), and a notebook pod given no GPU uses GPU 1 (unallocated)."""
+    trainer_uid = "1843d150-6a2e-4b1f-9c3d-2a7e5f0b8c11"
+    notebook_uid = "5a0e77c2-9b1d-4c3e-8f2a-6d7b8c9d0e1f"
+
+    def in_pod(p: HostProcess, uid: str, namespace: str, name: str, container: str
+               ) -> HostProcess:
+        return replace(p, pod_uid=uid, container_id=uid[:8] * 8,
+                       cgroup=f"/kubepods/burstable/pod{uid}/{uid[:8] * 8}",
+                       job=Job(uid, "kubernetes", namespace=namespace, pod=name,
+                               container=container))
+
+    trainer = in_pod(proc(300, 1, gpu=22 * GIB, device=0, user="root", uid=0),
+                     trainer_uid, "ml-team", "trainer-0", "trainer")
+    notebook = in_pod(proc(310, 1, gpu=9 * GIB, device=1, user="root", uid=0,
+                           name="jupyter", cmdline=("jupyter", "lab")),
+                      notebook_uid, "research", "notebook-7f9c", "notebook")
+    listed = {trainer_uid: Pod(trainer_uid, "ml-team", "trainer-0", listed=True,
+                               allocated=MappingProxyType({"trainer": ("GPU-0",)})),
+              notebook_uid: Pod(notebook_uid, "research", "notebook-7f9c", listed=True,
+                                allocated=MappingProxyType({"notebook": ()}))}
+    gone = {**listed, trainer_uid: replace(listed[trainer_uid], listed=False,
+                                           gone_since=T0 - 5, allocated=MappingProxyType({}))}
+    return replay(snapshot(T0 - 30, trainer, notebook, pods=MappingProxyType(listed)),
+                  snapshot(T0, trainer, notebook, pods=MappingProxyType(gone)))
+
+
 def no_nvml() -> NodeReport:
     """A node whose driver is broken: NVML unavailable, the host's view of the workers kept, no
     job manager (no Slurm, no Kubernetes): jobs by launcher alone."""
@@ -235,4 +264,5 @@ CASES: dict[str, Callable[[], NodeReport]] = {
     "leak": leak,
     "leak_evidence": leak_evidence,
     "no_nvml": no_nvml,
+    "kubernetes": kubernetes,
 }

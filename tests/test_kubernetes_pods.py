@@ -235,3 +235,39 @@ def test_an_alert_about_a_deleted_pod_pages_its_namespace_through_an_alertmanage
     finally:
         for receiver in (ml_team, research, on_call):
             receiver.close()
+
+
+def _polls(metrics_url: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
+    found = re.search(r"^gpuwatch_polls_total (\S+)$", text, re.M)
+    assert found is not None, text
+    return float(found[1])
+
+
+def test_a_new_pod_is_named_by_the_poll_after_the_one_that_first_sees_its_process(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """As the kubelet does it: the pod is admitted (listed, its log directory made) before its
+    container's process starts. The poll that first sees the process wakes the pod source, whose
+    next regular read is a minute away; the poll after has the names."""
+    pod = FakePod("ml-team", "trainer-0", UID, {"trainer": [default_uuid(0)]})
+    with short_dir() as short, standin_kubelet(short / "kubelet.sock", tmp_path) as kubelet, \
+            running_daemon(cli_env, tmp_path,
+                           config=config(short / "kubelet.sock", tmp_path, refresh="60s"),
+                           args=("--interval", "1")) as daemon:
+        kubelet.set_pods(pod)
+        write_pod_logs(tmp_path / "pods", pod)
+        write_containerd_record(tmp_path / "k8s.io", CTR, pod, "trainer")
+        watched = WatchedNode(fake_node, cli_env, daemon)
+        with pod_cgroup(UID, CTR) as cgroup, process_in(cgroup) as proc:
+            fake_node.hold(proc.pid, device=0, used=GIB)
+            first = watched.holding(proc.pid)
+            seen_at = _polls(daemon.metrics_url)
+            named = (first if (_job(first, proc.pid) or {}).get("pod") else
+                     watched.doc_when("the pod's names",
+                                      lambda d: (_job(d, proc.pid) or {}).get("pod") is not None))
+            named_at = _polls(daemon.metrics_url)
+            assert _job(named, proc.pid) == {"id": UID, "source": "kubernetes",
+                                             "namespace": "ml-team", "pod": "trainer-0",
+                                             "container": "trainer"}
+            # The poll that saw it, and the one after (a scrape may lag the document by one).
+            assert named_at - seen_at <= 2, (seen_at, named_at)

@@ -11,7 +11,10 @@ figures), so scrape time per KB is given beside scrape time. Ratios are the head
 times depend on the machine.
 
     python bench/exporter_vs_nvitop.py [--interval 0.5] [--window 40] [--scrapes 50]
-                                       [--gpu-procs 64,512]
+                                       [--gpu-procs 64,512] [--scraped]
+
+--scraped scrapes both once an interval during the CPU window (gzipped, as Prometheus asks): the
+CPU figures are then per poll with a scrape every poll.
 """
 
 from __future__ import annotations
@@ -67,7 +70,15 @@ def compare(args: argparse.Namespace, gpu_procs: int) -> dict[str, Any]:
             time.sleep(3 * args.interval + 2)  # warm-up: caches filled, imports done
             t0, polls0 = time.monotonic(), polls_total(gw_url)
             gw_cpu0, nv_cpu0 = cpu_seconds_exact(gw.pid), cpu_seconds_exact(nv.pid)
-            time.sleep(args.window)
+            if args.scraped:  # both scraped once an interval, as a Prometheus at that interval
+                deadline = time.monotonic() + args.window
+                while (now := time.monotonic()) < deadline:
+                    scrape(gw_url, gzipped=True)
+                    scrape(nv_url, gzipped=True)
+                    time.sleep(max(0.0, min(args.interval - (time.monotonic() - now),
+                                            deadline - time.monotonic())))
+            else:
+                time.sleep(args.window)
             gw_cpu1, nv_cpu1 = cpu_seconds_exact(gw.pid), cpu_seconds_exact(nv.pid)
             t1, polls1 = time.monotonic(), polls_total(gw_url)
             gw_polls = polls1 - polls0
@@ -119,7 +130,9 @@ def main() -> None:
     parser = options(
         __doc__, interval=0.5, window=40.0, scrapes=50,
         paced=(20, "scrapes of the daemon one a second, after the alternating ones"), gpus=8,
-        gpu_procs=[64, 512])
+        gpu_procs=[64, 512],
+        scraped=(False, "scrape both (gzipped) once an interval during the CPU window: CPU per "
+                        "poll with a scrape every poll"))
     args = parse_args(parser, quick={"window": 4.0, "scrapes": 5, "paced": 3,
                                           "gpu_procs": [64]},
                       smoke={"window": 1.0, "scrapes": 2, "paced": 1})
@@ -130,7 +143,9 @@ def main() -> None:
         results.append(r)
         gw, nv = r["gpuwatch"], r["nvitop-exporter"]
         print(f"exporters on {args.gpus} fake GPUs x {n} real GPU processes, interval "
-              f"{args.interval:g} s, {args.window:g} s window, {args.scrapes} scrapes each")
+              f"{args.interval:g} s, {args.window:g} s window"
+              f"{' (both scraped every interval)' if args.scraped else ''}, "
+              f"{args.scrapes} scrapes each")
         print(f"{'':<18}{'CPU ms/collection':>18}{'RSS MiB':>9}{'scrape ms (median)':>20}"
               f"{'/metrics bytes':>16}{'us/KB':>7}{'gzip ms':>9}{'gzip bytes':>12}"
               f"{'PID series':>12}")

@@ -77,6 +77,24 @@ def test_the_decoder_reads_what_the_upstream_generated_code_writes(tmp_path: Pat
     assert dict(decoded.pods[("default", "web")].containers) == {}
 
 
+def test_a_pod_given_devices_by_dynamic_resource_allocation_is_marked_so(tmp_path: Path) -> None:
+    """DRA names devices by claim, not by GPU: the pod is marked, and its GPUs are not judged."""
+    pb2, _ = compiled(tmp_path)
+    answer = pb2.ListPodResourcesResponse(pod_resources=[
+        pb2.PodResources(name="dra-0", namespace="ml-team", containers=[
+            pb2.ContainerResources(name="trainer", dynamic_resources=[pb2.DynamicResource(
+                claim_name="single-gpu", claim_namespace="ml-team",
+                claim_resources=[pb2.ClaimResource(driver_name="gpu.nvidia.com",
+                                                   pool_name="node-1", device_name="gpu-0")])])]),
+        pb2.PodResources(name="plain", namespace="ml-team", containers=[
+            pb2.ContainerResources(name="trainer", devices=[pb2.ContainerDevices(
+                resource_name="nvidia.com/gpu", device_ids=[GPU0])])])])
+    decoded = decode_list_response(answer.SerializeToString())
+    assert decoded.pods[("ml-team", "dra-0")].dynamic_resources is True
+    assert dict(decoded.pods[("ml-team", "dra-0")].containers) == {"trainer": ()}
+    assert decoded.pods[("ml-team", "plain")].dynamic_resources is False
+
+
 def test_the_decoder_refuses_bytes_that_are_not_protobuf_and_bounds_what_it_keeps(
         tmp_path: Path) -> None:
     pb2, _ = compiled(tmp_path)

@@ -78,11 +78,17 @@ $(TORCH_STAMP): $(STAMP)
 			"the test of its real launcher will skip"; } || true
 	@touch $@
 
+# The whole suite in parallel (pytest-xdist, `pytest -n`): as root, each worker in a PID
+# namespace of its own with its own /proc (tests/worlds.py), so that the daemons and jobs of one
+# do not see another's, nor a second suite's on the same host. Not root, the workers would share
+# the host, and the suite runs in one process. TEST_WORKERS=N chooses (0: one process).
+TEST_WORKERS ?= $(if $(filter 0,$(shell id -u)),4,0)
+
 # The slowest tests are listed at the end (--durations); tests/conftest.py names each test of
 # the end-to-end modules that run for minutes as it starts.
 test: $(STAMP) $(TORCH_STAMP) test-deps lint typecheck
-	@echo "make test: running the test suite (about 15 minutes on 2 cores)"
-	$(BIN)/python -m pytest --durations=15 --durations-min=10
+	@echo "make test: running the test suite ($(TEST_WORKERS) workers; docs/testing.md says how long)"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15 --durations-min=10
 
 # The tests not marked `slow` (tests/conftest.py SLOW: the end-to-end modules, listed in
 # docs/testing.md): the pure layers, in under a minute. `make test` still runs everything.

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
 from gpuwatch.launch_env import RUN_ID_KEY, RUN_SUPERVISOR_KEY
 from gpuwatch.simulate.fakenvml import FakeNode, build_fake_nvml
 from gpuwatch.units import plural
-from tests import process_guard
+from tests import process_guard, worlds
 
 # Before anything is started: every process of this run inherits the tag.
 RUN_TAG = process_guard.tag_this_run()
@@ -36,6 +36,49 @@ def _outside_any_gpuwatch_run() -> Iterator[None]:
 ANNOUNCED_MODULES = frozenset({
     "tests/test_suite_robustness.py", "tests/test_chaos.py", "tests/test_soak.py",
 })
+
+
+# ---- parallel workers, each in a world of its own -----------------------------------------------
+
+
+def _parallel_in_worlds(config: pytest.Config) -> None:
+    """`pytest -n N` (`make test`): each local worker in a PID namespace of its own, with its
+    own /proc, where the suite runs as root, and one more worker on the host for the few tests
+    that need its kernel threads (tests/worlds.py). Elsewhere the workers share the host."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "tx", None):
+        return
+    if config.option.dist in ("load", "loadgroup"):
+        config.option.tx = worlds.worker_specs(list(config.option.tx))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if worlds.HOST_WORKER in "".join(config.option.tx):
+        return worlds.make_scheduler(config, log, first=is_slow)
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("host_pids") is not None and worlds.in_own_world():
+        pytest.skip("needs the host's PID namespace (its kernel threads): run on the host "
+                    f"worker ({worlds.HOST_WORKER}) or without -n")
+
+
+def pytest_report_header(config: pytest.Config) -> Optional[str]:
+    if not getattr(config.option, "numprocesses", None) or config.option.dist == "no":
+        return None
+    why = worlds.unavailable()
+    if why is None:
+        return "workers: each in a PID namespace of its own, with its own /proc (tests/worlds.py)"
+    return f"workers: sharing this host ({why}); a test may see another worker's processes"
+
+
+def _worker() -> str:
+    """` (worker gw3)` in a worker of pytest-xdist, else nothing: who to ask about a failure.
+    (By this run's own config: a pytest that a test runs inherits the variable
+    PYTEST_XDIST_WORKER, and is no worker.)"""
+    workerinput = getattr(_CONFIG, "workerinput", None)
+    return f" (worker {workerinput['workerid']})" if workerinput else ""
 
 
 # ---- the fast tier ------------------------------------------------------------------------------
@@ -94,6 +137,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_web_tls.py",
     "tests/test_worker_memory.py",
     "tests/test_worker_ticks.py",
+    "tests/test_worlds.py",
     "tests/gpu",
     "tests/test_agent_budget.py::test_one_users_flood_neither_grows_the_daemon_nor_hides_another_users_leak",
     "tests/test_agent_socket.py::test_a_flood_from_one_user_does_not_starve_another_user_s_reports",
@@ -119,6 +163,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
+        if worlds.needs_host_pids(item.nodeid):
+            item.add_marker(pytest.mark.host_pids)
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, Optional[int], str]) -> None:
@@ -134,6 +180,7 @@ def pytest_runtest_logstart(nodeid: str, location: tuple[str, Optional[int], str
 def pytest_configure(config: pytest.Config) -> None:
     global _CONFIG
     _CONFIG = config
+    _parallel_in_worlds(config)
 
 
 _CONFIG: Optional[pytest.Config] = None
@@ -148,7 +195,8 @@ def _guard(what: str) -> Iterator[None]:
     left = process_guard.left_behind(RUN_TAG, before)
     if left:
         process_guard.end(left)  # so that one leak does not fail the tests after it
-        pytest.fail(f"{what} left {plural(len(left), 'process')} running (now killed):\n"
+        pytest.fail(f"{what}{_worker()} left {plural(len(left), 'process')} running "
+                    "(now killed):\n"
                     + "\n".join(f"  {p}" for p in left), pytrace=False)
 
 

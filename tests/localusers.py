@@ -7,10 +7,12 @@ Where the suite is not root, or there is no useradd, the tests that need them sk
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -46,14 +48,26 @@ class LocalUser:
                                 **self.popen_kwargs(), **kwargs)
 
 
+#: Held while an account is looked up and made: the workers of a parallel run, and two suites on
+#: one host, ask for the same accounts at once (useradd refuses a name another one just took).
+LOCK_PATH = "/run/lock/gpuwatch-test-accounts.lock"
+
+
 def _ensure(name: str) -> LocalUser:
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
-                        "--shell", "/usr/sbin/nologin", "--user-group", name],
-                       check=True, capture_output=True, text=True)
-        entry = pwd.getpwnam(name)
+        lock_dir = os.path.dirname(LOCK_PATH) if os.path.isdir(os.path.dirname(LOCK_PATH)) \
+            else tempfile.gettempdir()
+        with open(os.path.join(lock_dir, os.path.basename(LOCK_PATH)), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                entry = pwd.getpwnam(name)
+            except KeyError:
+                subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir",
+                                "/nonexistent", "--shell", "/usr/sbin/nologin", "--user-group",
+                                name], check=True, capture_output=True, text=True)
+                entry = pwd.getpwnam(name)
     return LocalUser(entry.pw_name, entry.pw_uid, entry.pw_gid)
 
 

@@ -1071,10 +1071,17 @@ def sigkill_supervisor(job: SupervisedJob) -> None:
 
 
 # ---- scheduler cgroups ---------------------------------------------------------------------------
+def unique_job_id(prefix: str) -> str:
+    """A Slurm job id that starts with `prefix` and is this run's alone: host-wide things named
+    by a job id (its cgroup) are not shared with a second suite on the host."""
+    return f"{prefix}{uuid.uuid4().int % 10**6:06d}"
+
+
 @contextlib.contextmanager
 def slurm_job_cgroup(job_id: str) -> Iterator[Path]:
     """A real cgroup where Slurm's cgroup plugin puts a job step on a cgroup v1 host
-    (`/slurm/uid_UID/job_ID/step_0` in the pids hierarchy), for a job to be started in. Skips
+    (`/slurm/uid_UID/job_ID/step_0` in the pids hierarchy), for a job to be started in; `job_id`
+    unique to the run (`unique_job_id`), as two suites on one host share the hierarchy. Skips
     where this process may not create cgroups (not root, no writable v1 hierarchy)."""
     root = Path("/sys/fs/cgroup/pids")
     if os.geteuid() != 0 or not os.access(root, os.W_OK) or not (root / "cgroup.procs").exists():
@@ -1085,7 +1092,8 @@ def slurm_job_cgroup(job_id: str) -> Iterator[Path]:
     parts.append(parts[-1] / "step_0")
     made = [p for p in parts if not p.exists()]
     for p in made:
-        p.mkdir()
+        with contextlib.suppress(FileExistsError):  # another run's job made it meanwhile
+            p.mkdir()
     try:
         yield parts[-1]
     finally:
@@ -1094,8 +1102,10 @@ def slurm_job_cgroup(job_id: str) -> Iterator[Path]:
                 with contextlib.suppress(FileNotFoundError):
                     try:
                         p.rmdir()
-                    except OSError:  # busy until its last process is reaped
-                        return None
+                    except OSError:
+                        if p in parts[-2:]:
+                            return None  # busy until its last process is reaped
+                        # /slurm/uid_UID holds another run's job too: that run removes it.
             return True
 
         wait_for("the job's cgroup to empty", removed, GONE_TIMEOUT)

@@ -32,6 +32,7 @@ from tests.scenarios import (
     sigkill_launcher,
     slurm_job_cgroup,
     torchrun_job,
+    unique_job_id,
     unreaped_child,
     wait_not_running,
 )
@@ -172,18 +173,19 @@ def test_the_epilog_ends_a_rank_of_the_job_hung_at_interpreter_exit(
 def test_the_epilog_finds_the_job_by_its_slurm_cgroup_without_any_job_variable(
         watched: WatchedNode, tmp_path: Path) -> None:
     epilog = Epilog(tmp_path, watched.env)
-    with slurm_job_cgroup("6262") as cgroup, \
+    job_id = unique_job_id("6262")
+    with slurm_job_cgroup(job_id) as cgroup, \
             torchrun_job(tmp_path, workers=2, cgroup=cgroup) as job:
         for rank, pid in enumerate(job.workers):
             watched.node.hold(pid, device=rank, used=2 * GIB)
         doc = watched.holding(*job.workers)
         assert {p["job"]["id"] for p in doc["processes"] if p["pid"] in job.workers} == \
-            {"6262"}
+            {job_id}
         sigkill_launcher(job)
         orphans = watched.findings_of("orphan", job.workers)
-        assert all(f["job"] == {"id": "6262", "source": "slurm"} for f in orphans.values())
+        assert all(f["job"] == {"id": job_id, "source": "slurm"} for f in orphans.values())
 
-        done = epilog.run("6262")
+        done = epilog.run(job_id)
         assert done.returncode == 0, done.stdout + done.stderr
         wait_not_running(job.workers)
         assert epilog.scontrol_calls() == []

@@ -12,7 +12,7 @@ names to modules), skipping entries that are not modules and modules whose name 
 A container is a dict, list, set, deque or bytearray, subclasses included; its items are never
 looked into. Where the program has imported torch, a plain torch.Tensor met there that carries
 autograd history is followed too: the nodes of its graph are counted, incrementally by torch's
-sequence numbers (`_graph_nodes`), and one whose graph grows is a grower named
+sequence numbers (`_graphs`), and one whose graph grows is a grower named
 "<name>:autograd" (protocol.AUTOGRAD_SUFFIX), its nodes as its items, ranked before every
 container. Modules, classes (other than the module's own, as above), functions and builtins are
 skipped. Names read "<module>.<attr>", "<module>.<Class>.<attr>" or
@@ -40,217 +40,40 @@ growers gaining items fastest are sized each pass), those never sized after them
 step, and the first `top` (default 8) are reported. At most 100,000 names are tracked, new ones
 beyond are ignored; a name not met in a pass is forgotten.
 
-Standard library only; nothing from gpuwatch is imported but the sizing function, on first use.
+This module schedules the work (the Scanner, its slices, the sorting of modules into the
+program's own and the library's); the walk of namespaces and the records it keeps are in `_walk`,
+the counting of autograd graphs in `_graphs`, the sizing and ranking of growers in `_ranking`.
+Standard library only; nothing from gpuwatch is imported but the protocol's limits and the sizing
+function, on first use.
 """
 
 from __future__ import annotations
 
-import heapq
 import os
-import re
 import sys
 import time
 import types
 from array import array
-from collections import deque
-from collections.abc import Generator, Iterator, Mapping, Sized
-from typing import Any, Callable, Optional, cast
+from collections.abc import Generator, Iterator, Mapping
+from typing import Any, Callable, Optional
 
-from gpuwatch.protocol import AUTOGRAD_SUFFIX, MAX_DISCOVERED_PER_REPORT
+from gpuwatch.agent._ranking import rank
+from gpuwatch.agent._walk import (
+    CHECK_EVERY,
+    _Kind,
+    _module_dict,
+    _Walk,
+    walk_modules,
+)
 from gpuwatch.protocol import MAX_DISCOVERED_NAME as MAX_NAME
+from gpuwatch.protocol import MAX_DISCOVERED_PER_REPORT
 
-__all__ = ["LIBRARY_SHARE", "MAX_RECORDS", "Scanner", "is_library"]
+__all__ = ["LIBRARY_SHARE", "MAX_NAME", "MAX_RECORDS", "Scanner", "is_library"]
 
 #: Container names tracked at most; beyond, new names are ignored (and counted).
 MAX_RECORDS = 100_000
-#: Growers sized per pass, those gaining items fastest first.
-MAX_SIZINGS = 16
-#: Objects handled between two reads of the clock.
-CHECK_EVERY = 64
 #: The least share of a slice the library's modules get while there are some to walk.
 LIBRARY_SHARE = 0.25
-# Growers kept through a pass for sizing and ranking: a bounded heap, whatever the program.
-_MAX_CANDIDATES = 64
-
-_CONTAINER_BASES: tuple[type[Sized], ...] = (dict, list, set, deque, bytearray)
-# Never looked into, though they have a __dict__: a function's holds its attributes, not state;
-# modules are walked from sys.modules; classes only where they are defined.
-_OPAQUE: tuple[type, ...] = (types.ModuleType, types.FunctionType, types.MethodType,
-                             staticmethod, classmethod)
-_RAW_DICT_DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
-_BAD_CHARS = re.compile(r"[^A-Za-z0-9_.:/<>-]")
-
-# The interpreter's own descriptors: read through these, no metaclass, property or __getattr__
-# of the object runs.
-_type_dict: Callable[[type], Mapping[str, Any]] = vars(type)["__dict__"].__get__
-_type_mro: Callable[[type], tuple[type, ...]] = vars(type)["__mro__"].__get__
-_type_module: Callable[[type], Any] = vars(type)["__module__"].__get__
-_module_dict: Callable[[Any], Any] = vars(types.ModuleType)["__dict__"].__get__
-
-_SKIP, _CONTAINER, _CLASS, _INSTANCE, _TENSOR = 0, 1, 2, 3, 4
-_Kind = tuple[int, Optional[Callable[[Any], Any]]]
-
-# A record, _WIDTH ints per container name in its module's array: the pass it was last met in,
-# the growth flags of its last 4 passes (bit 0 the latest), bytes and items when last sized (-1:
-# never), then its length and the step of the last 5 passes in rings indexed by pass number
-# modulo 5. A name not met in a pass is forgotten, so a record's passes are consecutive.
-_SEEN, _BITS, _BYTES, _BYTES_ITEMS, _LEN, _STEP = 0, 1, 2, 3, 4, 9
-_RING = 5
-_WIDTH = _STEP + _RING
-_NO_RECORDS: tuple[dict[str, int], array[int]] = ({}, array("q"))
-# 4-bit flag sets with at least 3 bits set.
-_THREE_OF_FOUR = frozenset(b for b in range(16) if bin(b).count("1") >= 3)
-
-
-def _refcount_baseline() -> int:
-    """What sys.getrefcount() says, in the walk, of an object that one namespace alone holds.
-
-    Such an object cannot be met twice in a pass, so its id need not be remembered: most
-    containers are held by one namespace only, and the set of ids stays small. -1 where
-    reference counts are not known (the id of every object is remembered then).
-    """
-    getrefcount = getattr(sys, "getrefcount", None)
-    if getrefcount is None:
-        return -1
-
-    def probe(ns: dict[str, Any]) -> Iterator[int]:
-        for key in list(ns):
-            value = ns.get(key)  # the walk's shape: a local of a generator's frame
-            yield getrefcount(value)
-
-    try:
-        return next(probe({"k": []}))
-    except Exception:
-        return -1
-
-
-_REFCOUNT_BASELINE = _refcount_baseline()
-_getrefcount: Callable[[Any], int] = getattr(sys, "getrefcount", lambda obj: 1 << 62)
-
-_measure: Optional[Callable[[Any], dict[str, int]]] = None
-
-
-def _sizer() -> Optional[Callable[[Any], dict[str, int]]]:
-    """The agent's sampled measure, imported on first use, from wherever it lives."""
-    global _measure
-    if _measure is None:
-        try:
-            from gpuwatch.agent._sizing import measure
-        except ImportError:
-            try:
-                from gpuwatch.agent import (  # type: ignore[attr-defined, no-redef]
-                    _measure as measure,
-                )
-            except Exception:
-                return None  # growers are ranked by items then
-        except Exception:
-            return None
-        _measure = measure
-    return _measure
-
-
-#: Autograd graph nodes counted per tensor and pass at most (the first pass: GRAPH_FIRST_BUDGET).
-GRAPH_BUDGET = 1024
-GRAPH_FIRST_BUDGET = 4096
-#: Graph tensors followed at most (names: a root's sequence number and a count each).
-MAX_GRAPHS = 256
-# AccumulateGrad, a parameter's leaf node, has the largest sequence number (it runs first).
-_LEAF_SEQUENCE = 1 << 62
-
-
-def _tensor_type() -> Optional[type]:
-    """torch.Tensor where the program has imported torch (never imported here), else None."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        ns = _module_dict(torch)
-        tensor = ns.get("Tensor") if type(ns) is dict else None
-    except Exception:
-        return None
-    return tensor if isinstance(tensor, type) else None
-
-
-def _graph_nodes(root: Any, floor: int, budget: int) -> tuple[int, bool]:
-    """The nodes of the autograd graph under `root` numbered above `floor` (every node: -1), at
-    most `budget` of them counted; and whether a node numbered `floor` is among their children,
-    that is whether this graph extends the one whose root was numbered `floor`. Parameters' leaf
-    nodes (AccumulateGrad) are not counted. Each node is asked for its sequence number and its
-    next functions, nothing else."""
-    count, extends = 0, False
-    stack = [root]
-    seen = {id(root)}
-    met: list[Any] = []
-    try:
-        while stack and count < budget:
-            node = stack.pop()
-            count += 1
-            # The first input first: `total += loss` keeps the history in its first, so the
-            # node numbered `floor` is met within a few nodes, whatever the size of a step's.
-            for child, _ in reversed(node.next_functions):
-                if child is None or id(child) in seen:
-                    continue
-                seen.add(id(child))
-                met.append(child)  # alive till the count is done: no id is reused meanwhile
-                number = child._sequence_nr()
-                if number >= _LEAF_SEQUENCE:
-                    continue
-                if number <= floor:
-                    extends = extends or number == floor
-                    continue
-                stack.append(child)
-    except Exception:
-        pass
-    return count, extends
-
-
-def _classify(t: type) -> _Kind:
-    """What to do with an object of type `t`, and how: the len() of a container (the base class's,
-    so that a __len__ of a subclass never runs), the raw __dict__ getter of an instance; for a
-    plain torch.Tensor (not a subclass, whose attributes may run code of the program), the getter
-    of its `grad_fn`, torch's own descriptor."""
-    try:
-        if t is _tensor_type():
-            for klass in _type_mro(t):
-                descriptor = _type_dict(klass).get("grad_fn")
-                if descriptor is not None:
-                    if type(descriptor) is types.GetSetDescriptorType:
-                        return _TENSOR, cast(Any, descriptor).__get__
-                    break
-            return _SKIP, None
-        # issubclass() of two types reads their MROs: no __subclasscheck__ of the program runs.
-        for base in _CONTAINER_BASES:
-            if issubclass(t, base):
-                return _CONTAINER, (len if t is base else base.__len__)
-        if issubclass(t, type):
-            return _CLASS, None
-        if issubclass(t, _OPAQUE):
-            return _SKIP, None
-        # The __dict__ slot's own descriptor, below any property a class puts in its place.
-        for klass in _type_mro(t):
-            descriptor = _type_dict(klass).get("__dict__")
-            if type(descriptor) in _RAW_DICT_DESCRIPTORS:
-                return _INSTANCE, cast(Any, descriptor).__get__
-    except Exception:
-        pass
-    return _SKIP, None
-
-
-def _namespace(obj: Any) -> Optional[Mapping[str, Any]]:
-    """The attribute dict of a module, class or instance, read without getattr; None if none."""
-    try:
-        if issubclass(type(obj), types.ModuleType):
-            ns = _module_dict(obj)
-            return ns if type(ns) is dict else None
-        kind, getter = _classify(type(obj))
-        if kind == _CLASS:
-            return _type_dict(obj)
-        if kind == _INSTANCE and getter is not None:
-            ns = getter(obj)
-            return ns if type(ns) is dict else None
-    except Exception:
-        pass
-    return None
 
 
 def _stdlib_dirs() -> tuple[str, ...]:
@@ -306,31 +129,6 @@ def is_library(name: str, file: Any, parent: Optional[bool] = None) -> bool:
     if parent is not None:
         return parent
     return name.partition(".")[0] in _STDLIB_NAMES
-
-
-class _Walk:
-    """One walk over a list of modules (the program's own, or the library's), and the module it
-    is in: that module's records and its visit number, and the ring slots that visit uses."""
-
-    __slots__ = ("candidates", "held", "here", "ids", "modules", "objects", "ring", "seen")
-
-    def __init__(self) -> None:
-        # (items per step, qualified name, path to find it again, length, name in its module):
-        # paths, never containers.
-        self.candidates: list[tuple[float, str, tuple[str, ...], int, str]] = []
-        self.ids: set[int] = set()
-        self.modules = self.objects = 0
-        self.here: dict[str, int] = {}
-        self.held: array[int] = array("q")
-        self.seen = 0
-        self.ring: tuple[int, ...] = _RINGS[0]
-
-
-# The ring slots of a module's visit number v (modulo 5): its length now, at the visit before,
-# 4 visits before (the slot v + 1 is about to be overwritten), its step now and 4 visits before.
-_RINGS = tuple(tuple(r + (v + k) % _RING for r, k in ((_LEN, 0), (_LEN, -1), (_LEN, 1),
-                                                       (_STEP, 0), (_STEP, 1)))
-               for v in range(_RING))
 
 
 class Scanner:
@@ -579,7 +377,7 @@ class Scanner:
 
     def _own_walk(self, own: list[str]) -> Generator[None, None, None]:
         walk = _Walk()
-        yield from self._walk_modules(walk, own, 0)
+        yield from walk_modules(self, walk, own, 0)
         self._own_candidates = walk.candidates
         self._kinds, self._skip = {}, set()
         yield from self._rank()
@@ -589,317 +387,19 @@ class Scanner:
                            ignored=self._ignored)
         self._ignored = 0
 
+    def _rank(self) -> Generator[None, None, None]:
+        """Size the fastest growers and rank them all (`_ranking`)."""
+        return rank(self)
+
     def _library_round(self) -> Generator[None, None, None]:
         """One round over the library's modules, as the last pass sorted them."""
         walk = self._library_walk = _Walk()
-        yield from self._walk_modules(walk, list(self._library_names), 0)
+        yield from walk_modules(self, walk, list(self._library_names), 0)
         self._library_done = walk.candidates
         self._library_walk = None
         self._rounds += 1
         self._stats.update(library_rounds=self._rounds, library_modules=walk.modules,
                            library_objects=walk.objects)
-
-    def _walk_modules(self, walk: _Walk, names: list[str], units: int
-                      ) -> Generator[None, None, int]:
-        modules = self._module_dicts()
-        records, visits = self._records, self._visits
-        # A module under two names (os.path, posixpath) is walked once, as the first.
-        namespaces: set[int] = set()
-        for modname in names:
-            try:
-                module = modules.get(modname)
-                ns = _module_dict(module) if issubclass(type(module), types.ModuleType) else None
-                module = None
-            except Exception:
-                continue
-            if type(ns) is not dict or id(ns) in namespaces:
-                continue
-            namespaces.add(id(ns))
-            walk.modules += 1
-            visit = walk.seen = visits.get(modname, 0) + 1
-            visits[modname] = visit
-            walk.ring = _RINGS[visit % _RING]
-            entry = records.get(modname)
-            if entry is None:
-                entry = records[modname] = ({}, array("q"))
-            here, held = walk.here, walk.held = entry
-            # Classes are the module's own by the name they were defined in, which an alias of
-            # the module does not have.
-            owner = ns.get("__name__")
-            units = yield from self._walk_namespace(
-                walk, ns, owner if type(owner) is str else modname, "", (modname,), True, 2,
-                units)
-            ns = None
-            # Names of this module not met in this visit are forgotten. The dict changes only
-            # here, so its iteration can span slices.
-            stale = 0
-            for offset in here.values():
-                units += 1
-                if units >= CHECK_EVERY:
-                    units = 0
-                    yield
-                if held[offset + _SEEN] != visit:
-                    stale += 1
-            if records.get(modname) is not entry:
-                continue  # forgotten meanwhile (the module went): so are these
-            if stale:
-                kept: dict[str, int] = {}
-                compact = array("q")
-                for name, offset in here.items():
-                    if held[offset + _SEEN] == visit:
-                        kept[name] = len(compact)
-                        compact.extend(held[offset:offset + _WIDTH])
-                records[modname] = (kept, compact)
-                self._tracked -= stale
-                here = kept
-            if not here:
-                del records[modname]
-        walk.here, walk.held = {}, array("q")
-        return units
-
-    def _walk_namespace(self, walk: _Walk, ns: Mapping[str, Any], owner: str, prefix: str,
-                        path: tuple[str, ...], classes: bool, depth: int, units: int
-                        ) -> Generator[None, None, int]:
-        """Containers in `ns` (a module's, a class's or an instance's dict) and below it.
-
-        `walk`: the walk and the module it is in; `owner`: the name the module's classes were
-        defined under; `prefix`: the names that led here from the module ("" in the module
-        itself, else ending in "."), and `path` the same with the module's name first;
-        `classes`: the classes defined in `owner` found here are looked into (a module's
-        namespace); `depth`: how many levels of instances below this one are looked into (2 for
-        a module or a class, 1 for an instance found there, 0 one level further); `units`: work
-        done since the last yield, returned updated, so that nested walks share one count. Only
-        the keys are copied, and no value is held across a yield: between slices this holds no
-        container.
-        """
-        try:
-            keys = list(ns)
-            get = ns.get
-        except Exception:
-            return units
-        kinds, skip, ids = self._kinds, self._skip, walk.ids
-        baseline = _REFCOUNT_BASELINE
-        # The records of this module, keyed by the names from the module on: the module's own
-        # name and the protocol's characters are added to the few that grow only.
-        here, held = walk.here, walk.held
-        p, step = walk.seen, self._step
-        now, before, old, step_now, step_old = walk.ring
-        value: Any = None
-        inner: Any = None
-        try:
-            for key in keys:
-                units += 1
-                if units >= CHECK_EVERY:
-                    units = 0
-                    value = inner = None
-                    yield
-                    step = self._step  # a new slice, perhaps a new step
-                if type(key) is not str or key.startswith("__"):
-                    continue
-                try:
-                    value = get(key)
-                    t = type(value)
-                    if t in skip:
-                        continue
-                    kind = kinds.get(t)
-                    if kind is None:
-                        kind = kinds[t] = _classify(t)
-                        if kind[0] == _SKIP:
-                            skip.add(t)
-                            continue
-                    what, how = kind
-                    if what == _CLASS:
-                        # A class's own attributes, where it is defined, not where imported.
-                        if not classes:
-                            continue
-                        defined_in = _type_module(value)
-                        if type(defined_in) is not str or defined_in != owner:
-                            continue
-                    elif what == _INSTANCE and depth == 0:
-                        continue
-                    if _getrefcount(value) != baseline:  # held elsewhere too: may be met again
-                        i = id(value)
-                        if i in ids:
-                            continue
-                        ids.add(i)
-                    if what in (_CONTAINER, _TENSOR):
-                        if what == _CONTAINER:
-                            n = how(value)  # type: ignore[misc]
-                            name = prefix + key
-                        else:
-                            name = prefix + key + AUTOGRAD_SUFFIX
-                            # Held by no local: a graph is never kept across a yield.
-                            n, cost = self._graph(f"{path[0]}.{name}",
-                                                  how(value))  # type: ignore[misc]
-                            value = None
-                            units += cost
-                            if n < 0:
-                                continue
-                        value = None
-                        r = here.get(name)
-                        if r is None or held[r + _SEEN] == p:
-                            self._track_new(walk, name, n, r)
-                            continue
-                        # Inline, as this runs for every container of the program each pass.
-                        held[r + _SEEN] = p
-                        bits = ((held[r + _BITS] << 1) | (n > held[r + before])) & 15
-                        held[r + _BITS] = bits
-                        held[r + now] = n
-                        held[r + step_now] = step
-                        if bits in _THREE_OF_FOUR and n > held[r + old]:
-                            self._grows(walk, (n - held[r + old])
-                                        / max(1, step - held[r + step_old]),
-                                        (*path, key), name, n)
-                        continue
-                    if what == _CLASS:
-                        inner = _type_dict(value)
-                    else:
-                        inner = how(value)  # type: ignore[misc]
-                        if type(inner) is not dict:
-                            continue
-                except Exception:
-                    continue
-                value = None
-                # A class's instances are looked into as deep as a module's.
-                units = yield from self._walk_namespace(
-                    walk, inner, owner, prefix + key + ".", (*path, key), False,
-                    depth if what == _CLASS else depth - 1, units)
-                inner = None
-                step = self._step
-        finally:
-            walk.objects += len(keys)
-        return units
-
-    def _graph(self, name: str, grad_fn: Any) -> tuple[int, int]:
-        """The nodes of the autograd history a tensor holds (-1: none), and the nodes looked
-        at: counted anew where its graph is new, else the nodes added since the last pass
-        (those numbered above the root then) added to the count then."""
-        graphs = self._graphs
-        if grad_fn is None:
-            return -1, 1  # no history: nothing to follow
-        try:
-            root = grad_fn._sequence_nr()
-        except Exception:
-            return -1, 1
-        known = graphs.get(name)
-        if known is not None and known[0] == root:
-            graphs[name] = (root, known[1], self._pass)
-            return known[1], 1
-        if known is not None and known[0] < root:
-            added, extends = _graph_nodes(grad_fn, known[0], GRAPH_BUDGET)
-            total = known[1] + added if extends else added
-        else:
-            added, _ = _graph_nodes(grad_fn, -1, GRAPH_FIRST_BUDGET)
-            total = added
-        if known is None and len(graphs) >= MAX_GRAPHS:
-            # The ones met longest ago go.
-            for old in sorted(graphs, key=lambda k: graphs[k][2])[:MAX_GRAPHS // 4]:
-                del graphs[old]
-        graphs[name] = (root, total, self._pass)
-        return total, added
-
-    def _track_new(self, walk: _Walk, name: str, n: int, offset: Optional[int]) -> None:
-        """A container name not met yet in this visit (`offset` None): a new record, if there
-        is room for it."""
-        if offset is not None:
-            return  # two containers under one name: the first met keeps it
-        if self._tracked >= self._max_records:
-            self._ignored += 1
-            return
-        step = self._step
-        held = walk.held
-        walk.here[name] = len(held)
-        held.extend((walk.seen, 0, -1, -1, n, n, n, n, n, step, step, step, step, step))
-        self._tracked += 1
-
-    def _grows(self, walk: _Walk, rate: float, path: tuple[str, ...], name: str, n: int
-               ) -> None:
-        """A grower, gaining `rate` items per step: kept if among the fastest of this walk."""
-        qualified = _BAD_CHARS.sub("_", f"{path[0]}.{name}")
-        # The tail names the container; the module path in front matters less.
-        entry = (rate, qualified[-MAX_NAME:], path, n, name)
-        candidates = walk.candidates
-        if len(candidates) < _MAX_CANDIDATES:
-            heapq.heappush(candidates, entry)
-        elif entry > candidates[0]:
-            heapq.heapreplace(candidates, entry)
-
-    def _rank(self) -> Generator[None, None, None]:
-        """Size the growers gaining items fastest, then rank them all by bytes per step: those
-        of this pass over the program's own modules, of the library round under way, and of the
-        last completed one (where the round under way has not been yet)."""
-        merged: dict[tuple[str, ...], tuple[float, str, tuple[str, ...], int, str]] = {}
-        current = self._library_walk
-        for group in (self._library_done, current.candidates if current is not None else [],
-                      self._own_candidates):
-            for grower in group:
-                merged[grower[2]] = grower
-        candidates = sorted(merged.values(), reverse=True)
-        self._own_candidates = []
-        records = self._records
-        sized: dict[tuple[str, ...], dict[str, int]] = {}
-        measure = _sizer() if candidates else None
-        if measure is not None:
-            for _, _, path, _, relative in candidates[:MAX_SIZINGS]:
-                if relative.endswith(AUTOGRAD_SUFFIX):
-                    continue  # a tensor's graph: its nodes are its size
-                yield  # each sizing is a piece of work of its own
-                size = self._size(path, measure)
-                if size is None:
-                    continue
-                sized[path] = size
-                here, held = records.get(path[0], _NO_RECORDS)
-                r = here.get(relative)
-                if r is not None and "bytes" in size and size.get("items", 0) > 0:
-                    held[r + _BYTES] = size["bytes"]
-                    held[r + _BYTES_ITEMS] = size["items"]
-        ranked: list[tuple[tuple[int, float], str, tuple[str, ...], int]] = []
-        for rate, name, path, n, relative in candidates:
-            here, held = records.get(path[0], _NO_RECORDS)
-            r = here.get(relative)
-            if name.endswith(AUTOGRAD_SUFFIX):
-                # A growing autograd history is a leak whatever its size: reported first.
-                ranked.append(((2, rate), name, path, n))
-            elif r is not None and held[r + _BYTES] >= 0 and held[r + _BYTES_ITEMS] > 0:
-                # Bytes per step outrank items per step: the daemon weighs growth in bytes.
-                ranked.append(((1, held[r + _BYTES] / held[r + _BYTES_ITEMS] * rate), name,
-                               path, n))
-            else:
-                ranked.append(((0, rate), name, path, n))
-        ranked.sort(key=lambda r: r[0], reverse=True)
-        growers: dict[str, dict[str, int]] = {}
-        for _, name, path, n in ranked:
-            if len(growers) >= self._top:
-                break
-            if name in growers:
-                continue  # one name in two modules ("a.b" + "c", "a" + "b.c"): the bigger
-            size = sized.get(path, {})
-            growers[name] = {"items": size.get("items", n),
-                             **({"bytes": size["bytes"]} if "bytes" in size else {})}
-        self._growers = growers
-
-    def _size(self, path: tuple[str, ...], measure: Callable[[Any], dict[str, int]]
-              ) -> Optional[dict[str, int]]:
-        """Find a container again by the names that led to it, and size it."""
-        modules = self._modules if self._modules is not None else sys.modules
-        try:
-            obj: Any = modules.get(path[0])
-            if not issubclass(type(obj), types.ModuleType):
-                return None
-            for key in path[1:]:
-                ns = _namespace(obj)
-                if ns is None:
-                    return None
-                obj = ns.get(key)
-            if _classify(type(obj))[0] != _CONTAINER:
-                return None
-            entry = measure(obj)
-        except Exception:
-            return None
-        if type(entry) is not dict:
-            return None
-        return {k: v for k, v in entry.items()
-                if k in ("items", "bytes") and type(v) is int and v >= 0}
 
 
 def _advance(work: Iterator[None], deadline: float,

@@ -39,6 +39,7 @@ from typing import Callable
 from cmdline import arguments, write_figures
 
 from gpuwatch import agent
+from gpuwatch.agent import _reports
 
 MIB = 1 << 20
 SEND_BATCH = 4  # sends per timed batch: below the kernel's default queue of 10 datagrams
@@ -150,17 +151,17 @@ def measure(path: str, missing: Path, batches: int, rate: float
 
         rows["bare sendto"] = per_call_ns(bare_sendto, SEND_BATCH, batches, settle=0.002)
         dropped = agent._stats()["dropped"]
-        size_interval = agent.SIZE_INTERVAL
+        size_interval = _reports.SIZE_INTERVAL
         rows["step() that sends"] = per_call_ns(lambda: agent.step(1), SEND_BATCH, batches,
                                                 settle=0.002)
-        agent.SIZE_INTERVAL = 0.0  # every report sizes the buffers
+        _reports.SIZE_INTERVAL = 0.0  # every report sizes the buffers
         rows["step() that sends and sizes"] = per_call_ns(lambda: agent.step(1), SEND_BATCH,
                                                           batches, settle=0.002)
         full += agent._stats()["dropped"] - dropped
         rows["  of which building the sized report"] = per_call_ns(
             lambda: agent._report("step", 1, time.monotonic()), SEND_BATCH, batches,
             settle=0.002)
-        agent.SIZE_INTERVAL = size_interval
+        _reports.SIZE_INTERVAL = size_interval
 
         agent.configure(socket_path=path, discovery=False)  # coalescing at the default 50 ms
         rows["step() coalesced"] = per_call_ns(lambda: agent.step(1), 1000, batches)

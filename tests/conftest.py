@@ -54,7 +54,7 @@ def _parallel_in_worlds(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if worlds.HOST_WORKER in "".join(config.option.tx):
-        return worlds.make_scheduler(config, log, first=is_slow)
+        return worlds.make_scheduler(config, log, order=run_order)
     return None
 
 
@@ -157,6 +157,20 @@ def is_slow(nodeid: str) -> bool:
     function = name.split("[", 1)[0]
     return any(entry in (path, f"{path}::{function}") or path.startswith(entry + "/")
                for entry in SLOW)
+
+
+#: The modules whose tests keep both cores busy for a minute or more (a chaos run, a soak, the
+#: benchmarks, a child test run): under -n they start first, so that the tests that play a story
+#: against a deadline (the demo's, top's) run after them rather than starved beside them.
+BUSY_MODULES = ANNOUNCED_MODULES | {"tests/test_bench_smoke.py"}
+
+
+def run_order(nodeid: str) -> int:
+    """Where a test goes in a parallel run: 0 the busy modules, 1 the other slow tests, 2 the
+    rest."""
+    if nodeid.split("::", 1)[0] in BUSY_MODULES:
+        return 0
+    return 1 if is_slow(nodeid) else 2
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -103,10 +103,11 @@ def worker_specs(specs: list[str]) -> list[str]:
     return [f"popen//python={command}"] * len(specs) + [f"popen//id={HOST_WORKER}"]
 
 
-def make_scheduler(config: Any, log: Any, first: Callable[[str], bool]) -> Any:
+def make_scheduler(config: Any, log: Any, order: Callable[[str], int]) -> Any:
     """xdist's one-test-at-a-time scheduling (`--dist load`), where the HOST_PIDS tests go to
-    HOST_WORKER and it takes nothing else; the slow modules (tests/conftest.py SLOW) first, as
-    they are what the run waits for (`first`: tests/conftest.py's is_slow)."""
+    HOST_WORKER and it takes nothing else; in the order `order` gives each test
+    (tests/conftest.py's run_order: the modules that keep both cores busy for a minute first,
+    then the other slow ones, as they are what the run waits for, then the rest)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class HostAwareScheduling(LoadScopeScheduling):  # type: ignore[misc]
@@ -165,8 +166,8 @@ def make_scheduler(config: Any, log: Any, first: Callable[[str], bool]) -> Any:
             units: dict[str, dict[str, bool]] = {}
             for nodeid in self.collection:
                 units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
-            # Stable: the slow modules' tests first, each part in the order collected.
-            for scope in sorted(units, key=lambda s: not first(next(iter(units[s])))):
+            # Stable: each part in the order collected.
+            for scope in sorted(units, key=lambda s: order(next(iter(units[s])))):
                 self.workqueue[scope] = units[scope]
             for node in self.nodes:
                 self._reschedule(node)

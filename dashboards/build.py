@@ -412,6 +412,14 @@ def fleet_dashboard(settings: Settings) -> dict[str, Any]:
         timeseries("Open findings by kind", "Open findings summed over the fleet.",
                    [target(f"sum by (kind) (gpuwatch_findings{{{selector}}})", "{{kind}}")],
                    "none"),
+        timeseries("GPU memory at stake in findings, per Kubernetes namespace", "GPU memory "
+                   "held by processes with an open finding, by their pod's namespace: the "
+                   "team to ask. Processes in no pod are `(no pod)`.",
+                   [target("sum by (pod_namespace) (label_replace("
+                           f"gpuwatch_finding_gpu_memory_bytes{{{selector}}}, "
+                           '"pod_namespace", "(no pod)", "pod_namespace", ""))',
+                           "{{pod_namespace}}")],
+                   "bytes", stacked=True),
         table("Nodes with findings", "Open findings by node and kind, with the GPU memory at "
               "stake. The node name opens its node dashboard.",
               [(named(f"sum by (instance, job, kind) (gpuwatch_findings{{{selector}}}) > 0"),
@@ -422,13 +430,15 @@ def fleet_dashboard(settings: Settings) -> dict[str, Any]:
               sort_by="GPU memory"),
         table("Top leaking jobs", "Training jobs whose processes leak the most per step, and "
               "the soonest projected out-of-memory among their processes.",
-              [(named("topk(10, sum by (instance, job, job_id) (label_replace("
+              [(named("topk(10, sum by (instance, job, job_id, pod_namespace, pod_name) ("
+                      "label_replace("
                       f'gpuwatch_leak_growth_bytes_per_step{{{selector}}}, "job_id", '
                       '"(no job)", "job_id", "")))'), "growth per step", "bytes"),
-               (named("min by (instance, job, job_id) (label_replace("
+               (named("min by (instance, job, job_id, pod_namespace, pod_name) (label_replace("
                       f'gpuwatch_leak_projected_oom_timestamp_seconds{{{selector}}}, "job_id", '
                       '"(no job)", "job_id", "")) - time()'), "time to OOM", "s")],
-              order=["job_id", "node", "instance"], width=12, links={"node": to_node},
+              order=["job_id", "pod_namespace", "pod_name", "node", "instance"], width=12,
+              links={"node": to_node},
               sort_by="growth per step"),
         timeseries("GPU memory in use and unattributed, per node", "Used GPU memory by node, "
                    "and the part no listed process accounts for.",

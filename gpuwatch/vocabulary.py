@@ -120,6 +120,8 @@ class Series(Word):
     #: Private memory of forked workers (copy-on-write).
     USS = "USS"
     BUFFER = "buffer"
+    #: The autograd graph a tensor holds, in nodes: it grows every step whatever the bytes.
+    AUTOGRAD = "autograd history"
 
 
 class GrowthUnit(Word):

@@ -34,7 +34,9 @@ to visit and the namespaces it is in, never a container: per container name it k
 
 The growth rule: a container is a grower when its length grew in at least 3 of its last 4 passes
 and is now larger than 4 passes ago. A bounded cache drops out once it is full (one pass later), a
-scratch list cleared each step never qualifies, nor does a registry filled once at import. Growers
+scratch list cleared each step never qualifies, nor does a registry filled once at import. A
+tensor's autograd graph is a grower at every pass it extended the last pass's graph and is larger
+than 4 passes ago: its count is exact (the daemon judges the steadiness over its reports). Growers
 are ranked by bytes per step (bytes per item, as last sized, times items gained per step; the 16
 growers gaining items fastest are sized each pass), those never sized after them by items per
 step, and the first `top` (default 8) are reported. At most 100,000 names are tracked, new ones

@@ -320,7 +320,11 @@ def walk_namespace(sc: Scanner, walk: _Walk, ns: Mapping[str, Any], owner: str, 
                     held[r + _BITS] = bits
                     held[r + now] = n
                     held[r + step_now] = step
-                    if bits in _THREE_OF_FOUR and n > held[r + old]:
+                    # A graph's count is exact and grows only as it extends the graph of
+                    # the last pass: one pass of growth says it, where a container's length
+                    # needs 3 of 4 to be told from one that jitters.
+                    if (bits & 1 if what == _TENSOR else bits in _THREE_OF_FOUR) and (
+                            n > held[r + old]):
                         grows(sc, walk, (n - held[r + old])
                               / max(1, step - held[r + step_old]),
                               (*path, key), name, n)

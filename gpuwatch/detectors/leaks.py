@@ -23,6 +23,10 @@ It also names the culprit when it can, the first of:
 The reason says which ("buffer `x` explains it (watched)"); `details` carry the culprit, how it
 was found and, while a trace is asked for or once one came, the trace.
 
+An autograd history is also a leak on its own, whatever its bytes, while no memory grows: a
+tensor the agent names for it whose exact node counts rose steadily at every report for at
+least _HISTORY_STEPS steps (`total_loss += loss` after backward(): a few KB of nodes a step).
+
 Without an agent the same test runs on the poll samples, per second: for GPU holders, and for
 every other member of a GPU job (a data loader's worker, a launcher, a helper), whose RSS counts
 as much as the trainer's.
@@ -161,22 +165,29 @@ def _by_step(p: HostProcess, steps: StepSeries, snapshot: NodeSnapshot, history:
                    or _autograd(steps, config)
                    # Python's allocations are host memory: they cannot explain a GPU's.
                    or (_traced(g, trace) if series == Series.RSS else None))
-    elif (by_bytes or by_items) and _rss_unjudged(steps.rss, after, config.leak_min_points):
-        # The kernel's RSS comes a point a poll: for a process stepping faster than the daemon
-        # polls, a buffer can show growing before RSS can. Named now, the leak would keep
-        # "buffer `x` grows every step" for its reason when it is RSS that runs out.
-        return None
-    elif by_bytes or by_items:
+    elif (by_bytes or by_items) and not _rss_unjudged(steps.rss, after,
+                                                       config.leak_min_points):
         name, g = max((by_bytes or by_items).items(), key=lambda kv: kv[1].slope)
         series, buffer = Series.BUFFER, name
         limit = host_limit(p, snapshot, config) if by_bytes else None
         culprit = _culprit(name, FoundBy.WATCHED, _slope(by_bytes.get(name)),
                            _slope(by_items.get(name)))
+    # (A buffer growing while the RSS is unjudged yet waits: the kernel's RSS comes a point a
+    # poll, and for a process stepping faster than the daemon polls a buffer can show growing
+    # before RSS can. Named now, the leak would keep "buffer `x` grows every step" for its
+    # reason when it is RSS that runs out.)
+    elif (held := _growing_history(steps)) is not None:
+        # An autograd history that grows every step is the leak whatever its bytes: after
+        # backward() a step's graph keeps only its nodes, too few bytes to show in RSS for
+        # hours, and a backward through it later walks them all.
+        g, culprit = held
+        series, limit = Series.AUTOGRAD, None
     else:
         return None
 
-    # A buffer counted by its items alone grows by items, not bytes: no projection then.
-    by_items_only = series == Series.BUFFER and not by_bytes
+    # A buffer counted by its items alone, or an autograd history, grows by items, not bytes:
+    # no projection then.
+    by_items_only = series == Series.AUTOGRAD or (series == Series.BUFFER and not by_bytes)
     requested = snapshot.traces_pending.get(p.pid)
     evidence = LeakEvidence(
         series=series, unit=GrowthUnit.STEP, buffer=buffer,
@@ -326,6 +337,70 @@ def _autograd(steps: StepSeries, config: DetectorConfig) -> Optional[Culprit]:
     since = max(0, min(int(g.last_x), round(g.last_x - g.last_y / g.slope)))
     return Culprit(name[:-len(AUTOGRAD_SUFFIX)], FoundBy.AUTOGRAD,
                    graph_nodes_per_step=round(g.slope, 3), since_step=since)
+
+
+#: An autograd history is a leak on its own when it has grown every step for at least this many
+#: steps, over at least _HISTORY_POINTS of the agent's counts, each above the one before.
+_HISTORY_STEPS = 10
+_HISTORY_POINTS = 3
+#: "Roughly linear": the nodes gained per step between any two counts within this factor of the
+#: rate over all of them (one step's graph is the same size every step).
+_HISTORY_LINEAR = 2.0
+#: A history whose count and rate put its start this many steps before the process's first
+#: reported step is no steady accumulation from there (its start is not known): only the steps
+#: it has been seen growing count.
+_HISTORY_SLACK = 2
+
+
+def _growing_history(steps: StepSeries) -> Optional[tuple[Growth, Culprit]]:
+    """The tensor the agent's newest discovery pass names for its autograd history, whose
+    graph has grown steadily every step for at least _HISTORY_STEPS steps: its newest counts
+    (at least _HISTORY_POINTS, exact, sparse) each above the one before, gaining nodes at a
+    rate within _HISTORY_LINEAR of their overall rate. The steps of growth are those since the
+    start its count and rate put it at (the count includes the growth before the agent named
+    it), or only those it was seen growing over where that start would come before the
+    process's first step. The fastest growing such tensor, with its growth over the counts seen
+    and its culprit (found by autograd); None if there is none.
+
+    No warm-up: the counts are the agent's exact figures of a graph, not memory that a first
+    step's allocations and caches move."""
+    first_step = steps.times.xs[0] if len(steps.times) else math.inf
+    best: Optional[tuple[Growth, Culprit]] = None
+    for name in steps.discovered_latest:
+        series = steps.discovered_items.get(name) if name.endswith(AUTOGRAD_SUFFIX) else None
+        if series is None or not len(series):
+            continue
+        xs, ys = series.xs, series.ys
+        # The newest run of counts each above the one before.
+        i = len(xs) - 1
+        if math.isnan(ys[i]):
+            continue
+        while i > 0 and not math.isnan(ys[i - 1]) and xs[i - 1] < xs[i] and ys[i - 1] < ys[i]:
+            i -= 1
+        points = len(xs) - i
+        last_x, last_y = xs[-1], ys[-1]
+        if points < _HISTORY_POINTS:
+            continue
+        rate = (last_y - ys[i]) / (last_x - xs[i])
+        if rate < _MIN_ITEMS_PER_STEP:
+            continue
+        if any(not rate / _HISTORY_LINEAR <= (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
+               <= rate * _HISTORY_LINEAR for j in range(i, len(xs) - 1)):
+            continue
+        since = last_x - last_y / rate
+        if since < first_step - _HISTORY_SLACK:
+            since = xs[i]  # its start is not where its rate puts it: only what was seen
+        if last_x - since < _HISTORY_STEPS:
+            continue
+        if best is not None and rate <= best[0].slope:
+            continue
+        g = Growth(slope=rate, consistency=1.0, recent_slope=(last_y - ys[-2]) / (
+            last_x - xs[-2]), min_rise=min(ys[j + 1] - ys[j] for j in range(i, len(xs) - 1)),
+            spread=0.0, points=points, first_x=xs[i], last_x=last_x, last_y=last_y)
+        best = (g, Culprit(name[:-len(AUTOGRAD_SUFFIX)], FoundBy.AUTOGRAD,
+                           graph_nodes_per_step=round(rate, 3),
+                           since_step=max(0, min(int(last_x), round(since)))))
+    return best
 
 
 def _trace_of(p: HostProcess, g: Growth, steps: StepSeries, snapshot: NodeSnapshot,

@@ -157,6 +157,16 @@ def write_pod_logs(root: Path, pod: FakePod) -> Path:
     return pod_dir
 
 
+def write_container_log_link(root: Path, pod: FakePod, container: str, container_id: str
+                             ) -> Path:
+    """/var/log/containers/POD_NAMESPACE_CONTAINER-ID.log, the kubelet's link to the
+    container's log under /var/log/pods."""
+    root.mkdir(parents=True, exist_ok=True)
+    link = root / f"{pod.name}_{pod.namespace}_{container}-{container_id}.log"
+    link.symlink_to(f"/var/log/pods/{pod.namespace}_{pod.name}_{pod.uid}/{container}/0.log")
+    return link
+
+
 def write_containerd_record(root: Path, container_id: str, pod: FakePod, container: str) -> Path:
     """containerd's task directory for a CRI container: ID/config.json with its annotations."""
     task = root / container_id

@@ -32,6 +32,7 @@ from tests.standin_kubelet import (
     compiled,
     hung_kubelet,
     standin_kubelet,
+    write_container_log_link,
     write_containerd_record,
     write_pod_logs,
 )
@@ -233,6 +234,30 @@ def test_without_the_socket_the_runtime_records_name_the_pod_and_doctor_hears_wh
     assert containers == {CTR: "trainer"}
     status = source.status()
     assert status.answered_by == "containerd" and "no socket" in (status.kubelet_error or "")
+
+
+def test_in_a_pod_of_two_containers_the_container_log_links_name_each_process_container(
+        tmp_path: Path) -> None:
+    # No kubelet and no runtime records mounted (the DaemonSet's way): the pod log directories
+    # say the pod has two containers, and only the container log links say which is which.
+    pod = FakePod("ml-team", "trainer-0", UID, {"trainer": [GPU0], "sidecar": []})
+    logs = tmp_path / "log" / "pods"
+    write_pod_logs(logs, pod)
+    sidecar, trainer, stranger = "b" * 64, "c" * 64, "d" * 64
+    links = tmp_path / "log" / "containers"
+    write_container_log_link(links, pod, "sidecar", sidecar)
+    write_container_log_link(links, pod, "trainer", trainer)
+    # Another pod's link (a pod the pod log directories do not show) names nothing.
+    write_container_log_link(links, FakePod("x", "y", OTHER_UID, {}), "z", stranger)
+    source = PodSource(str(tmp_path / "absent.sock"), str(logs), (), refresh=60)
+    try:
+        pods, containers = source.lookup({UID: {sidecar, trainer}})
+        assert (pods[UID].namespace, pods[UID].name) == ("ml-team", "trainer-0")
+        assert containers == {sidecar: "sidecar", trainer: "trainer"}
+        _, containers = source.lookup({UID: {stranger}})
+        assert containers == {}
+    finally:
+        source.stop()
 
 
 def test_a_hung_kubelet_never_delays_a_lookup(tmp_path: Path) -> None:

@@ -10,6 +10,10 @@ names come from the node's records:
 - the kubelet's pod log directories, `/var/log/pods/NAMESPACE_NAME_UID/CONTAINER/`: the join
   from UID to namespace and name, and the pod's container names (a namespace and a pod name
   hold no `_`, so the split is exact);
+- the kubelet's container log links, `/var/log/containers/POD_NAMESPACE_CONTAINER-ID.log`
+  (the sibling of the pod log directories): a container id's own name, in a pod of several
+  containers, where the runtime's records are not mounted. Only the names are read: each entry
+  is a link into /var/log/pods, never followed;
 - the container runtime's record of a container (its OCI config.json: containerd's
   `/run/containerd/io.containerd.runtime.v2.task/k8s.io/ID/config.json`, CRI-O's
   `/run/containers/storage/overlay-containers/ID/userdata/config.json`), whose annotations
@@ -96,7 +100,48 @@ class ContainerRecord:
     namespace: str
     pod: str
     container: str
-    runtime: str  # "containerd" | "cri-o"
+    runtime: str  # "containerd" | "cri-o" | "container-logs"
+
+
+#: A container log link's name: POD_NAMESPACE_CONTAINER-ID.log.
+_CONTAINER_LOG = re.compile(r"(?P<pod>[^_]+)_(?P<namespace>[^_]+)_(?P<container>[^_]+)-"
+                            r"(?P<id>[0-9a-f]{64})\.log")
+
+
+def container_logs_dir(pod_logs_dir: str) -> str:
+    """The container log links' directory, beside the pod log directories (/var/log/pods ->
+    /var/log/containers)."""
+    return os.path.join(os.path.dirname(pod_logs_dir.rstrip("/")), "containers")
+
+
+def read_container_log_links(root: str, wanted: Iterable[str],
+                             pods: Mapping[str, PodNames]) -> dict[str, ContainerRecord]:
+    """Container id -> its record, for the `wanted` ids the kubelet's container log links name
+    (POD_NAMESPACE_CONTAINER-ID.log), in a pod `pods` (UID -> names, from the pod log
+    directories) knows. Only the entries' names are read (at most MAX_POD_DIRS x
+    MAX_POD_CONTAINERS of them); the links are never followed."""
+    wanted = set(wanted)
+    found: dict[str, ContainerRecord] = {}
+    if not wanted:
+        return found
+    uids = {(n.namespace, n.name): uid for uid, n in pods.items()}
+    try:
+        entries = os.scandir(root)
+    except OSError:
+        return found
+    with entries:
+        for n, entry in enumerate(entries):
+            if n >= MAX_POD_DIRS * MAX_POD_CONTAINERS:
+                break
+            m = _CONTAINER_LOG.fullmatch(entry.name)
+            if m is None or m["id"] not in wanted:
+                continue
+            namespace, pod, container = m["namespace"], m["pod"], m["container"]
+            uid = uids.get((namespace, pod))
+            if uid is None or not _CONTAINER_NAME.fullmatch(container):
+                continue
+            found[m["id"]] = ContainerRecord(uid, namespace, pod, container, "container-logs")
+    return found
 
 
 # -- the node's records --------------------------------------------------------------------
@@ -313,6 +358,10 @@ class PodSource:
         logs = read_pod_log_dirs(self.pod_logs_dir) if self.pod_logs_dir else {}
         records = {cid: r for cid in wanted_containers
                    if (r := read_container_record(self.runtime_dirs, cid)) is not None}
+        if self.pod_logs_dir and wanted_containers - records.keys():
+            records.update(read_container_log_links(
+                container_logs_dir(self.pod_logs_dir), wanted_containers - records.keys(),
+                logs))
         answer: Optional[PodList] = None
         error: Optional[str] = None
         started = self.clock()

@@ -90,3 +90,15 @@ def test_the_shared_names_are_defined_once() -> None:
                    for node in ast.walk(tree)
                    if isinstance(node, ast.Constant) and node.value in literals]
     assert copies == []
+
+
+#: The most lines a module of gpuwatch may have: past it, a module does more than one job and
+#: is split along its seams (docs/layout.md names each module's).
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_of_gpuwatch_is_longer_than_600_lines() -> None:
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+               for path in (ROOT / "gpuwatch").rglob("*.py")}
+    assert len(lengths) > 50  # the package is where it should be
+    assert {path: n for path, n in lengths.items() if n > MAX_MODULE_LINES} == {}

@@ -1,0 +1,211 @@
+"""A process's samples: its RSS, GPU memory and USS at each sampled poll, in compact arrays.
+
+Samples are rings of doubles (8 bytes a figure, NaN for unknown) taken whole at a process's
+first sight (Ring), so their memory is the processes' count times history.samples x 16 bytes
+from the first poll on, not a climb over the history's span; every process is sampled at the
+same polls, so their times are kept once (SampleClock). ProcessHistory is what the history
+keeps of one process: those rings, its lineage as first seen and its states.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Iterator
+from typing import NamedTuple, Optional
+
+from gpuwatch.history.steps import StepSeries
+from gpuwatch.jobs.key import JobKey
+from gpuwatch.jobs.records import Identity
+from gpuwatch.launch_env import process_title
+from gpuwatch.model import HostProcess
+from gpuwatch.vocabulary import ProcState
+
+_NAN = math.nan
+
+
+class Sample(NamedTuple):
+    taken_at: float
+    rss_bytes: Optional[int]
+    gpu_memory_bytes: Optional[int]
+
+
+class Ring:
+    """The newest `capacity` figures, in one array of doubles taken whole when the ring is made:
+    a process's samples cost their memory at its first sight, never more as they fill, and the
+    oldest is overwritten in place."""
+
+    __slots__ = ("_data", "_size", "_start")
+
+    def __init__(self, capacity: int, unknown: int = 0) -> None:
+        self._data = array("d", [_NAN]) * max(1, capacity)
+        self._start = 0
+        #: How many are filled; `unknown` NaNs to begin with.
+        self._size = min(unknown, len(self._data))
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, value: float) -> None:
+        data = self._data
+        if self._size < len(data):
+            data[self._size] = value  # _start stays 0 until the ring is full
+            self._size += 1
+        else:
+            data[self._start] = value
+            self._start = (self._start + 1) % len(data)
+
+    def values(self) -> array[float]:
+        """The figures, oldest first (a copy)."""
+        if self._start == 0:
+            return self._data[:self._size]
+        return self._data[self._start:] + self._data[:self._start]
+
+    def resize(self, capacity: int) -> None:
+        kept = self.values()[-max(1, capacity):]
+        self._data = array("d", [_NAN]) * max(1, capacity)
+        self._data[:len(kept)] = kept
+        self._start, self._size = 0, len(kept)
+
+
+class SampleClock:
+    """When the history's samples were taken: one time for every process sampled then.
+
+    Every process is sampled at the same polls (those at least `sample_spacing` after the last
+    one), so the times are kept once, not once per process: a process's samples are the newest
+    of these, as many as it has."""
+
+    __slots__ = ("_ordered", "_times")
+
+    def __init__(self, capacity: int) -> None:
+        self._times = Ring(capacity)
+        self._ordered: Optional[array[float]] = None
+
+    def due(self, now: float, spacing: float) -> bool:
+        """Whether a poll at `now` is a sample (a hundredth of the spacing spares one that
+        came a rounding error early)."""
+        return not len(self._times) or now - self.newest(1)[0] >= 0.99 * spacing
+
+    def add(self, now: float) -> None:
+        self._times.append(now)
+        self._ordered = None
+
+    def newest(self, n: int) -> memoryview:
+        """The newest `n` times, oldest first: a view, no copy."""
+        if self._ordered is None:
+            self._ordered = self._times.values()
+        view = memoryview(self._ordered)
+        return view[len(view) - n:] if n else view[:0]
+
+    def resize(self, capacity: int) -> None:
+        self._times.resize(capacity)
+        self._ordered = None
+
+
+class ProcessHistory:
+    """What the history keeps of one process: its lineage and states, and its samples (RSS,
+    GPU memory, and USS once read), in rings taken whole at its first sight (Ring), at the
+    times the history's SampleClock keeps for every process."""
+
+    __slots__ = ("_clock", "_gpu_memory", "_rss", "_uss", "capacity", "disk_sleep_since",
+                 "first_ppid", "first_seen", "held_gpu", "job_key", "last_seen", "name",
+                 "parent_comm", "parent_name", "parent_start", "pid",
+                 "reparented_at", "start_time", "steps", "steps_refused",
+                 "uid", "zombie_since")
+
+    def __init__(self, p: HostProcess, parent: Optional[HostProcess], job_key: Optional[JobKey],
+                 first_seen: float, capacity: int, clock: SampleClock) -> None:
+        self.pid = p.pid
+        self.start_time = p.start_time
+        self.name = p.name
+        #: Whose it is: the history's room is shared by user (History._trim).
+        self.uid = p.uid
+        #: The launching parent, as first seen: if it goes, this process is orphaned.
+        self.first_ppid = p.ppid
+        self.parent_start = parent.start_time if parent is not None else None
+        #: As a sentence names it: "torchrun (pt_elastic)" (launch_env.process_title).
+        self.parent_name = (process_title(parent.name, parent.cmdline)
+                            if parent is not None else None)
+        #: Its kernel name (`comm`) alone, for a finding's summary (no command line in it).
+        self.parent_comm = parent.name if parent is not None else None
+        #: The job as first seen; kept after reparenting, which is when it matters.
+        self.job_key = job_key
+        self.first_seen = first_seen
+        self.last_seen = first_seen
+        self.reparented_at: Optional[float] = None
+        self.zombie_since: Optional[float] = None
+        self.disk_sleep_since: Optional[float] = None
+        self.held_gpu = False
+        #: Step-aligned figures, once the process reports through the agent.
+        self.steps: Optional[StepSeries] = None
+        #: The budget refused it a step history (counted once until one is granted).
+        self.steps_refused = False
+        self.capacity = capacity
+        #: The history's: when its samples were taken.
+        self._clock = clock
+        self._rss = Ring(capacity)
+        self._gpu_memory = Ring(capacity)
+        #: USS at each sample (NaN where unknown), once the poll has read one for the process
+        #: (forked workers of GPU jobs): None until then, so other processes pay nothing for it.
+        self._uss: Optional[Ring] = None
+
+    @property
+    def identity(self) -> Identity:
+        return (self.pid, self.start_time)
+
+    @property
+    def times(self) -> memoryview:
+        """When each sample was taken, oldest first."""
+        return self._clock.newest(len(self._rss))
+
+    @property
+    def rss(self) -> array[float]:
+        return self._rss.values()
+
+    @property
+    def gpu_memory(self) -> array[float]:
+        return self._gpu_memory.values()
+
+    @property
+    def uss(self) -> Optional[array[float]]:
+        return self._uss.values() if self._uss is not None else None
+
+    def observe(self, p: HostProcess, taken_at: float, sample: bool = True) -> None:
+        """Record what one poll saw; with `sample` (a poll the history samples, at the
+        SampleClock's time), its figures too."""
+        self.last_seen = taken_at
+        if self.reparented_at is None and p.ppid != self.first_ppid:
+            self.reparented_at = taken_at
+        self.zombie_since = _since(self.zombie_since, p.state == ProcState.ZOMBIE, taken_at)
+        self.disk_sleep_since = _since(self.disk_sleep_since, p.state == ProcState.DISK_SLEEP,
+                                       taken_at)
+        self.held_gpu = self.held_gpu or p.holds_gpu
+        if not sample:
+            return
+        rss, gpu = p.rss_bytes, p.gpu_memory_bytes
+        self._rss.append(_NAN if rss is None else float(rss))
+        self._gpu_memory.append(_NAN if gpu is None else float(gpu))
+        if self._uss is None and p.uss_bytes is not None:
+            self._uss = Ring(self.capacity, unknown=len(self._rss) - 1)
+        if self._uss is not None:
+            self._uss.append(_NAN if p.uss_bytes is None else float(p.uss_bytes))
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = capacity
+        for ring in (self._rss, self._gpu_memory, self._uss):
+            if ring is not None:
+                ring.resize(capacity)
+
+    def samples(self) -> Iterator[Sample]:
+        for t, rss, gpu in zip(self.times, self.rss, self.gpu_memory):
+            yield Sample(t, None if math.isnan(rss) else int(rss),
+                         None if math.isnan(gpu) else int(gpu))
+
+    def __len__(self) -> int:
+        return len(self._rss)
+
+
+def _since(since: Optional[float], now_in_state: bool, taken_at: float) -> Optional[float]:
+    if not now_in_state:
+        return None
+    return since if since is not None else taken_at

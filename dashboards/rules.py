@@ -44,12 +44,15 @@ SUMMARY = "{{ with .Labels.summary }}: {{ . }}{{ end }}."
 #: A leak's culprit in words, as the finding's reason puts it, from the labels of a leak series
 #: (`.`): how it was found decides the wording. A series without `found_by` (an older daemon)
 #: reads as a watched buffer, the only culprit such a daemon names. A traced culprit is a source
-#: file and line, which /metrics does not carry.
+#: file and line, which /metrics does not carry. An autograd culprit is a tensor keeping every
+#: step's graph (a loss summed without `.item()`).
 _CULPRIT = (
     "{{ if eq .Labels.found_by \"traced\" }}, an allocation site explains it (traced: "
     "`gpuwatch status` on the node names it)"
     "{{ else if eq .Labels.found_by \"discovered\" }}, `{{ .Labels.culprit }}` explains it "
     "(discovered)"
+    "{{ else if eq .Labels.found_by \"autograd\" }}, `{{ .Labels.culprit }}` holds the graph of "
+    "every step: use `loss.item()` or `.detach()` (autograd)"
     "{{ else if .Labels.culprit }}, buffer `{{ .Labels.culprit }}` explains it"
     "{{ with .Labels.found_by }} ({{ . }}){{ end }}{{ end }}")
 

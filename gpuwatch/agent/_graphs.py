@@ -8,10 +8,7 @@ torch is never imported here: only a program that imported it has tensors to fol
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from gpuwatch.agent._discovery import Scanner
+from typing import Any
 
 #: Autograd graph nodes counted per tensor and pass at most (the first pass: GRAPH_FIRST_BUDGET).
 GRAPH_BUDGET = 1024
@@ -55,11 +52,13 @@ def _graph_nodes(root: Any, floor: int, budget: int) -> tuple[int, bool]:
     return count, extends
 
 
-def graph(sc: Scanner, name: str, grad_fn: Any) -> tuple[int, int]:
+def graph(graphs: dict[str, tuple[int, int, int]], pass_number: int, name: str,
+          grad_fn: Any) -> tuple[int, int]:
     """The nodes of the autograd history a tensor holds (-1: none), and the nodes looked
     at: counted anew where its graph is new, else the nodes added since the last pass
-    (those numbered above the root then) added to the count then."""
-    graphs = sc._graphs
+    (those numbered above the root then) added to the count then. `graphs` is the scanner's
+    table of the graphs met (name -> root's number, nodes, pass last met in), `pass_number`
+    the pass under way."""
     if grad_fn is None:
         return -1, 1  # no history: nothing to follow
     try:
@@ -68,7 +67,7 @@ def graph(sc: Scanner, name: str, grad_fn: Any) -> tuple[int, int]:
         return -1, 1
     known = graphs.get(name)
     if known is not None and known[0] == root:
-        graphs[name] = (root, known[1], sc._pass)
+        graphs[name] = (root, known[1], pass_number)
         return known[1], 1
     if known is not None and known[0] < root:
         added, extends = _graph_nodes(grad_fn, known[0], GRAPH_BUDGET)
@@ -80,5 +79,5 @@ def graph(sc: Scanner, name: str, grad_fn: Any) -> tuple[int, int]:
         # The ones met longest ago go.
         for old in sorted(graphs, key=lambda k: graphs[k][2])[:MAX_GRAPHS // 4]:
             del graphs[old]
-    graphs[name] = (root, total, sc._pass)
+    graphs[name] = (root, total, pass_number)
     return total, added

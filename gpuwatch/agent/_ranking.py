@@ -10,20 +10,18 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from gpuwatch.agent._walk import (
     _BYTES,
     _BYTES_ITEMS,
     _CONTAINER,
     _NO_RECORDS,
+    ScannerState,
     _classify,
     _namespace,
 )
 from gpuwatch.protocol import AUTOGRAD_SUFFIX
-
-if TYPE_CHECKING:
-    from gpuwatch.agent._discovery import Scanner
 
 #: Growers sized per pass, those gaining items fastest first.
 MAX_SIZINGS = 16
@@ -50,7 +48,7 @@ def _sizer() -> Optional[Callable[[Any], dict[str, int]]]:
     return _measure
 
 
-def rank(sc: Scanner) -> Generator[None, None, None]:
+def rank(sc: ScannerState) -> Generator[None, None, None]:
     """Size the growers gaining items fastest, then rank them all by bytes per step: those
     of this pass over the program's own modules, of the library round under way, and of the
     last completed one (where the round under way has not been yet)."""
@@ -105,7 +103,7 @@ def rank(sc: Scanner) -> Generator[None, None, None]:
     sc._growers = growers
 
 
-def size_grower(sc: Scanner, path: tuple[str, ...], measure: Callable[[Any], dict[str, int]]
+def size_grower(sc: ScannerState, path: tuple[str, ...], measure: Callable[[Any], dict[str, int]]
                 ) -> Optional[dict[str, int]]:
     """Find a container again by the names that led to it, and size it."""
     modules = sc._modules if sc._modules is not None else sys.modules

@@ -15,14 +15,11 @@ import types
 from array import array
 from collections import deque
 from collections.abc import Generator, Iterator, Mapping, Sized
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+from typing import Any, Callable, Optional, Protocol, cast
 
 from gpuwatch.agent._graphs import graph
 from gpuwatch.protocol import AUTOGRAD_SUFFIX
 from gpuwatch.protocol import MAX_DISCOVERED_NAME as MAX_NAME
-
-if TYPE_CHECKING:
-    from gpuwatch.agent._discovery import Scanner
 
 #: Objects handled between two reads of the clock.
 CHECK_EVERY = 64
@@ -167,12 +164,36 @@ class _Walk:
 
 # The ring slots of a module's visit number v (modulo 5): its length now, at the visit before,
 # 4 visits before (the slot v + 1 is about to be overwritten), its step now and 4 visits before.
+class ScannerState(Protocol):
+    """What the walk and the ranking read and keep of the scanner (gpuwatch.agent._discovery
+    .Scanner is one): its records and counters, named here so that they need not import it."""
+
+    _records: dict[str, tuple[dict[str, int], array[int]]]
+    _visits: dict[str, int]
+    _tracked: int
+    _max_records: int
+    _ignored: int
+    _kinds: dict[type, _Kind]
+    _skip: set[type]
+    _step: int
+    _pass: int
+    _graphs: dict[str, tuple[int, int, int]]
+    _top: int
+    _modules: Optional[Mapping[str, types.ModuleType]]
+    _growers: dict[str, dict[str, int]]
+    _library_walk: Optional[_Walk]
+    _library_done: list[tuple[float, str, tuple[str, ...], int, str]]
+    _own_candidates: list[tuple[float, str, tuple[str, ...], int, str]]
+
+    def _module_dicts(self) -> Mapping[str, Any]: ...
+
+
 _RINGS = tuple(tuple(r + (v + k) % _RING for r, k in ((_LEN, 0), (_LEN, -1), (_LEN, 1),
                                                        (_STEP, 0), (_STEP, 1)))
                for v in range(_RING))
 
 
-def walk_modules(sc: Scanner, walk: _Walk, names: list[str], units: int
+def walk_modules(sc: ScannerState, walk: _Walk, names: list[str], units: int
                  ) -> Generator[None, None, int]:
     modules = sc._module_dicts()
     records, visits = sc._records, sc._visits
@@ -231,7 +252,7 @@ def walk_modules(sc: Scanner, walk: _Walk, names: list[str], units: int
     return units
 
 
-def walk_namespace(sc: Scanner, walk: _Walk, ns: Mapping[str, Any], owner: str, prefix: str,
+def walk_namespace(sc: ScannerState, walk: _Walk, ns: Mapping[str, Any], owner: str, prefix: str,
                    path: tuple[str, ...], classes: bool, depth: int, units: int
                    ) -> Generator[None, None, int]:
     """Containers in `ns` (a module's, a class's or an instance's dict) and below it.
@@ -303,7 +324,7 @@ def walk_namespace(sc: Scanner, walk: _Walk, ns: Mapping[str, Any], owner: str, 
                     else:
                         name = prefix + key + AUTOGRAD_SUFFIX
                         # Held by no local: a graph is never kept across a yield.
-                        n, cost = graph(sc, f"{path[0]}.{name}",
+                        n, cost = graph(sc._graphs, sc._pass, f"{path[0]}.{name}",
                                         how(value))  # type: ignore[misc]
                         value = None
                         units += cost
@@ -349,7 +370,7 @@ def walk_namespace(sc: Scanner, walk: _Walk, ns: Mapping[str, Any], owner: str, 
     return units
 
 
-def track_new(sc: Scanner, walk: _Walk, name: str, n: int, offset: Optional[int]) -> None:
+def track_new(sc: ScannerState, walk: _Walk, name: str, n: int, offset: Optional[int]) -> None:
     """A container name not met yet in this visit (`offset` None): a new record, if there
     is room for it."""
     if offset is not None:
@@ -364,7 +385,7 @@ def track_new(sc: Scanner, walk: _Walk, name: str, n: int, offset: Optional[int]
     sc._tracked += 1
 
 
-def grows(sc: Scanner, walk: _Walk, rate: float, path: tuple[str, ...], name: str, n: int
+def grows(sc: ScannerState, walk: _Walk, rate: float, path: tuple[str, ...], name: str, n: int
           ) -> None:
     """A grower, gaining `rate` items per step: kept if among the fastest of this walk."""
     qualified = _BAD_CHARS.sub("_", f"{path[0]}.{name}")

@@ -216,7 +216,10 @@ class Scanner:
         budget while there are library modules. True when this slice completed a pass. Never
         raises, but for KeyboardInterrupt and the like, after which the next slice starts
         afresh."""
-        clock = time.perf_counter
+        # The training thread's CPU time, not the wall's: on a busy node a slice descheduled
+        # half its time still does its budget's work, so a pass takes as many steps as on an
+        # idle one (the budget bounds what the agent costs the thread: its CPU).
+        clock = time.thread_time
         start = clock()
         budget = budget if budget is not None and budget > 0 else self._budget
         deadline = start + budget

@@ -616,8 +616,10 @@ def _storm_main(a: argparse.Namespace) -> int:
     """harness.storm as `uid`, at most `max_live` alive. At SIGTERM, writes how many were spawned
     and how many ended by a signal nobody here sent (a wrong signal)."""
     _become(a.uid)
-    write_json(Path(a.report), storm(a.rate, a.gpu_share, a.gpus, a.seed,
-                                           max_live=a.max_live, env={"PATH": "/usr/bin:/bin"}))
+    report = Path(a.report)
+    write_json(report, storm(a.rate, a.gpu_share, a.gpus, a.seed, max_live=a.max_live,
+                             env={"PATH": "/usr/bin:/bin"},
+                             progress=lambda so_far: write_json(report, so_far)))
     return 0
 
 

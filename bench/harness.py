@@ -161,12 +161,14 @@ class Pacer:
 
 
 def storm(rate: float, gpu_share: float, gpus: int, seed: int,
-          max_live: Optional[int] = None, env: Optional[dict[str, str]] = None
-          ) -> dict[str, Any]:
+          max_live: Optional[int] = None, env: Optional[dict[str, str]] = None,
+          progress: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     """Spawn `rate` short-lived processes a second (at most `max_live` alive) until SIGTERM;
     print `S PID` for each, `H PID DEVICE BYTES` for the GPU holders and `R PID` once a holder
     has exited, for the caller to tell the driver. Returns what it did, with how many children
-    ended by a signal nobody here sent and its longest stall between turns."""
+    ended by a signal nobody here sent and its longest stall between turns; `progress` is given
+    the same, so far, about once a second (a storm stopped before its end still says what it
+    did, its stalls included)."""
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     rng = random.Random(seed)
@@ -175,11 +177,20 @@ def storm(rate: float, gpu_share: float, gpus: int, seed: int,
     signalled: dict[str, int] = {}
     out = sys.stdout
     pacer = Pacer(rate, stopping)
-    began = last_turn = time.monotonic()
+    began = last_turn = reported = time.monotonic()
     max_stall = 0.0
+
+    def so_far() -> dict[str, Any]:
+        return {"seconds": time.monotonic() - began, "max_stall": max_stall,
+                "spawned": spawned, "holders": holders, "spawn_failed": failed,
+                "capped": capped, "max_live": most_alive, "signalled": signalled}
+
     while not stopping.is_set():
         now = time.monotonic()
         max_stall, last_turn = max(max_stall, now - last_turn), now
+        if progress is not None and now - reported >= 1.0:
+            progress(so_far())
+            reported = now
         for _ in range(pacer.due()):
             if max_live is not None and len(live) >= max_live:
                 capped += 1
@@ -210,9 +221,7 @@ def storm(rate: float, gpu_share: float, gpus: int, seed: int,
         pacer.wait()
     signal_all(live)
     collect(live)
-    return {"seconds": time.monotonic() - began, "max_stall": max_stall, "spawned": spawned,
-            "holders": holders, "spawn_failed": failed, "capped": capped,
-            "max_live": most_alive, "signalled": signalled}
+    return so_far()
 
 
 class StormFeed(threading.Thread):

@@ -293,9 +293,11 @@ def test_severities_are_coloured_on_a_terminal_unless_no_color(
         proc.wait(30)
     assert "critical" in plain and "[orphan]" in plain and ANSI not in plain, plain
     # Uncoloured, the terminal gets the same characters: the two runs are two polls, so a
-    # figure (a process's RSS) and the width of its column may differ, and nothing else.
+    # figure (a process's RSS), a process's state and their columns' widths may differ, and
+    # nothing else.
     def shape(text: str) -> list[str]:
-        return [re.sub(r" +", " ", re.sub(r"\d+(\.\d+)?", "#", line))
+        return [re.sub(r" +", " ", re.sub(r"\b(running|sleeping|disk-sleep|idle)\b", "STATE",
+                                          re.sub(r"\d+(\.\d+)?", "#", line)))
                 for line in text.splitlines()[2:]]
 
     assert shape(re.sub(r"\033\[[\d;]*m", "", coloured)) == shape(plain)

@@ -125,23 +125,25 @@ def read_container_log_links(root: str, wanted: Iterable[str],
     if not wanted:
         return found
     uids = {(n.namespace, n.name): uid for uid, n in pods.items()}
-    try:
-        entries = os.scandir(root)
-    except OSError:
-        return found
-    with entries:
-        for n, entry in enumerate(entries):
-            if n >= MAX_POD_DIRS * MAX_POD_CONTAINERS:
-                break
-            m = _CONTAINER_LOG.fullmatch(entry.name)
-            if m is None or m["id"] not in wanted:
-                continue
-            namespace, pod, container = m["namespace"], m["pod"], m["container"]
-            uid = uids.get((namespace, pod))
-            if uid is None or not _CONTAINER_NAME.fullmatch(container):
-                continue
-            found[m["id"]] = ContainerRecord(uid, namespace, pod, container, "container-logs")
+    for entry in _entries(root, MAX_POD_DIRS * MAX_POD_CONTAINERS):
+        m = _CONTAINER_LOG.fullmatch(entry.name)
+        if m is None or m["id"] not in wanted:
+            continue
+        namespace, pod, container = m["namespace"], m["pod"], m["container"]
+        uid = uids.get((namespace, pod))
+        if uid is None or not _CONTAINER_NAME.fullmatch(container):
+            continue
+        found[m["id"]] = ContainerRecord(uid, namespace, pod, container, "container-logs")
     return found
+
+
+def _entries(root: str, limit: int) -> list[os.DirEntry[str]]:
+    """At most `limit` entries of the directory `root` (none where it cannot be read)."""
+    try:
+        with os.scandir(root) as entries:
+            return [entry for _, entry in zip(range(limit), entries)]
+    except OSError:
+        return []
 
 
 # -- the node's records --------------------------------------------------------------------

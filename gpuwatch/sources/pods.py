@@ -152,37 +152,22 @@ def read_pod_log_dirs(root: str) -> dict[str, PodNames]:
     """UID -> names from the kubelet's pod log directories (NAMESPACE_NAME_UID/CONTAINER/).
     Entries that are not directories (a link included) or not of that shape are skipped."""
     found: dict[str, PodNames] = {}
-    try:
-        entries = os.scandir(root)
-    except OSError:
-        return found
-    with entries:
-        for n, entry in enumerate(entries):
-            if n >= MAX_POD_DIRS:
-                break
-            parts = entry.name.split("_")
-            if len(parts) != 3 or not entry.is_dir(follow_symlinks=False):
-                continue
-            namespace, name, uid = parts
-            if not (_NAMESPACE.fullmatch(namespace) and _POD_NAME.fullmatch(name)
-                    and _UID.fullmatch(uid)):
-                continue
-            found[uid] = PodNames(namespace, name, _containers_in(entry.path))
+    for entry in _entries(root, MAX_POD_DIRS):
+        parts = entry.name.split("_")
+        if len(parts) != 3 or not entry.is_dir(follow_symlinks=False):
+            continue
+        namespace, name, uid = parts
+        if not (_NAMESPACE.fullmatch(namespace) and _POD_NAME.fullmatch(name)
+                and _UID.fullmatch(uid)):
+            continue
+        found[uid] = PodNames(namespace, name, _containers_in(entry.path))
     return found
 
 
 def _containers_in(path: str) -> frozenset[str]:
-    names = set()
-    try:
-        with os.scandir(path) as entries:
-            for n, entry in enumerate(entries):
-                if n >= MAX_POD_CONTAINERS:
-                    break
-                if _CONTAINER_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                    names.add(entry.name)
-    except OSError:
-        pass
-    return frozenset(names)
+    return frozenset(entry.name for entry in _entries(path, MAX_POD_CONTAINERS)
+                     if _CONTAINER_NAME.fullmatch(entry.name)
+                     and entry.is_dir(follow_symlinks=False))
 
 
 def read_container_record(runtime_dirs: Iterable[str], container_id: str

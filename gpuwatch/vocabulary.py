@@ -175,6 +175,9 @@ class ReapOutcome(Word):
 #: What carrying out an action can end in: every outcome but the two that are no end.
 FINAL_OUTCOMES: tuple[ReapOutcome, ...] = tuple(
     o for o in ReapOutcome if o not in (ReapOutcome.PLANNED, ReapOutcome.WAITING))
+#: The outcomes after which the process no longer holds anything.
+FREED_OUTCOMES: frozenset[ReapOutcome] = frozenset(
+    {ReapOutcome.EXITED, ReapOutcome.KILLED, ReapOutcome.REAPED, ReapOutcome.GONE})
 
 
 class CheckStatus(Word):

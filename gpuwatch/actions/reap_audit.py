@@ -35,6 +35,7 @@ from gpuwatch.actions.signals import GONE, OTHER, SAME, ZOMBIE, ProcessRef, Sign
 from gpuwatch.runtime_dir import TrustedDir, UnsafeDirectory, open_daemon_dir, open_private_dir
 from gpuwatch.sources.processes import ProcessSource
 from gpuwatch.units import plural
+from gpuwatch.vocabulary import ReapOutcome
 
 AUDIT_NAME = "reap.jsonl"
 #: Phases of an audit line: a plan (a dry run's, or one about to be carried out), a signal sent
@@ -396,15 +397,15 @@ class AuditFollower:
         """What became of the process an action was about, looked at now."""
         pid, start_time = e.get("pid"), e.get("start_time")
         if not isinstance(pid, int):
-            return "failed", "no process to look at"
+            return ReapOutcome.FAILED, "no process to look at"
         now = self._signals.state(ProcessRef(pid, start_time))
         if now == GONE:
-            return "gone", "the process is gone"
+            return ReapOutcome.GONE, "the process is gone"
         if now == OTHER:
-            return "gone", "the process is gone; its PID now belongs to another process"
+            return ReapOutcome.GONE, "the process is gone; its PID now belongs to another process"
         if e.get("action") == VIA_PARENT:
-            return "failed", "still a zombie (same PID and start time)"
+            return ReapOutcome.FAILED, "still a zombie (same PID and start time)"
         if now == ZOMBIE:
-            return "gone", "the process has exited (its parent has yet to collect it)"
-        return "still-running", ("still running (same PID and start time): not signalled "
+            return ReapOutcome.GONE, "the process has exited (its parent has yet to collect it)"
+        return ReapOutcome.STILL_RUNNING, ("still running (same PID and start time): not signalled "
                                  "again here; reap it again")

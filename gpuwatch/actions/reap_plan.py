@@ -33,7 +33,7 @@ from gpuwatch.detectors import protected_by
 from gpuwatch.jobs.tree import service_over
 from gpuwatch.model import KINDS, REAPABLE_KINDS, Finding, HostProcess, Job, Kind, NodeReport
 from gpuwatch.sources.processes import ProcessSource
-from gpuwatch.vocabulary import FINAL_OUTCOMES, ReapOutcome
+from gpuwatch.vocabulary import FINAL_OUTCOMES, FREED_OUTCOMES, ReapOutcome
 
 #: What carrying out an action can end in (a dry run's results are all "planned"; "waiting" is
 #: said while a signalled process is given time to go, and is no end).
@@ -43,7 +43,7 @@ OUTCOMES = FINAL_OUTCOMES
 REFUSED_SERVICE = ReapOutcome.REFUSED_SERVICE
 
 #: The outcomes after which the process no longer holds anything.
-FREED = frozenset({ReapOutcome.EXITED, ReapOutcome.KILLED, ReapOutcome.REAPED, ReapOutcome.GONE})
+FREED = FREED_OUTCOMES
 
 TERMINATE = "terminate"
 VIA_PARENT = "reap-via-parent"

@@ -102,8 +102,8 @@ class Reaper:
             # it: a reader of the state directory (the gpuwatch group) may plan; `unrecorded`
             # says why the plan is not on record.
             try:
-                self.audit.write([self.audit.entry(Result(a, "planned"), PLANNED, dry_run=True)
-                                  for a in actions])
+                self.audit.write([self.audit.entry(Result(a, ReapOutcome.PLANNED), PLANNED,
+                                                   dry_run=True) for a in actions])
             except PermissionError as exc:
                 self.unrecorded = audit_refusal(self.audit_path, exc)
         return actions
@@ -122,7 +122,8 @@ class Reaper:
 
     def audit_planned(self, actions: Iterable[Action]) -> None:
         """Record plans that are not carried out (the daemon's refused auto-reaps)."""
-        self.audit.write([self.audit.entry(Result(a, "planned"), PLANNED) for a in actions])
+        self.audit.write([self.audit.entry(Result(a, ReapOutcome.PLANNED), PLANNED)
+                          for a in actions])
 
     # -- acting --------------------------------------------------------------------------------
     def execute(self, actions: Iterable[Action], grace: Optional[float] = None,
@@ -136,8 +137,8 @@ class Reaper:
         wait = self.config.reaper.grace if grace is None else grace
         batch = uuid.uuid4().hex[:12]
         ids = [f"{batch}.{i}" for i in range(len(actions))]
-        self.audit.write([self.audit.entry(Result(a, "planned"), PLANNED, action_id=ids[i])
-                          for i, a in enumerate(actions)])
+        self.audit.write([self.audit.entry(Result(a, ReapOutcome.PLANNED), PLANNED,
+                                           action_id=ids[i]) for i, a in enumerate(actions)])
         results: list[Optional[Result]] = [None] * len(actions)
         unwritten: list[OSError] = []
 
@@ -159,12 +160,12 @@ class Reaper:
         terminating = []
         for i, a in enumerate(actions):
             if a.action == REFUSE:
-                done(i, Result(a, "refused", a.refused or ""))
+                done(i, Result(a, ReapOutcome.REFUSED, a.refused or ""))
             elif a.action == REFUSE_SERVICE:
                 done(i, Result(a, REFUSED_SERVICE, a.refused or ""))
             elif a.action == REPORT:
-                done(i, Result(a, "unkillable" if a.kind == Kind.UNKILLABLE else "failed",
-                               a.refused or ""))
+                done(i, Result(a, ReapOutcome.UNKILLABLE if a.kind == Kind.UNKILLABLE
+                               else ReapOutcome.FAILED, a.refused or ""))
             elif a.action == TERMINATE:
                 terminating.append(i)
         # Read while they run: a `gpuwatch run` job whose last processes this ends (its
@@ -204,7 +205,7 @@ class Reaper:
         assert a.pid is not None and a.target is not None
         zombie = ProcessRef(a.pid, a.start_time)
         if self._signals.wait_collected(zombie, 0.5):
-            return Result(a, "reaped", "its parent reaped it")
+            return Result(a, ReapOutcome.REAPED, "its parent reaped it")
         parent = ProcessRef(a.target, a.target_start_time)
         told = False
         sent: tuple[tuple[str, float], ...] = ()
@@ -212,13 +213,13 @@ class Reaper:
             try:
                 told = self._signals.send(parent, signal.SIGCHLD) == SAME
             except OSError as exc:
-                return Result(a, "failed", f"cannot signal its parent: {exc.strerror}")
+                return Result(a, ReapOutcome.FAILED, f"cannot signal its parent: {exc.strerror}")
             if told:
                 sent = (("SIGCHLD", time.time()),)
                 if not self._signals.wait_collected(zombie, WAITING):
                     signalled(Result(a, ReapOutcome.WAITING, "SIGCHLD sent to its parent", sent))
         if self._signals.wait_collected(zombie, SETTLE):
-            return Result(a, "reaped", "reaped after its parent was told (SIGCHLD)"
+            return Result(a, ReapOutcome.REAPED, "reaped after its parent was told (SIGCHLD)"
                           if told else "reaped by its new parent", sent)
-        return Result(a, "failed", f"its parent {a.target} does not reap it: end the parent, "
-                                   "or wait for it to exit", sent)
+        return Result(a, ReapOutcome.FAILED, f"its parent {a.target} does not reap it: end the "
+                                             "parent, or wait for it to exit", sent)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 from gpuwatch.model import NvmlReading
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.processes import ProcessSource
+from gpuwatch.vocabulary import ReapOutcome
 
 if TYPE_CHECKING:
     from gpuwatch.actions.reap_plan import Result
@@ -86,7 +87,7 @@ def still_held(results: Iterable[Result], reading: NvmlReading,
     for r in results:
         a = r.action
         pid = a.pid if a.pid is not None else a.target
-        if pid is None or r.result == "identity-changed":
+        if pid is None or r.result == ReapOutcome.IDENTITY_CHANGED:
             continue
         if r.result in FREED:
             if listed is not None and pid in listed and not _reused(source, pid, a.start_time):

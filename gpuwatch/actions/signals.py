@@ -49,6 +49,8 @@ GONE = "gone"  # no such PID
 OTHER = "other"  # the PID belongs to another process now
 #: The result of a signal its ref's veto stopped (Ending.result).
 VETOED = "vetoed"
+#: The endings after which the process is no longer there (Ending.ended).
+ENDED = frozenset({ReapOutcome.EXITED, ReapOutcome.KILLED, ReapOutcome.GONE})
 
 #: capabilities(7): the one that lets a process signal processes of any user.
 CAP_KILL = 5
@@ -102,7 +104,7 @@ class Ending:
 
     @property
     def ended(self) -> bool:
-        return self.result in ("exited", "killed", "gone")
+        return self.result in ENDED
 
 
 class Signaller:
@@ -205,26 +207,27 @@ class Signaller:
         for i, ref in enumerate(refs):
             now = self.state(ref)
             if now == GONE:
-                end(i, Ending("gone", "already gone"))
+                end(i, Ending(ReapOutcome.GONE, "already gone"))
             elif now == OTHER:
-                end(i, Ending("identity-changed", "the PID now belongs to another process: "
-                                                  "nothing sent"))
+                end(i, Ending(ReapOutcome.IDENTITY_CHANGED,
+                              "the PID now belongs to another process: nothing sent"))
             elif now == ZOMBIE:
-                end(i, Ending("exited", "already exited (its parent has yet to collect it)"))
+                end(i, Ending(ReapOutcome.EXITED,
+                              "already exited (its parent has yet to collect it)"))
             else:
                 try:
                     sent = self.send(ref, signal.SIGTERM)
                 except PermissionError:
-                    end(i, Ending("failed", "no permission to signal it"))
+                    end(i, Ending(ReapOutcome.FAILED, "no permission to signal it"))
                     continue
                 except Vetoed as why:
                     end(i, Ending(VETOED, f"{why}: nothing sent"))
                     continue
                 if sent == GONE:
-                    end(i, Ending("gone", "exited before the signal"))
+                    end(i, Ending(ReapOutcome.GONE, "exited before the signal"))
                 elif sent == OTHER:
-                    end(i, Ending("gone", "exited before the signal; its PID now belongs to "
-                                          "another process: nothing sent"))
+                    end(i, Ending(ReapOutcome.GONE, "exited before the signal; its PID now "
+                                                    "belongs to another process: nothing sent"))
                 else:
                     term_at[i] = time.time()
 
@@ -232,14 +235,14 @@ class Signaller:
             if now == OTHER:
                 # Ended between two looks, and the PID went to a new process: what ended it
                 # (the SIGTERM, or something else) cannot be told; the newcomer gets nothing.
-                return Ending("gone", "gone after SIGTERM; its PID now belongs to another "
-                                      "process, which is not signalled", ("SIGTERM",),
-                              (term_at[i],))
-            return Ending("exited", "ended on SIGTERM", ("SIGTERM",), (term_at[i],))
+                return Ending(ReapOutcome.GONE, "gone after SIGTERM; its PID now belongs to "
+                                                "another process, which is not signalled",
+                              ("SIGTERM",), (term_at[i],))
+            return Ending(ReapOutcome.EXITED, "ended on SIGTERM", ("SIGTERM",), (term_at[i],))
 
         def waiting_after_sigterm(i: int) -> Ending:
-            return Ending(ReapOutcome.WAITING, f"SIGTERM sent; SIGKILL if it is still there after "
-                                     f"{grace:g} s", ("SIGTERM",), (term_at[i],))
+            return Ending(ReapOutcome.WAITING, f"SIGTERM sent; SIGKILL if it is still there "
+                                               f"after {grace:g} s", ("SIGTERM",), (term_at[i],))
 
         waiting = self._wait_all(refs, list(term_at), grace, lambda i, now: end(
             i, after_sigterm(i, now)), on_waiting and (lambda i: on_waiting(
@@ -250,7 +253,7 @@ class Signaller:
             try:
                 sent = self.send(refs[i], signal.SIGKILL)
             except PermissionError:
-                end(i, Ending("failed", "no permission to send SIGKILL", ("SIGTERM",),
+                end(i, Ending(ReapOutcome.FAILED, "no permission to send SIGKILL", ("SIGTERM",),
                               (term_at[i],)))
                 continue
             except Vetoed as why:
@@ -267,16 +270,16 @@ class Signaller:
 
         waiting = self._wait_all(
             refs, list(kill_at), SETTLE, lambda i, now: end(i, killed(
-                i, "killed", f"ignored SIGTERM for {grace:g} s; ended on SIGKILL")),
+                i, ReapOutcome.KILLED, f"ignored SIGTERM for {grace:g} s; ended on SIGKILL")),
             on_waiting and (lambda i: on_waiting(i, killed(
                 i, ReapOutcome.WAITING,
                 f"SIGKILL sent after {grace:g} s; waiting up to {SETTLE:g} s"))))
         for i in waiting:
             stat = self._procs.stat(refs[i].pid)
             if stat is not None and stat.state == ProcState.DISK_SLEEP:
-                end(i, killed(i, "unkillable", "in uninterruptible sleep after SIGKILL"))
+                end(i, killed(i, ReapOutcome.UNKILLABLE, "in uninterruptible sleep after SIGKILL"))
             else:
-                end(i, killed(i, "still-running", "still there after SIGKILL"))
+                end(i, killed(i, ReapOutcome.STILL_RUNNING, "still there after SIGKILL"))
         assert all(e is not None for e in endings)
         return [e for e in endings if e is not None]
 

@@ -53,6 +53,7 @@ from gpuwatch.sinks.top.view import (
     glyphs_for,
     overlay,
 )
+from gpuwatch.vocabulary import ReapOutcome
 
 NO_TERMINAL = ("gpuwatch top needs a terminal; use `gpuwatch status --watch` or "
                "`status --json`")
@@ -200,7 +201,7 @@ class Reaping:
 
         filters = Filters(kinds=frozenset({kind}), pids=frozenset({pid}))
         actions = self._reaper().plan(report, filters, dry_run=True)
-        text = render_reap(report, [(a, "planned", "") for a in actions], True)
+        text = render_reap(report, [(a, ReapOutcome.PLANNED, "") for a in actions], True)
         command = (f"gpuwatch reap --dry-run --pid {pid} --kind {kind}"
                    + (" --poll" if self._force_poll else ""))
         in_full = [f"PID {a.pid} ({a.kind}): {a.action}"

@@ -20,6 +20,7 @@ from gpuwatch.commands.options import (
     load_config,
     runtime_option,
 )
+from gpuwatch.vocabulary import ReapOutcome
 
 if TYPE_CHECKING:
     from gpuwatch.actions.reap_plan import Spared
@@ -108,7 +109,7 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pod: Optional[str],
     if not actions:
         _print(as_json, report, [], dry_run, spared=spared)
         return ExitCode.NOT_ALL_REAPED if spared else ExitCode.NOTHING_TO_DO
-    planned: list[Row] = [(a, "planned", "") for a in actions]
+    planned: list[Row] = [(a, ReapOutcome.PLANNED, "") for a in actions]
     if dry_run:
         _print(as_json, report, planned, True, spared=spared)
         if reaper.unrecorded:

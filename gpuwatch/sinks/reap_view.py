@@ -18,6 +18,7 @@ from gpuwatch.sinks.text import (
     wrapped_table,
 )
 from gpuwatch.units import human_bytes
+from gpuwatch.vocabulary import FREED_OUTCOMES, ReapOutcome
 
 #: PID NAME USER JOB KIND GPU-MEMORY ACTION SIGNALS|RESULT WHY: what gives way on a narrow
 #: terminal, in order, for WHY (wrapped in what is left); never the PID, the name, the action.
@@ -65,7 +66,7 @@ def render_reap(report: NodeReport, rows: list[tuple[Any, str, str]], dry_run: b
                       clean(outcome or "-"), clean(why)))
     widths = fit_widths(natural_widths(table), width, _NARROWING, _MIN_WHY)
     freed = sum(a.gpu_memory_bytes or 0 for a, result, _ in rows
-                if result in ("planned", "exited", "killed", "reaped", "gone")
+                if (result == ReapOutcome.PLANNED or result in FREED_OUTCOMES)
                 and a.action not in ("refuse", "refuse-service", "report"))
     verb = "would free" if dry_run else "freed"
     rows_text = wrapped_table(table, widths, width, cut_at_start={_R_JOB}, glyphs=glyphs)
@@ -85,7 +86,7 @@ def _service_lines(rows: list[tuple[Any, str, str]], dry_run: bool) -> list[str]
     """What was refused as a service's (or the daemon's) own: findings that name it are wrong or
     out of date, and no reap ends it (`refuse-service`, `refused-service`)."""
     pids = [str(a.pid) for a, result, _ in rows
-            if a.action == "refuse-service" or result == "refused-service"]
+            if a.action == "refuse-service" or result == ReapOutcome.REFUSED_SERVICE]
     if not pids:
         return []
     verb = "would refuse" if dry_run else "refused"

@@ -12,8 +12,7 @@ from gpuwatch.sinks.text import (
     Glyphs,
     Narrowing,
     clean,
-    fit_widths,
-    natural_widths,
+    fitted_widths,
     wrap_text,
     wrapped_table,
 )
@@ -64,7 +63,7 @@ def render_reap(report: NodeReport, rows: list[tuple[Any, str, str]], dry_run: b
         table.append((str(a.pid) if a.pid is not None else "-", clean(a.name or "?"),
                       clean(a.user or "?"), clean(job), clean(a.kind), memory, a.action,
                       clean(outcome or "-"), clean(why)))
-    widths = fit_widths(natural_widths(table), width, _NARROWING, _MIN_WHY)
+    widths = fitted_widths(table, width, _NARROWING, _MIN_WHY)
     freed = sum(a.gpu_memory_bytes or 0 for a, result, _ in rows
                 if (result == ReapOutcome.PLANNED or result in FREED_OUTCOMES)
                 and a.action not in ("refuse", "refuse-service", "report"))

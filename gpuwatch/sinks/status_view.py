@@ -30,8 +30,7 @@ from gpuwatch.sinks.text import (
     Glyphs,
     Narrowing,
     clean,
-    fit_widths,
-    natural_widths,
+    fitted_widths,
     table_lines,
     wrap_parts,
     wrap_text,
@@ -96,7 +95,7 @@ def _findings_table(report: NodeReport, width: int, verbose: bool = False,
         ))
         if f.kind == Kind.LEAK:
             notes[len(rows) - 1] = [clean(note) for note in leak_notes(f.details, verbose)]
-    widths = fit_widths(natural_widths(rows), width, _FINDING_NARROWING, _MIN_REASON)
+    widths = fitted_widths(rows, width, _FINDING_NARROWING, _MIN_REASON)
 
     def painted(r: int, column: int, text: str) -> str:
         return paint(text, rows[r][1]) if colour and r > 0 and column == 1 else text
@@ -147,7 +146,7 @@ def _gpu_table(report: NodeReport, width: int = 0, glyphs: Glyphs = UNICODE) -> 
             "?" if g.holders_unknown else str(len(g.processes)),
             clean(note),
         ))
-    widths = fit_widths(natural_widths(rows), width, _GPU_NARROWING, 20)
+    widths = fitted_widths(rows, width, _GPU_NARROWING, 20)
     return [line[:width] if width > 0 else line
             for line in table_lines(rows, widths, right={0, 3, 4, 5}, glyphs=glyphs)]
 
@@ -207,7 +206,7 @@ def _process_table(report: NodeReport, width: int, colour: bool = False,
         agent = snapshot.agents.get(p.pid)
         if agent is not None:
             under[len(rows) - 1] = agent_parts(report, agent, taken_at)
-    widths = fit_widths(natural_widths(rows), width, PROCESS_NARROWING, needed)
+    widths = fitted_widths(rows, width, PROCESS_NARROWING, needed)
 
     def painted(r: int, column: int, text: str) -> str:
         if not colour or r == 0 or column != _P_COMMAND:

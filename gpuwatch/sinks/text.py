@@ -222,6 +222,13 @@ def natural_widths(rows: Sequence[Sequence[str]]) -> list[int]:
     return [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
 
 
+def fitted_widths(rows: Sequence[Sequence[str]], width: int, steps: Sequence[Narrowing],
+                  min_last: int) -> list[int]:
+    """fit_widths for the columns of `rows` (the first: the column names) as wide as their
+    widest cell."""
+    return fit_widths(natural_widths(rows), width, steps, min_last)
+
+
 #: Narrower than this, a last column is cut (marked), not wrapped into a column of syllables.
 _MIN_WRAP = 16
 

@@ -49,32 +49,93 @@ class Process:
 
 
 def _read(path: str) -> bytes:
+    """The file's bytes (b"" if it cannot be read): with os.read, at half the cost of a file
+    object, as the guard reads a file or two of every process on the machine twice a test."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return b""
+    try:
+        chunks = []
+        while chunk := os.read(fd, 16384):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
-def _process(pid: int) -> Process | None:
-    """The process, unless it is gone or only a zombie (it has ended; its parent reaps it)."""
+#: PF_KTHREAD in /proc/PID/stat's flags: a kernel thread, which never has an environment.
+_KERNEL_THREAD = 0x00200000
+#: A process in the middle of execve(2) shows an empty environment for a moment (its new memory
+#: is mapped, its environment not yet placed): an empty read is read again this many times, this
+#: far apart, before the process counts as carrying no tag.
+ENVIRON_REREADS = 5
+ENVIRON_REREAD_PAUSE = 0.002
+
+
+@dataclass(frozen=True)
+class _Stat:
+    state: bytes
+    ppid: int
+    flags: int
+    start_time: int
+    name: bytes
+
+
+def _stat(pid: int) -> _Stat | None:
     stat = _read(f"/proc/{pid}/stat")
     if not stat:
         return None
     fields = stat[stat.rfind(b")") + 2:].split()
-    if fields[0] in (b"Z", b"X"):
+    return _Stat(fields[0], int(fields[1]), int(fields[6]), int(fields[19]),
+                 stat[stat.find(b"(") + 1:stat.rfind(b")")])
+
+
+def _process(pid: int) -> Process | None:
+    """The process, unless it is gone or only a zombie (it has ended; its parent reaps it)."""
+    stat = _stat(pid)
+    if stat is None or stat.state in (b"Z", b"X"):
         return None
     args = _read(f"/proc/{pid}/cmdline").rstrip(b"\0").replace(b"\0", b" ")
-    name = stat[stat.find(b"(") + 1:stat.rfind(b")")]
-    command = (args or b"[" + name + b"]").decode(errors="replace")
-    return Process(pid, int(fields[19]), int(fields[1]), command[:200])
+    command = (args or b"[" + stat.name + b"]").decode(errors="replace")
+    return Process(pid, stat.start_time, stat.ppid, command[:200])
+
+
+def _may_be_in_execve(pid: int) -> bool:
+    """Whether an empty environment may be a process's in the middle of execve(2): not a kernel
+    thread (kthreadd's child, or flagged so), not an init (parent 0), not a zombie."""
+    stat = _stat(pid)
+    return (stat is not None and stat.state not in (b"Z", b"X") and stat.ppid not in (0, 2)
+            and not stat.flags & _KERNEL_THREAD)
+
+
+def _environ(pid: int) -> bytes:
+    """/proc/PID/environ; an empty one read again a few times (bounded) where the process may be
+    caught in execve(2), which shows none for a moment."""
+    environ = _read(f"/proc/{pid}/environ")
+    if environ or not _may_be_in_execve(pid):
+        return environ
+    for _ in range(ENVIRON_REREADS):
+        time.sleep(ENVIRON_REREAD_PAUSE)
+        if environ := _read(f"/proc/{pid}/environ"):
+            break
+    return environ
+
+
+_ENTRY = b"\0" + TAG_KEY.encode() + b"="
 
 
 def _tagged(pid: int, tag: bytes) -> bool:
-    for entry in _read(f"/proc/{pid}/environ").split(b"\0"):
-        if entry.startswith(TAG_KEY.encode() + b"="):
-            return tag in entry.split(b"=", 1)[1].split(_SEPARATOR.encode())
-    return False
+    environ = b"\0" + _environ(pid)
+    at = environ.find(_ENTRY)  # the first, as getenv(3) finds it
+    if at < 0:
+        return False
+    start = at + len(_ENTRY)
+    stop = environ.find(b"\0", start)
+    value = environ[start:] if stop < 0 else environ[start:stop]
+    return tag in value.split(_SEPARATOR.encode())
 
 
 def _descendants(pid: int) -> set[int]:
@@ -114,14 +175,18 @@ def started_by_this_run(tag: str) -> dict[tuple[int, int], Process]:
 def left_behind(tag: str, before: Iterable[tuple[int, int]],
                 deadline: float = EXIT_DEADLINE) -> list[Process]:
     """The processes of this run that were not running at `before` and still run, once those
-    that are ending have had `deadline` seconds to go."""
+    that are ending have had `deadline` seconds to go. (While some are ending, only they are
+    watched; the whole process list is read again once they have gone, and at the deadline.)"""
     known = set(before)
     end = time.monotonic() + deadline
     while True:
         extra = [p for key, p in started_by_this_run(tag).items() if key not in known]
         if not extra or time.monotonic() >= end:
             return sorted(extra, key=lambda p: p.pid)
-        time.sleep(0.05)
+        while extra and time.monotonic() < end:
+            time.sleep(0.05)
+            extra = [p for p in extra if (now := _process(p.pid)) is not None
+                     and now.key == p.key]
 
 
 def end(processes: Iterable[Process]) -> None:

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests import process_guard
 from tests.scenarios import running
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,3 +57,32 @@ def test_a_test_that_leaves_a_process_running_fails_named_and_the_process_is_kil
     assert "test_ends_what_it_starts" not in out.split("short test summary")[1], out
     for name in ("leaked-1", "leaked-2"):
         assert not running(int((tmp_path / name).read_text())), name
+
+
+def test_a_leftover_caught_in_execve_with_no_environment_yet_is_still_found(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A process in the middle of execve(2) shows an empty /proc/PID/environ for a moment; the
+    # kernel gives no way to hold one there, so the guard's reads show the leftover so twice.
+    tag = os.environ[process_guard.TAG_KEY].rsplit(":", 1)[-1]
+    before = process_guard.started_by_this_run(tag)
+    pid = int(subprocess.run(["sh", "-c", "sleep 602 >/dev/null 2>&1 & echo $!"], check=True,
+                             capture_output=True, text=True).stdout)
+    try:
+        read = process_guard._read
+        empty = {f"/proc/{pid}/environ": 2}
+
+        def caught_in_execve(path: str) -> bytes:
+            if empty.get(path, 0) > 0:
+                empty[path] -= 1
+                return b""
+            return read(path)
+
+        monkeypatch.setattr(process_guard, "_read", caught_in_execve)
+        left = process_guard.left_behind(tag, before, deadline=0.5)
+        assert [p.pid for p in left] == [pid], left
+        assert empty == {f"/proc/{pid}/environ": 0}
+    finally:
+        monkeypatch.undo()
+        process_guard.end([p for p in process_guard.started_by_this_run(tag).values()
+                           if p.pid == pid])
+    assert not running(pid)

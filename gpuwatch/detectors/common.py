@@ -11,7 +11,7 @@ a path, or a name a program chose for a buffer or a thread.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.launch_env import RUN_ID_KEY, WORKER_MARKER_KEYS, process_title, run_supervisor
@@ -68,6 +68,18 @@ class Evidence(NamedTuple):
         """Evidence whose full words are public already (no command line, environment value,
         path or chosen name in them): the summary is the reason."""
         return Evidence(words, words)
+
+    @staticmethod
+    def reason_only(words: str) -> Evidence:
+        """Words that only the full reason says (a command line, a job's label)."""
+        return Evidence(words, "")
+
+    @staticmethod
+    def join(*parts: Union[str, Evidence]) -> Evidence:
+        """`parts` in a row: a string stands in both (public words), an Evidence gives its
+        reason to the reason and its summary to the summary."""
+        return Evidence("".join(p if isinstance(p, str) else p.reason for p in parts),
+                        "".join(p if isinstance(p, str) else p.summary for p in parts))
 
 
 def judged_in_state(snapshot: NodeSnapshot, state: ProcState, config: DetectorConfig
@@ -141,6 +153,18 @@ def named_process(p: Optional[HostProcess], pid: Optional[int]) -> str:
     """'4121 (python)', '4121 (torchrun (pt_elastic))' for a launcher that titled itself
     (launch_env.process_title), '4121 (?)' for a process not read: a reason's words."""
     return titled(pid, process_title(p.name, p.cmdline) if p is not None else None)
+
+
+def pid_named(pid: Optional[int], title: Optional[str], comm: Optional[str]) -> Evidence:
+    """A process as evidence names it: `titled` in the reason, `named` (its kernel name) in the
+    summary."""
+    return Evidence(titled(pid, title), named(pid, comm))
+
+
+def process_named(p: Optional[HostProcess], pid: Optional[int]) -> Evidence:
+    """The process `p` on `pid` (None: not read) as evidence names it: `named_process` in the
+    reason, `named` in the summary."""
+    return Evidence(named_process(p, pid), named(pid, p.name if p is not None else None))
 
 
 def supervisor_gone(p: HostProcess, snapshot: NodeSnapshot) -> Optional[Evidence]:

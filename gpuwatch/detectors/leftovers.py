@@ -30,8 +30,8 @@ from gpuwatch.detectors.common import (
     finding,
     is_protected,
     named,
+    pid_named,
     supervisor_gone,
-    titled,
 )
 from gpuwatch.history import History
 from gpuwatch.jobs.records import JobRecord
@@ -68,16 +68,15 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
             label = f" of job {job.label}" if job.label else ""
             ended = clock_time(snapshot.wall(job.finished_at))
             # The summary names the process by PID and kernel name, not by its command line.
+            what = Evidence.reason_only(f"`{command(p)}`{label} ")
             if p.pid == trainer_pid:
-                evidence = Evidence(f"`{command(p)}`{label} told the agent it finished after "
-                                    f"{ended} but still runs",
-                                    f"told the agent it finished after {ended} but still runs")
+                evidence = Evidence.join(what, f"told the agent it finished after {ended} but "
+                                               "still runs")
             else:
-                evidence = Evidence(f"`{command(p)}`{label} still runs; its trainer "
-                                    f"{titled(trainer_pid, trainer_name)} ended after {ended}",
-                                    "still runs; its trainer "
-                                    f"{named(trainer_pid, job.last_trainer_comm)} ended after "
-                                    f"{ended}")
+                evidence = Evidence.join(what, "still runs; its trainer ",
+                                         pid_named(trainer_pid, trainer_name,
+                                                   job.last_trainer_comm),
+                                         f" ended after {ended}")
             yield finding(Kind.LEFTOVER, Severity.WARNING, p, evidence)
 
 

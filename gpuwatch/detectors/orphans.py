@@ -37,10 +37,9 @@ from gpuwatch.detectors.common import (
     finding,
     gpu_words,
     is_protected,
-    named,
-    named_process,
+    pid_named,
+    process_named,
     supervisor_gone,
-    titled,
     worker_evidence,
 )
 from gpuwatch.history import History
@@ -112,10 +111,8 @@ def _lineage_reason(p: HostProcess, parent_pid: int, parent_start: float | None,
     elif unreaped is not None and unreaped.zombie_since is not None:
         when = f" before {clock_time(snapshot.wall(unreaped.zombie_since))} (not reaped yet)"
     adopter = snapshot.processes.get(p.ppid) if p.ppid else None
-    return Evidence(f"parent {titled(parent_pid, parent_name)} exited{when}; "
-                    f"now under {named_process(adopter, p.ppid)}",
-                    f"parent {named(parent_pid, parent_comm)} exited{when}; "
-                    f"now under {named(p.ppid, adopter.name if adopter else None)}")
+    return Evidence.join("parent ", pid_named(parent_pid, parent_name, parent_comm),
+                         f" exited{when}; now under ", process_named(adopter, p.ppid))
 
 
 def _environment_reason(p: HostProcess, snapshot: NodeSnapshot, config: DetectorConfig
@@ -146,19 +143,18 @@ def _adopter(p: HostProcess, parent: HostProcess) -> Evidence | None:
     """
     if parent.pid == 1:
         return Evidence.public("PID 1")  # the host's init never launches ranks
-    public = named(parent.pid, parent.name)
+    named_parent = process_named(parent, parent.pid)
     if is_supervisor(parent):
-        adopter = Evidence(named_process(parent, parent.pid), public)
+        adopter = named_parent
     elif not p.launch_env.keys() & LAUNCHER_SET_KEYS:
         # A container's init or an entrypoint may start ranks itself (a shell loop setting RANK
         # and LOCAL_RANK): only a variable a launcher sets says another process started it.
         return None
     elif is_namespace_init(parent, p):
-        adopter = Evidence(f"{named_process(parent, parent.pid)}, PID 1 of its PID namespace",
-                           f"{public}, PID 1 of its PID namespace")
+        adopter = Evidence.join(named_parent, ", PID 1 of its PID namespace")
     elif p.group_leader_gone and p.pgid is not None and parent.pgid != p.pgid:
         gone = f"; the leader of its process group, {p.pgid}, has exited"
-        adopter = Evidence(named_process(parent, parent.pid) + gone, public + gone)
+        adopter = Evidence.join(named_parent, gone)
     else:
         return None
     if p.pgid == p.pid and TORCHELASTIC_RUN_ID_KEY not in p.launch_env:

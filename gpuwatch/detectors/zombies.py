@@ -12,14 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpuwatch.config import DetectorConfig
-from gpuwatch.detectors.common import (
-    Evidence,
-    by_holding,
-    finding,
-    judged_in_state,
-    named,
-    named_process,
-)
+from gpuwatch.detectors.common import Evidence, by_holding, finding, judged_in_state, process_named
 from gpuwatch.history import History
 from gpuwatch.model import Finding, Kind, NodeSnapshot
 from gpuwatch.vocabulary import ProcState, Severity
@@ -46,8 +39,6 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         else:
             parent = snapshot.processes.get(p.ppid) if p.ppid else None
             severity = Severity.WARNING
-            evidence = Evidence(f"defunct; parent {named_process(parent, p.ppid)} "
-                                "has not reaped it",
-                                f"defunct; parent {named(p.ppid, parent.name if parent else None)}"
-                                " has not reaped it")
+            evidence = Evidence.join("defunct; parent ", process_named(parent, p.ppid),
+                                     " has not reaped it")
         yield finding(Kind.ZOMBIE, severity, p, evidence)

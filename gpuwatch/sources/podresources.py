@@ -124,6 +124,22 @@ def _text(value: Any, cut: dict[str, int]) -> Optional[str]:
     return value.decode("utf-8", "replace")
 
 
+def _message(wire: int, value: Any, what: str) -> bytes:
+    """The bytes of a field that must hold a message (`what`, for DecodeError)."""
+    if wire != _LEN:
+        raise DecodeError(f"{what} is not a message")
+    return value  # type: ignore[no-any-return]
+
+
+def _room(cut: dict[str, int], what: str, kept: int, limit: int) -> bool:
+    """Whether one more of `what` may be kept after `kept` of them: under `limit`; where it may
+    not, it is counted in `cut`."""
+    if kept < limit:
+        return True
+    cut[what] = cut.get(what, 0) + 1
+    return False
+
+
 def decode_list_response(buf: bytes) -> PodList:
     """A ListPodResourcesResponse's pods, their containers and GPU devices; DecodeError where the
     bytes are not protobuf of that shape."""
@@ -132,14 +148,11 @@ def decode_list_response(buf: bytes) -> PodList:
     for number, wire, value in _fields(bytes(buf)):
         if number != 1:
             continue
-        if wire != _LEN:
-            raise DecodeError("pod_resources is not a message")
-        if len(pods) >= MAX_PODS:
-            cut["pods"] = cut.get("pods", 0) + 1
-            continue
-        pod = _pod(value, cut)
-        if pod is not None:
-            pods[(pod.namespace, pod.name)] = pod
+        message = _message(wire, value, "pod_resources")
+        if _room(cut, "pods", len(pods), MAX_PODS):
+            pod = _pod(message, cut)
+            if pod is not None:
+                pods[(pod.namespace, pod.name)] = pod
     return PodList(pods=pods, cut=cut)
 
 
@@ -153,15 +166,12 @@ def _pod(buf: bytes, cut: dict[str, int]) -> Optional[PodAllocation]:
         elif number == 2:
             namespace = _text(value, cut)
         elif number == 3:
-            if wire != _LEN:
-                raise DecodeError("containers is not a message")
-            if len(containers) >= MAX_CONTAINERS:
-                cut["containers"] = cut.get("containers", 0) + 1
-                continue
-            container = _container(value, cut)
-            if container is not None:
-                containers[container[0]] = container[1]
-                dynamic = dynamic or container[2]
+            message = _message(wire, value, "containers")
+            if _room(cut, "containers", len(containers), MAX_CONTAINERS):
+                container = _container(message, cut)
+                if container is not None:
+                    containers[container[0]] = container[1]
+                    dynamic = dynamic or container[2]
     if not name or not namespace:
         return None
     return PodAllocation(namespace=namespace, name=name, containers=containers,
@@ -179,11 +189,9 @@ def _container(buf: bytes, cut: dict[str, int]
         elif number == 5:  # dynamic_resources
             dynamic = True
         elif number == 2:
-            if wire != _LEN:
-                raise DecodeError("devices is not a message")
             resource = None
             ids: list[str] = []
-            for n, _wire, v in _fields(value):
+            for n, _wire, v in _fields(_message(wire, value, "devices")):
                 if n == 1:
                     resource = _text(v, cut)
                 elif n == 2:
@@ -193,8 +201,7 @@ def _container(buf: bytes, cut: dict[str, int]
             if resource is None or not resource.startswith(GPU_RESOURCE_PREFIXES):
                 continue
             for device in ids:
-                if len(devices) >= MAX_DEVICES:
-                    cut["devices"] = cut.get("devices", 0) + 1
+                if not _room(cut, "devices", len(devices), MAX_DEVICES):
                     break
                 devices.append(device)
     if not name:

@@ -342,6 +342,99 @@ static void set_bus_id(struct fake_device *d)
              d->func);
 }
 
+/* How a record's KEY=VALUE value is read (struct key). */
+enum value_kind {
+    V_UINT,    /* unsigned int */
+    V_U64,     /* unsigned long long */
+    V_INT,     /* int, 0 or more */
+    V_FLAG,    /* int, 0 or 1 */
+    V_NONZERO, /* int, 1 or more */
+    V_TEXT,    /* char[size] */
+    V_NAME,    /* char[size], not empty */
+    V_USED,    /* unsigned long long, or "na": NVML_VALUE_NOT_AVAILABLE */
+    V_TYPES,   /* unsigned int: "compute", "graphics" or both, joined by '+' */
+    V_BUS_ID,  /* struct fake_device: its PCI bus id (parse_bus_id) */
+    V_CC,      /* struct fake_device: its compute capability, "MAJOR.MINOR" */
+};
+
+/* A key a record may give: where its value goes, and `seen` (NULL: not asked) set once given. */
+struct key {
+    const char *name;
+    enum value_kind kind;
+    void *to;
+    size_t size; /* V_TEXT, V_NAME: the buffer's */
+    int *seen;
+};
+
+static int parse_value(const struct key *k, const char *val)
+{
+    switch (k->kind) {
+    case V_UINT:
+        return parse_uint(val, k->to);
+    case V_U64:
+        return parse_u64(val, k->to);
+    case V_INT:
+        return parse_int(val, k->to);
+    case V_FLAG:
+        return parse_int(val, k->to) && *(int *)k->to <= 1;
+    case V_NONZERO:
+        return parse_int(val, k->to) && *(int *)k->to != 0;
+    case V_TEXT:
+        return copy_value(k->to, k->size, val);
+    case V_NAME:
+        return copy_value(k->to, k->size, val) && *val;
+    case V_USED:
+        if (strcmp(val, "na"))
+            return parse_u64(val, k->to);
+        *(unsigned long long *)k->to = NVML_VALUE_NOT_AVAILABLE;
+        return 1;
+    case V_TYPES: {
+        unsigned int *types = k->to;
+        if (!strcmp(val, "compute"))
+            *types = PROC_COMPUTE;
+        else if (!strcmp(val, "graphics"))
+            *types = PROC_GRAPHICS;
+        else if (!strcmp(val, "compute+graphics") || !strcmp(val, "graphics+compute"))
+            *types = PROC_COMPUTE | PROC_GRAPHICS;
+        else
+            return 0;
+        return 1;
+    }
+    case V_BUS_ID: {
+        struct fake_device *d = k->to;
+        return parse_bus_id(val, &d->domain, &d->bus, &d->dev, &d->func);
+    }
+    case V_CC: {
+        struct fake_device *d = k->to;
+        return sscanf(val, "%d.%d", &d->cc_major, &d->cc_minor) == 2;
+    }
+    }
+    return 0;
+}
+
+/* Reads tok[1..n), each KEY=VALUE, into `keys`: NULL, or what is wrong (`unknown`: a key not
+ * among them; `bad`: a value its key does not take). */
+static const char *parse_keys(char **tok, int n, const struct key *keys, size_t n_keys,
+                              const char *unknown, const char *bad)
+{
+    for (int i = 1; i < n; i++) {
+        char *name = tok[i], *val = strchr(tok[i], '=');
+        if (!val)
+            return "token without '='";
+        *val++ = '\0';
+        size_t k = 0;
+        while (k < n_keys && strcmp(keys[k].name, name))
+            k++;
+        if (k == n_keys)
+            return unknown;
+        if (!parse_value(&keys[k], val))
+            return bad;
+        if (keys[k].seen)
+            *keys[k].seen = 1;
+    }
+    return NULL;
+}
+
 static const char *parse_device(struct fake_state *s, char **tok, int n)
 {
     struct fake_device d;
@@ -357,46 +450,26 @@ static const char *parse_device(struct fake_state *s, char **tok, int n)
     d.pci_device_id = 0x233010DE;
     d.pci_subsystem_id = 0x16C110DE;
     int have_uuid = 0, have_bus = 0;
-
-    for (int i = 1; i < n; i++) {
-        char *key = tok[i], *val = strchr(tok[i], '=');
-        if (!val)
-            return "token without '='";
-        *val++ = '\0';
-        int ok;
-        if (!strcmp(key, "index"))
-            ok = parse_uint(val, &index);
-        else if (!strcmp(key, "uuid"))
-            ok = have_uuid = copy_value(d.uuid, sizeof d.uuid, val);
-        else if (!strcmp(key, "name"))
-            ok = copy_value(d.name, sizeof d.name, val);
-        else if (!strcmp(key, "total"))
-            ok = parse_u64(val, &d.total);
-        else if (!strcmp(key, "reserved"))
-            ok = parse_u64(val, &d.reserved);
-        else if (!strcmp(key, "unattributed"))
-            ok = parse_u64(val, &d.unattributed);
-        else if (!strcmp(key, "util_gpu"))
-            ok = parse_uint(val, &d.util_gpu);
-        else if (!strcmp(key, "util_mem"))
-            ok = parse_uint(val, &d.util_mem);
-        else if (!strcmp(key, "pci_bus_id"))
-            ok = have_bus = parse_bus_id(val, &d.domain, &d.bus, &d.dev, &d.func);
-        else if (!strcmp(key, "mig"))
-            ok = parse_int(val, &d.mig) && d.mig <= 1;
-        else if (!strcmp(key, "pci_device_id"))
-            ok = parse_uint(val, &d.pci_device_id);
-        else if (!strcmp(key, "pci_subsystem_id"))
-            ok = parse_uint(val, &d.pci_subsystem_id);
-        else if (!strcmp(key, "cc"))
-            ok = sscanf(val, "%d.%d", &d.cc_major, &d.cc_minor) == 2;
-        else if (!strcmp(key, "brand"))
-            ok = parse_int(val, &d.brand);
-        else
-            return "unknown device key";
-        if (!ok)
-            return "bad device value";
-    }
+    const struct key keys[] = {
+        {"index", V_UINT, &index, 0, NULL},
+        {"uuid", V_TEXT, d.uuid, sizeof d.uuid, &have_uuid},
+        {"name", V_TEXT, d.name, sizeof d.name, NULL},
+        {"total", V_U64, &d.total, 0, NULL},
+        {"reserved", V_U64, &d.reserved, 0, NULL},
+        {"unattributed", V_U64, &d.unattributed, 0, NULL},
+        {"util_gpu", V_UINT, &d.util_gpu, 0, NULL},
+        {"util_mem", V_UINT, &d.util_mem, 0, NULL},
+        {"pci_bus_id", V_BUS_ID, &d, 0, &have_bus},
+        {"mig", V_FLAG, &d.mig, 0, NULL},
+        {"pci_device_id", V_UINT, &d.pci_device_id, 0, NULL},
+        {"pci_subsystem_id", V_UINT, &d.pci_subsystem_id, 0, NULL},
+        {"cc", V_CC, &d, 0, NULL},
+        {"brand", V_INT, &d.brand, 0, NULL},
+    };
+    const char *wrong = parse_keys(tok, n, keys, sizeof keys / sizeof *keys,
+                                   "unknown device key", "bad device value");
+    if (wrong)
+        return wrong;
     if (index >= MAX_DEVICES)
         return "device index out of range";
     if (s->devices[index].present)
@@ -418,43 +491,19 @@ static const char *parse_process(struct fake_state *s, char **tok, int n)
     int have_device = 0, have_pid = 0;
     if (s->n_processes == MAX_PROCESSES)
         return "too many processes";
-    for (int i = 1; i < n; i++) {
-        char *key = tok[i], *val = strchr(tok[i], '=');
-        if (!val)
-            return "token without '='";
-        *val++ = '\0';
-        int ok;
-        if (!strcmp(key, "device"))
-            ok = have_device = parse_uint(val, &p.device);
-        else if (!strcmp(key, "pid"))
-            ok = have_pid = parse_uint(val, &p.pid);
-        else if (!strcmp(key, "used")) {
-            ok = 1;
-            if (!strcmp(val, "na"))
-                p.used = NVML_VALUE_NOT_AVAILABLE;
-            else
-                ok = parse_u64(val, &p.used);
-        } else if (!strcmp(key, "type")) {
-            ok = 1;
-            if (!strcmp(val, "compute"))
-                p.types = PROC_COMPUTE;
-            else if (!strcmp(val, "graphics"))
-                p.types = PROC_GRAPHICS;
-            else if (!strcmp(val, "compute+graphics") || !strcmp(val, "graphics+compute"))
-                p.types = PROC_COMPUTE | PROC_GRAPHICS;
-            else
-                ok = 0;
-        } else if (!strcmp(key, "ghost"))
-            ok = parse_int(val, &p.ghost) && p.ghost <= 1;
-        else if (!strcmp(key, "gi"))
-            ok = parse_uint(val, &p.gi);
-        else if (!strcmp(key, "ci"))
-            ok = parse_uint(val, &p.ci);
-        else
-            return "unknown process key";
-        if (!ok)
-            return "bad process value";
-    }
+    const struct key keys[] = {
+        {"device", V_UINT, &p.device, 0, &have_device},
+        {"pid", V_UINT, &p.pid, 0, &have_pid},
+        {"used", V_USED, &p.used, 0, NULL},
+        {"type", V_TYPES, &p.types, 0, NULL},
+        {"ghost", V_FLAG, &p.ghost, 0, NULL},
+        {"gi", V_UINT, &p.gi, 0, NULL},
+        {"ci", V_UINT, &p.ci, 0, NULL},
+    };
+    const char *wrong = parse_keys(tok, n, keys, sizeof keys / sizeof *keys,
+                                   "unknown process key", "bad process value");
+    if (wrong)
+        return wrong;
     if (!have_device || !have_pid)
         return "process needs device= and pid=";
     s->processes[s->n_processes++] = p;
@@ -469,25 +518,16 @@ static const char *parse_failure(struct fake_state *s, char **tok, int n)
     f.device = -1;
     if (s->n_failures == MAX_FAILURES)
         return "too many failures";
-    for (int i = 1; i < n; i++) {
-        char *key = tok[i], *val = strchr(tok[i], '=');
-        if (!val)
-            return "token without '='";
-        *val++ = '\0';
-        int ok;
-        if (!strcmp(key, "symbol"))
-            ok = have_symbol = copy_value(f.symbol, sizeof f.symbol, val) && *val;
-        else if (!strcmp(key, "error"))
-            ok = have_error = parse_int(val, &f.error) && f.error != 0;
-        else if (!strcmp(key, "device"))
-            ok = parse_int(val, &f.device);
-        else if (!strcmp(key, "times"))
-            ok = parse_int(val, &f.times);
-        else
-            return "unknown fail key";
-        if (!ok)
-            return "bad fail value";
-    }
+    const struct key keys[] = {
+        {"symbol", V_NAME, f.symbol, sizeof f.symbol, &have_symbol},
+        {"error", V_NONZERO, &f.error, 0, &have_error},
+        {"device", V_INT, &f.device, 0, NULL},
+        {"times", V_INT, &f.times, 0, NULL},
+    };
+    const char *wrong = parse_keys(tok, n, keys, sizeof keys / sizeof *keys,
+                                   "unknown fail key", "bad fail value");
+    if (wrong)
+        return wrong;
     if (!have_symbol || !have_error)
         return "fail needs symbol= and error=";
     size_t len = strlen(f.symbol);

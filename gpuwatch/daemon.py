@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics
-
 from gpuwatch import __version__, systemd_notify
 from gpuwatch.actions.reap_plan import OUTCOMES, REAPABLE_KINDS
 from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
@@ -38,6 +36,7 @@ from gpuwatch.daemon_info import DaemonInfo
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
 from gpuwatch.logs import setup_logging
+from gpuwatch.metrics import ProcessCollector, Registry
 from gpuwatch.model import NodeReport, NodeSnapshot
 from gpuwatch.poll import Poller
 from gpuwatch.protocol import SOCKET_NAME as AGENT_SOCKET_NAME
@@ -120,9 +119,9 @@ class Daemon:
         self._reload_result: Optional[tuple[Optional[Config], Optional[ConfigError]]] = None
         self._nvml_was_up: Optional[bool] = None
 
-        # `_created` series double every counter for no use on a node exporter.
-        disable_created_metrics()
-        self.registry = CollectorRegistry()
+        # No `_created` series (gpuwatch.metrics writes none): they would double every counter
+        # for no use on a node exporter.
+        self.registry = Registry()
         self.rendered = RenderedMetrics(self.registry, writer=LineWriter().write)
         self.collector = ReportCollector(
             lambda: self._latest, config.exporter.max_process_series,
@@ -130,7 +129,7 @@ class Daemon:
             agent_budget=self.agents.budget.stats, max_agent_series=a.max_series_per_user)
         self.registry.register(self.collector)
         # The daemon's own CPU, memory and file descriptors: a node agent is watched too.
-        ProcessCollector(registry=self.registry)
+        self.registry.register(ProcessCollector())
         # Its own counters (polls, reloads, reaps, trace requests), listed after the above.
         self.metrics = DaemonMetrics(
             self.registry, reap_kinds=REAPABLE_KINDS, reap_outcomes=OUTCOMES,

@@ -1,6 +1,7 @@
 """/metrics and the status document written directly, each part kept while it does not change:
-the same bytes as prometheus-client's formatter and json.dumps wrote, on real reports; one bad
-value costs its section of /metrics, never the scrape."""
+the same bytes as prometheus-client's formatter and json.dumps write, on real reports; one bad
+value costs its section of /metrics, never the scrape. prometheus-client is the oracle here: the
+daemon does not import it (gpuwatch.metrics)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from pathlib import Path
 from types import MappingProxyType
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import choose_encoder as their_encoder
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
+from gpuwatch.metrics import choose_encoder
 from gpuwatch.model import NodeReport
 from gpuwatch.serve.exposition import RenderedMetrics
 from gpuwatch.sinks.document import DocumentWriter, bounded_json, status_document
@@ -48,8 +50,10 @@ def _hostile_report() -> NodeReport:
 
 def _same_as_prometheus_client(registry: CollectorRegistry, writer: LineWriter) -> bytes:
     for accept, openmetrics in (("", False), (PROMETHEUS_ACCEPT, True)):
-        encoder, _ = choose_encoder(accept)
-        ours, theirs = writer.write(encoder, registry), encoder(registry)
+        (encoder, content_type), (theirs_encoder, theirs_type) = (
+            choose_encoder(accept), their_encoder(accept))
+        assert content_type == theirs_type
+        ours, theirs = writer.write(encoder, registry), theirs_encoder(registry)
         assert ours == theirs
         assert _samples(ours, openmetrics) == _samples(theirs, openmetrics)
     return writer.write(TEXT, registry)
@@ -74,8 +78,9 @@ def test_the_exposition_written_directly_is_prometheus_clients_byte_for_byte() -
 _REAL = r"""
 import json, sys
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import choose_encoder as their_encoder
 from gpuwatch.config import load_config
+from gpuwatch.metrics import choose_encoder
 from gpuwatch.daemon import Daemon
 from gpuwatch.sinks.document import bounded_json, status_document
 from gpuwatch.sinks.exposition_text import LineWriter
@@ -90,7 +95,8 @@ for _ in range(3):
     daemon.poll_once()
     for header in ("", accept):
         encoder, _ = choose_encoder(header)
-        out.append([writer.write(encoder, registry).decode(), encoder(registry).decode()])
+        out.append([writer.write(encoder, registry).decode(),
+                    their_encoder(header)[0](registry).decode()])
     report = daemon.latest
     out.append([daemon.document_bytes().decode(),
                 bounded_json(status_document(report, source="daemon"))[0].decode()])
@@ -156,8 +162,8 @@ def test_a_value_that_is_not_a_number_costs_its_section_not_the_scrape() -> None
 
 
 def test_an_openmetrics_scraper_as_prometheus_asks_is_served_bytes_rendered_ahead() -> None:
-    """choose_encoder gives every OpenMetrics request an encoder of its own: the second scrape
-    is still served what the first rendered."""
+    """choose_encoder gives every OpenMetrics request an encoder of its own (equal to the
+    last's): the second scrape is still served what the first rendered."""
     report = leakreports.leak_report()
     registry = CollectorRegistry()
     registry.register(ReportCollector(lambda: report))

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from gpuwatch.metrics import CounterMetricFamily, GaugeMetricFamily
 
 RESULTS = ("answered", "refused", "evicted", "timed_out", "failed")
 SOCKETS = ("metrics", "state")

@@ -28,16 +28,15 @@ from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Callable, Optional
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
+from gpuwatch.metrics import Metric, Registry
 
-Encoder = Callable[[CollectorRegistry], bytes]
+Encoder = Callable[[Registry], bytes]
 #: How a body is written: `encoder(registry)`, or what the application layer hands in its place
 #: (the exporter's writer, which keeps lines that did not change: sinks/exposition_text.py).
-Writer = Callable[[Encoder, "CollectorRegistry | Selection"], bytes]
+Writer = Callable[[Encoder, "Registry | Selection"], bytes]
 #: (encoder_key of the encoder, gzipped): equal for the equal encoders of two requests.
 Key = tuple[object, bool]
-#: prometheus-client's default: fast, and within a few percent of the smallest body.
+#: Fast, and within a few percent of the smallest body (prometheus-client's default too).
 GZIP_LEVEL = 6
 #: A format nobody asked for in this long is no longer rendered ahead.
 FORGET_AFTER = 300.0
@@ -48,14 +47,15 @@ MIN_GAP = 0.5
 
 
 def encoder_key(encoder: Encoder) -> object:
-    """A key equal for equal encoders: choose_encoder makes a new `partial` for every
-    OpenMetrics or escaped request, and partials compare by identity."""
+    """A key equal for equal encoders: gpuwatch.metrics' encoders compare by their format;
+    a `partial` (prometheus-client's choose_encoder makes a new one for every OpenMetrics
+    request) by what it wraps."""
     if isinstance(encoder, partial):
         return (encoder.func, encoder.args, tuple(sorted(encoder.keywords.items())))
     return encoder
 
 
-def render(encoder: Encoder, registry: CollectorRegistry | Selection, gzipped: bool,
+def render(encoder: Encoder, registry: Registry | Selection, gzipped: bool,
            writer: Optional[Writer] = None) -> bytes:
     # The encoders call only collect(), which a Selection has.
     body = (writer(encoder, registry) if writer is not None
@@ -66,13 +66,14 @@ def render(encoder: Encoder, registry: CollectorRegistry | Selection, gzipped: b
 class Selection:
     """What `/metrics?name[]=...` asks for, out of `registry`: each family named (its help and
     type even while it has no series), and each sample named (`gpuwatch_polls_total`,
-    `gpuwatch_build_info`, `..._bucket`: what prometheus-client's restricted registry selects).
+    `gpuwatch_build_info`, `..._bucket`: what prometheus-client's restricted registry selects
+    too).
 
     Taken from what the registry collects, not from what its collectors describe: a collector
     that renders the latest report describes nothing (there may be none when it registers), and
     a family it serves must be selectable all the same."""
 
-    def __init__(self, registry: CollectorRegistry, names: Iterable[str]) -> None:
+    def __init__(self, registry: Registry, names: Iterable[str]) -> None:
         self.registry = registry
         self.names = frozenset(names)
 
@@ -113,7 +114,7 @@ class _Scrapes:
 class RenderedMetrics:
     """The registry's exposition by (encoder, gzip), kept until `refresh()`."""
 
-    def __init__(self, registry: CollectorRegistry,
+    def __init__(self, registry: Registry,
                  clock: Callable[[], float] = time.monotonic,
                  writer: Optional[Writer] = None) -> None:
         self.registry = registry

@@ -2,7 +2,7 @@
 
 Served by a `Listener` (one thread for every connection, bounded in number and time; see
 listener.py), not by prometheus-client's server, which spends a thread on each connection and
-never times one out. The exposition itself is prometheus-client's: the same text or
+never times one out. The exposition is gpuwatch.metrics': prometheus-client's text or
 OpenMetrics format by the `Accept` header, gzip when asked, `name[]` filters.
 
 Only `/metrics` serves metrics, `/` a page that links to it; anything else is 404. One request
@@ -19,10 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
-
 from gpuwatch import __version__
+from gpuwatch.metrics import Registry, choose_encoder
 from gpuwatch.serve.connections import ConnectionStats
 from gpuwatch.serve.exposition import RenderedMetrics, Selection, render
 from gpuwatch.serve.listener import (
@@ -100,7 +98,7 @@ def basic_credentials(header: Optional[str]) -> Optional[tuple[str, bytes]]:
 class MetricsHandler(Handler):
     max_request = MAX_REQUEST
 
-    def __init__(self, registry: CollectorRegistry, stats: ConnectionStats,
+    def __init__(self, registry: Registry, stats: ConnectionStats,
                  web: Optional[WebSettings] = None,
                  rendered: Optional[RenderedMetrics] = None) -> None:
         self.registry = registry
@@ -252,7 +250,7 @@ class MetricsServer:
     """/metrics on a bound socket; `web` adds TLS and basic auth; `rendered` serves what was
     rendered after the last poll (the registry is rendered for each scrape without it)."""
 
-    def __init__(self, sock: socket.socket, registry: CollectorRegistry,
+    def __init__(self, sock: socket.socket, registry: Registry,
                  stats: Optional[ConnectionStats] = None, web: Optional[WebSettings] = None,
                  *, rendered: Optional[RenderedMetrics] = None,
                  max_connections: int = MAX_CONNECTIONS, max_answering: int = MAX_ANSWERING,

@@ -36,13 +36,16 @@ import logging
 import queue
 import selectors
 import socket
-import ssl
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from gpuwatch.serve.connections import ConnectionStats
+
+if TYPE_CHECKING:
+    import ssl
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +59,10 @@ _SEND_CHUNK = 256 << 10
 _RECV_CHUNK = 64 << 10
 _EXPIRY_CHECK = 0.1
 _NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-#: What a non-blocking socket's call raises when it would block (`_waits_for`).
-_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+#: What a non-blocking socket's call raises when it would block (`_waits_for`); a listener
+#: with TLS adds ssl's SSLWantReadError and SSLWantWriteError. ssl is imported only by a
+#: listener with TLS (or a web config): 5 MiB of a daemon's memory without one.
+_WOULD_BLOCK: tuple[type[BaseException], ...] = (BlockingIOError, InterruptedError)
 
 # Connection states.
 _HANDSHAKE = "handshake"
@@ -193,6 +198,14 @@ class Listener:
         self.handler = handler
         self.stats = stats if stats is not None else ConnectionStats((name,))
         self._tls = tls
+        #: What this listener's sockets raise when they would block, and when a TLS peer
+        #: closed (ssl's errors only with TLS: without it, ssl is not imported).
+        self._would_block = _WOULD_BLOCK
+        self._tls_closed: tuple[type[BaseException], ...] = ()
+        if tls is not None:
+            import ssl
+            self._would_block = (*_WOULD_BLOCK, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+            self._tls_closed = (ssl.SSLEOFError, ssl.SSLZeroReturnError)
         self.max_connections = max_connections
         self.max_answering = max_answering
         self.request_timeout = request_timeout
@@ -361,11 +374,10 @@ class Listener:
             self._end(conn, "failed")
 
     def _handshake(self, conn: Conn) -> None:
-        sock = conn.sock
-        assert isinstance(sock, ssl.SSLSocket)
+        sock: ssl.SSLSocket = conn.sock  # type: ignore[assignment]
         try:
             sock.do_handshake()
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as exc:
+        except self._would_block as exc:
             self._want(conn, _waits_for(exc, selectors.EVENT_READ))
             return
         refusal = self.handler.after_handshake(sock)
@@ -380,10 +392,10 @@ class Listener:
         while True:
             try:
                 data = conn.sock.recv(_RECV_CHUNK)
-            except _WOULD_BLOCK as exc:
+            except self._would_block as exc:
                 self._want(conn, _waits_for(exc, selectors.EVENT_READ))
                 return
-            except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
+            except self._tls_closed:
                 data = b""
             if not data:
                 if conn.buf and self.handler.eof_ends_request:
@@ -442,7 +454,7 @@ class Listener:
         while conn.off < len(out):
             try:
                 conn.off += conn.sock.send(out[conn.off:conn.off + _SEND_CHUNK])
-            except _WOULD_BLOCK as exc:
+            except self._would_block as exc:
                 self._want(conn, _waits_for(exc, selectors.EVENT_WRITE))
                 return
             except OSError as exc:  # the client reset or went away before the end
@@ -554,8 +566,9 @@ def _phase(conn: Conn) -> str:
 def _waits_for(exc: BaseException, events: int) -> int:
     """The selector event a call that would block (`_WOULD_BLOCK`) waits for: `events`, its own
     direction, unless TLS must first read to write or write to read."""
-    if isinstance(exc, ssl.SSLWantReadError):
+    ssl = sys.modules.get("ssl")  # not imported: no TLS socket raised it
+    if ssl is not None and isinstance(exc, ssl.SSLWantReadError):
         return selectors.EVENT_READ
-    if isinstance(exc, ssl.SSLWantWriteError):
+    if ssl is not None and isinstance(exc, ssl.SSLWantWriteError):
         return selectors.EVENT_WRITE
     return events

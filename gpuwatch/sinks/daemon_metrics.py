@@ -13,10 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
-
+from gpuwatch.metrics import Collector, Counter, Histogram, Metric, Registry
 from gpuwatch.model import NodeSnapshot
 
 _POLL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -26,51 +23,46 @@ class DaemonMetrics(Collector):
     """The daemon's own counters, one collector registered in `registry`: /metrics lists them in
     the order they are defined here."""
 
-    def __init__(self, registry: CollectorRegistry, reap_kinds: Iterable[str],
+    def __init__(self, registry: Registry, reap_kinds: Iterable[str],
                  reap_outcomes: Iterable[str], trace_request_results: Iterable[str],
                  trace_statuses: Iterable[str], search_results: Iterable[str],
                  series_dropped_reasons: Iterable[str] = (),
                  truncated_texts: Iterable[str] = ()) -> None:
-        self.polls = Counter("gpuwatch_polls", "Polls completed.", registry=None)
+        self.polls = Counter("gpuwatch_polls", "Polls completed.")
         self.poll_errors = Counter(
             "gpuwatch_poll_errors", "Problems met while polling, by source (nvml, procfs, poll: "
-            "a poll that raised).", ["source"], registry=None)
+            "a poll that raised).", ["source"])
         self.poll_duration = Histogram(
-            "gpuwatch_poll_duration_seconds", "Wall time of each poll.", buckets=_POLL_BUCKETS,
-            registry=None)
+            "gpuwatch_poll_duration_seconds", "Wall time of each poll.", buckets=_POLL_BUCKETS)
         self.series_dropped = Counter(
             "gpuwatch_process_series_dropped",
             "Processes that mattered but got no per-process series because of "
             "exporter.max_process_series, summed over polls, by reason (max_process_series: "
             "the cap left every user short; user_share: the process's user had its share "
-            "while others' fit).", ["reason"], registry=None)
+            "while others' fit).", ["reason"])
         self.agent_rss_disagreements = Counter(
             "gpuwatch_agent_rss_disagreements",
             "Polls at which an instrumented process's newest report claimed an RSS that the "
-            "kernel's figure (/proc) did not bear out; leaks are decided on the kernel's.",
-            registry=None)
+            "kernel's figure (/proc) did not bear out; leaks are decided on the kernel's.")
         self.reloads = Counter("gpuwatch_config_reloads", "Configuration reloads by result.",
-                               ["result"], registry=None)
+                               ["result"])
         self.reaped = Counter(
             "gpuwatch_reaped", "Reap actions carried out, by finding kind and result (from the "
-            "audit log: `gpuwatch reap` and the daemon's own).", ["kind", "result"],
-            registry=None)
+            "audit log: `gpuwatch reap` and the daemon's own).", ["kind", "result"])
         self.agent_trace_requests = Counter(
             "gpuwatch_agent_trace_requests", "Requests to instrumented processes to trace their "
-            "allocations, by result (sent, failed, rate_limited, disabled).", ["result"],
-            registry=None)
+            "allocations, by result (sent, failed, rate_limited, disabled).", ["result"])
         self.agent_search_requests = Counter(
             "gpuwatch_agent_search_requests", "Requests to instrumented processes whose leak has "
             "no culprit to search for growing containers faster, by result (sent, failed).",
-            ["result"], registry=None)
+            ["result"])
         self.agent_trace_reports = Counter(
             "gpuwatch_agent_trace_reports", "Trace reports received from instrumented processes, "
-            "by status (done, refused, failed).", ["status"], registry=None)
+            "by status (done, refused, failed).", ["status"])
         self.text_truncated = Counter(
             "gpuwatch_text_truncated", "Texts another user sets the size of, cut to a bound "
             "(docs/security.md): at the read (command_line, environment, cgroup; once per "
-            "process read) or the status document made to fit (document).", ["what"],
-            registry=None)
+            "process read) or the status document made to fit (document).", ["what"])
         # What the three counters above have been given so far of the running totals they mirror
         # (and text_truncated of its source's).
         self._trace_counted: dict[tuple[str, str], int] = {}

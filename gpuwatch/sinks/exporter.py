@@ -22,13 +22,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Callable, Optional
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    InfoMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
-
 from gpuwatch import __version__
 from gpuwatch.agent_budget import (
     BUDGET_REASONS,
@@ -39,6 +32,7 @@ from gpuwatch.agent_budget import (
     fair_shares,
 )
 from gpuwatch.evidence import CopyOnWrite, Culprit, LeakEvidence
+from gpuwatch.metrics import Collector, CounterMetricFamily, InfoMetricFamily, Metric
 from gpuwatch.model import (
     COMM_CHARS,
     KINDS,

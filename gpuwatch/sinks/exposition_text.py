@@ -1,16 +1,16 @@
-"""The exposition written directly: prometheus-client's text and OpenMetrics formats, byte for
-byte, without its general formatter where that is the cost.
+"""The exposition written faster: the text and OpenMetrics formats of gpuwatch.metrics, byte
+for byte, without their general formatter where that is the cost.
 
 The exporter's families of many series (one or more per process) are `Family`s: rows of label
-values and a value. Writing them through prometheus-client costs a `Sample` and a dict per
-series, the label names validated and escaped on every line, and the value formatted again each
+values and a value. Writing them through the general encoder costs a `Sample` and a dict per
+series, the label names escaped on every line, and the value formatted again each
 time, though most of a node's processes show the same figures from one poll to the next. A
 `LineWriter` writes a Family's lines itself and keeps each line until its value or labels
 change: a render after a poll formats only the series that changed. Every other family (the
-daemon's counters, its process metrics, info families) is written by prometheus-client's own
-encoder, one family at a time, so the body is what that encoder would have written whole.
+daemon's counters, its process metrics, info families) is written by the general encoder, one
+family at a time, so the body is what that encoder would have written whole.
 
-A Family is a prometheus-client `Metric` all the same: its samples are made when something asks
+A Family is a `Metric` all the same: its samples are made when something asks
 for them (a `name[]` selection, an encoder this module does not write, a test).
 """
 
@@ -18,21 +18,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from functools import partial
 from math import copysign
 from typing import Any, Callable, Optional
 
-from prometheus_client import exposition as text_format
-from prometheus_client.metrics_core import Metric
-from prometheus_client.openmetrics import exposition as openmetrics_format
-from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString as _untyped_go_string
-
-#: prometheus-client's float formatting (Go's), typed.
-_go_string: Callable[[float], str] = _untyped_go_string
+from gpuwatch.metrics.core import Metric, Sample
+from gpuwatch.metrics.exposition import ALLOWUTF8, UNDERSCORES
+from gpuwatch.metrics.exposition import Encoder as Format
+from gpuwatch.metrics.exposition import go_string as _go_string
 
 #: Escapings under which a legacy name is written as it is (all of gpuwatch's names are).
-_PLAIN_NAMES = (openmetrics_format.UNDERSCORES, openmetrics_format.ALLOWUTF8)
+_PLAIN_NAMES = (UNDERSCORES, ALLOWUTF8)
 
 
 def _escape_value(value: str) -> str:
@@ -61,11 +56,11 @@ class Family(Metric):
         if len(values) != len(self.labels):
             raise ValueError(f"{self.name}: {len(values)} label values for "
                              f"{len(self.labels)} labels")
-        # A label value is text (a str enumeration's value, as prometheus-client escapes it);
+        # A label value is text (a str enumeration's value, escaped as text);
         # anything else raises here.
         self.rows.append((tuple(map(str.__str__, values)), float(value)))
 
-    # prometheus-client's Metric sets and reads `samples`: made from the rows when read, unless
+    # Metric sets and reads `samples`: made from the rows when read, unless
     # something (a name[] selection) set them.
     @property
     def samples(self) -> list[Sample]:
@@ -89,20 +84,11 @@ Encoder = Callable[[Any], bytes]
 
 
 def encoder_form(encoder: Encoder) -> Optional[bool]:
-    """Whether `encoder` (as prometheus-client's choose_encoder gives it) writes OpenMetrics
+    """Whether `encoder` (as gpuwatch.metrics.choose_encoder gives it) writes OpenMetrics
     (True), the text format (False), or something this module does not write (None)."""
-    func, keywords = encoder, {}
-    if isinstance(encoder, partial):
-        if encoder.args:
-            return None
-        func, keywords = encoder.func, dict(encoder.keywords)
-    if keywords.get("escaping", openmetrics_format.UNDERSCORES) not in _PLAIN_NAMES:
+    if not isinstance(encoder, Format) or encoder.escaping not in _PLAIN_NAMES:
         return None
-    if func is text_format.generate_latest and set(keywords) <= {"escaping"}:
-        return False
-    if func is openmetrics_format.generate_latest and set(keywords) <= {"escaping", "version"}:
-        return True
-    return None
+    return encoder.openmetrics
 
 
 class _One:

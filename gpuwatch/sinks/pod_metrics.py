@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Callable, Optional, Protocol
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from gpuwatch.metrics import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
 
 #: What the decoder's bounds leave out of a kubelet's answer.
 CUT_WHATS = ("pods", "containers", "devices", "names")

@@ -1,0 +1,83 @@
+"""The daemon's own CPU, memory and file descriptors (process_*), read from /proc/self at each
+scrape: prometheus-client's ProcessCollector's families, names and help."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from gpuwatch.metrics.core import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
+
+try:
+    _PAGESIZE = os.sysconf("SC_PAGE_SIZE")
+except (ValueError, OSError):
+    _PAGESIZE = 4096
+
+
+class ProcessCollector(Collector):
+    """process_virtual_memory_bytes, process_resident_memory_bytes, process_start_time_seconds,
+    process_cpu_seconds_total, process_open_fds and process_max_fds of a process (this one)."""
+
+    def __init__(self, pid: Callable[[], int | str] = lambda: "self",
+                 proc: str = "/proc") -> None:
+        self._pid = pid
+        self._proc = proc
+        self._prefix = "process_"
+        try:
+            self._ticks = float(os.sysconf("SC_CLK_TCK"))
+        except (ValueError, TypeError, OSError):
+            self._ticks = 100.0
+        self._btime = self._boot_time()
+
+    def _boot_time(self) -> float:
+        """The boot time, or 0.0 where /proc cannot tell it (then no family is collected)."""
+        try:
+            with open(os.path.join(self._proc, "stat"), "rb") as stat:
+                for line in stat:
+                    if line.startswith(b"btime "):
+                        return float(line.split()[1])
+        except OSError:
+            pass
+        return 0.0
+
+    def collect(self) -> list[Metric]:
+        if not self._btime:
+            return []
+        pid = os.path.join(self._proc, str(self._pid()).strip())
+        result: list[Metric] = []
+        p = self._prefix
+        try:
+            with open(os.path.join(pid, "stat"), "rb") as stat:
+                parts = stat.read().split(b")")[-1].split()
+            result.extend([
+                GaugeMetricFamily(p + "virtual_memory_bytes", "Virtual memory size in bytes.",
+                                  value=float(parts[20])),
+                GaugeMetricFamily(p + "resident_memory_bytes", "Resident memory size in bytes.",
+                                  value=float(parts[21]) * _PAGESIZE),
+                GaugeMetricFamily(p + "start_time_seconds",
+                                  "Start time of the process since unix epoch in seconds.",
+                                  value=float(parts[19]) / self._ticks + self._btime),
+                CounterMetricFamily(p + "cpu_seconds_total",
+                                    "Total user and system CPU time spent in seconds.",
+                                    value=float(parts[11]) / self._ticks
+                                    + float(parts[12]) / self._ticks),
+            ])
+        except OSError:
+            pass
+        try:
+            max_fds = None
+            with open(os.path.join(pid, "limits"), "rb") as limits:
+                for line in limits:
+                    if line.startswith(b"Max open file"):
+                        max_fds = GaugeMetricFamily(p + "max_fds",
+                                                    "Maximum number of open file descriptors.",
+                                                    value=float(line.split()[3]))
+                        break
+            open_fds = GaugeMetricFamily(p + "open_fds", "Number of open file descriptors.",
+                                         len(os.listdir(os.path.join(pid, "fd"))))
+            result.append(open_fds)
+            if max_fds is not None:
+                result.append(max_fds)
+        except OSError:
+            pass
+        return result

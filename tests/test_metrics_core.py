@@ -1,0 +1,194 @@
+"""gpuwatch.metrics, the daemon's metrics core: its families, counters, histograms and process
+metrics are prometheus-client's, and its encoders write prometheus-client's bytes for every
+`Accept` header, without the daemon importing prometheus-client (the oracle here)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import prometheus_client
+import pytest
+from prometheus_client import core as theirs
+from prometheus_client.exposition import choose_encoder as their_encoder
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
+
+from gpuwatch import metrics as ours
+from gpuwatch.metrics import choose_encoder
+from tests.daemonproc import running_daemon
+
+#: Accept headers: the text format's versions and escapings, OpenMetrics', Prometheus's own,
+#: and what prometheus-client answers with its defaults.
+ACCEPTS = [
+    "", "*/*", "text/plain", "text/plain; version=0.0.4", "text/plain;version=1.0.0",
+    *(f"text/plain; version=1.0.0; escaping={e}"
+      for e in ("allow-utf-8", "underscores", "dots", "values", "nonsense")),
+    "application/openmetrics-text", "application/openmetrics-text; version=1.0.0",
+    "application/openmetrics-text; version=0.0.1",
+    *(f"application/openmetrics-text; version=1.0.0; escaping={e}"
+      for e in ("allow-utf-8", "underscores", "dots", "values")),
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "text/html, application/openmetrics-text; version=2.0.0",
+]
+HOSTILE = 'a"b\\c\nd ünï'
+HELP = 'Help with a backslash \\, a newline\nand "quotes".'
+VALUES = [0, 1, -1, 0.1, -0.0, 1e-9, 7516192768, 123456.789, 1e22, float("inf"),
+          float("-inf"), float("nan")]
+
+
+def _families(m: Any) -> Iterator[Any]:
+    """The same families, built with `m`'s family classes (gpuwatch's or prometheus-client's)."""
+    gauge = m.GaugeMetricFamily("x_gauge_bytes", HELP, labels=["pid", "name", "colon:ok"])
+    for i, value in enumerate(VALUES):
+        gauge.add_metric([str(i), HOSTILE, "v"], value)
+    yield gauge
+    yield m.GaugeMetricFamily("x_plain", "A gauge without labels.", value=3)
+    yield m.GaugeMetricFamily("x_empty", "A family with no series yet.", labels=["a"])
+    counter = m.CounterMetricFamily("x_events_total", "Events, by kind.", labels=["kind"])
+    counter.add_metric(["b"], 2)
+    counter.add_metric(["a"], 1.5)
+    yield counter
+    yield m.CounterMetricFamily("x_once", "A counter with a value.", value=7)
+    info = m.InfoMetricFamily("x_build", "Build.", labels=["z"])
+    info.add_metric(["last"], {"version": "1.2", "python": HOSTILE})
+    yield info
+
+
+def _instruments(m: Any, registry: Any) -> None:
+    """A counter and a histogram of each kind, counted the same (prometheus-client's with
+    `registry=None`, their `_created` samples left out below)."""
+    kw: dict[str, Any] = {"registry": None} if m is prometheus_client else {}
+    plain = m.Counter("x_polls", "Polls.", **kw)
+    plain.inc()
+    plain.inc(2.5)
+    labelled = m.Counter("x_errors", "Errors by source.", ["source"], **kw)
+    for source in ("nvml", "procfs", "poll"):
+        labelled.labels(source)
+    labelled.labels("procfs").inc(3)
+    hist = m.Histogram("x_poll_duration_seconds", "Wall time.", buckets=(0.001, 0.01, 0.5, 1.0),
+                       **kw)
+    for value in (0.0005, 0.003, 0.003, 0.7, 12.0):
+        hist.observe(value)
+    for instrument in (plain, labelled, hist):
+        registry.register(_NoCreated(instrument))
+
+
+class _NoCreated:
+    def __init__(self, instrument: Any) -> None:
+        self.instrument = instrument
+
+    def collect(self) -> Iterator[Any]:
+        for metric in self.instrument.collect():
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
+
+
+class _Families:
+    def __init__(self, m: Any) -> None:
+        self.m = m
+
+    def collect(self) -> Iterator[Any]:
+        return _families(self.m)
+
+
+def _registries() -> tuple[ours.Registry, prometheus_client.CollectorRegistry]:
+    mine, their = ours.Registry(), prometheus_client.CollectorRegistry(auto_describe=False)
+    mine.register(_Families(ours))
+    their.register(_Families(theirs))
+    _instruments(ours, mine)
+    _instruments(prometheus_client, their)
+    return mine, their
+
+
+@pytest.mark.parametrize("accept", ACCEPTS)
+def test_the_encoders_write_prometheus_clients_bytes_and_content_type_for_each_accept_header(
+        accept: str) -> None:
+    mine, their = _registries()
+    encoder, content_type = choose_encoder(accept)
+    their_encode, their_type = their_encoder(accept)
+    assert content_type == their_type
+    assert encoder(mine) == their_encode(their)
+    # Either's encoder writes the other's families the same.
+    assert encoder(their) == their_encode(mine) == their_encode(their)
+
+
+def test_equal_accept_headers_get_equal_encoders() -> None:
+    """What was rendered for one OpenMetrics scrape is kept for the next (serve/exposition)."""
+    accept = "application/openmetrics-text; version=1.0.0"
+    assert choose_encoder(accept)[0] == choose_encoder(accept)[0]
+    assert choose_encoder(accept)[0] != choose_encoder("")[0]
+
+
+def test_a_version_that_is_not_one_gets_the_default_text_format() -> None:
+    """prometheus-client raises on it (a 500); the daemon answers with the text format."""
+    assert choose_encoder("text/plain; version=x.1")[1] == choose_encoder("")[1]
+
+
+def test_a_counter_cannot_go_down() -> None:
+    counter = ours.Counter("x_total", "X.")
+    with pytest.raises(ValueError, match="non-negative"):
+        counter.inc(-1)
+    assert counter.collect()[0].samples == [ours.Sample("x_total", {}, 0.0)]
+
+
+def test_the_process_metrics_are_prometheus_clients() -> None:
+    mine = {m.name: m for m in ours.ProcessCollector().collect()}
+    their = {m.name: m for m in prometheus_client.ProcessCollector(registry=None).collect()}
+    assert [(m.name, m.documentation, m.type) for m in mine.values()] == [
+        (m.name, m.documentation, m.type) for m in their.values()]
+    assert len(mine) == 6
+    for name in ("process_start_time_seconds", "process_max_fds"):
+        assert mine[name].samples == their[name].samples
+    assert [s.name for m in mine.values() for s in m.samples] == [
+        s.name for m in their.values() for s in m.samples]
+
+
+_IMPORTS = r"""
+import json, sys
+import gpuwatch.daemon
+print(json.dumps(sorted(sys.modules)))
+"""
+#: What the daemon does not load: prometheus-client, and what its package brings along (an
+#: HTTP server, WSGI, e-mail); TLS only with a web config that asks for it.
+UNWANTED = ("prometheus_client", "http.server", "wsgiref", "email", "ssl", "_ssl")
+
+
+def test_importing_the_daemon_loads_no_prometheus_client_nor_tls() -> None:
+    loaded = json.loads(subprocess.run([sys.executable, "-c", _IMPORTS], check=True,
+                                       capture_output=True, text=True).stdout)
+    assert [m for m in loaded if m.split(".")[0] in UNWANTED or m in UNWANTED] == []
+
+
+def _get(url: str, headers: dict[str, str]) -> bytes:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+        body: bytes = r.read()
+        return gzip.decompress(body) if r.headers.get("Content-Encoding") == "gzip" else body
+
+
+def test_a_running_daemon_serves_its_metrics_without_prometheus_client_or_tls(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    """Every format a scraper may ask for, and a name[] selection, served by a daemon that
+    never imported prometheus-client or ssl (Python lists each import in the daemon's log)."""
+    env = {**cli_env, "PYTHONPROFILEIMPORTTIME": "1"}
+    with running_daemon(env, tmp_path) as d:
+        text = _get(d.metrics_url, {}).decode()
+        assert "# TYPE gpuwatch_polls_total counter" in text
+        assert "# TYPE process_resident_memory_bytes gauge" in text
+        om = _get(d.metrics_url, {"Accept": ACCEPTS[-2], "Accept-Encoding": "gzip"}).decode()
+        assert om.endswith("# EOF\n")
+        assert {f.name for f in parse_om(om)} >= {"gpuwatch_polls", "gpuwatch_build",
+                                                  "process_cpu_seconds"}
+        chosen = _get(d.metrics_url + "?name[]=gpuwatch_polls_total", {}).decode()
+        assert chosen.startswith("# HELP gpuwatch_polls_total Polls completed.\n")
+        assert chosen.count("# TYPE") == 1
+        imported = [line.rsplit("|", 1)[1].strip() for line in d.log_path.read_text().splitlines()
+                    if line.startswith("import time:") and "|" in line]
+    assert "gpuwatch.daemon" in imported and "gpuwatch.metrics" in imported
+    assert [m for m in imported if m.split(".")[0] in UNWANTED] == []

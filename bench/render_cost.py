@@ -27,7 +27,10 @@ from node import ROOT, bench_node, cli_env
 # Runs in a fresh interpreter on the fake node, importing gpuwatch from PYTHONPATH.
 _CHILD = r"""
 import json, sys, time
-from prometheus_client.exposition import choose_encoder
+try:
+    from gpuwatch.metrics import choose_encoder
+except ImportError:  # a revision before gpuwatch.metrics
+    from prometheus_client.exposition import choose_encoder
 from gpuwatch.config import load_config
 from gpuwatch.daemon import Daemon
 rounds = int(sys.argv[1])

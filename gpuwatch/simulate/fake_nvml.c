@@ -357,13 +357,23 @@ enum value_kind {
     V_CC,      /* struct fake_device: its compute capability, "MAJOR.MINOR" */
 };
 
-/* A key a record may give: where its value goes, and `seen` (NULL: not asked) set once given. */
+/* A key a record may give: where its value goes, `seen` (NULL: not asked) set once given, and
+ * whether the record NEEDS it. */
 struct key {
     const char *name;
     enum value_kind kind;
     void *to;
     size_t size; /* V_TEXT, V_NAME: the buffer's */
     int *seen;
+    int needed;
+};
+enum { MAY = 0, NEEDS = 1 };
+
+/* What parse_keys says is wrong with a record's keys. */
+struct record_words {
+    const char *unknown; /* a key not among them */
+    const char *bad;     /* a value its key does not take */
+    const char *needs;   /* a key it NEEDS, not given */
 };
 
 static int parse_value(const struct key *k, const char *val)
@@ -412,11 +422,11 @@ static int parse_value(const struct key *k, const char *val)
     return 0;
 }
 
-/* Reads tok[1..n), each KEY=VALUE, into `keys`: NULL, or what is wrong (`unknown`: a key not
- * among them; `bad`: a value its key does not take). */
+/* Reads tok[1..n), each KEY=VALUE, into `keys`: NULL, or what is wrong, in `words`. */
 static const char *parse_keys(char **tok, int n, const struct key *keys, size_t n_keys,
-                              const char *unknown, const char *bad)
+                              const struct record_words *words)
 {
+    unsigned int given = 0; /* bit k: keys[k] (n_keys <= 32) */
     for (int i = 1; i < n; i++) {
         char *name = tok[i], *val = strchr(tok[i], '=');
         if (!val)
@@ -426,14 +436,24 @@ static const char *parse_keys(char **tok, int n, const struct key *keys, size_t 
         while (k < n_keys && strcmp(keys[k].name, name))
             k++;
         if (k == n_keys)
-            return unknown;
+            return words->unknown;
         if (!parse_value(&keys[k], val))
-            return bad;
+            return words->bad;
+        given |= 1u << k;
         if (keys[k].seen)
             *keys[k].seen = 1;
     }
+    for (size_t k = 0; k < n_keys; k++)
+        if (keys[k].needed && !(given & 1u << k))
+            return words->needs;
     return NULL;
 }
+
+static const struct record_words DEVICE_WORDS = {"unknown device key", "bad device value", NULL};
+static const struct record_words PROCESS_WORDS = {"unknown process key", "bad process value",
+                                                  "process needs device= and pid="};
+static const struct record_words FAIL_WORDS = {"unknown fail key", "bad fail value",
+                                               "fail needs symbol= and error="};
 
 static const char *parse_device(struct fake_state *s, char **tok, int n)
 {
@@ -451,23 +471,22 @@ static const char *parse_device(struct fake_state *s, char **tok, int n)
     d.pci_subsystem_id = 0x16C110DE;
     int have_uuid = 0, have_bus = 0;
     const struct key keys[] = {
-        {"index", V_UINT, &index, 0, NULL},
-        {"uuid", V_TEXT, d.uuid, sizeof d.uuid, &have_uuid},
-        {"name", V_TEXT, d.name, sizeof d.name, NULL},
-        {"total", V_U64, &d.total, 0, NULL},
-        {"reserved", V_U64, &d.reserved, 0, NULL},
-        {"unattributed", V_U64, &d.unattributed, 0, NULL},
-        {"util_gpu", V_UINT, &d.util_gpu, 0, NULL},
-        {"util_mem", V_UINT, &d.util_mem, 0, NULL},
-        {"pci_bus_id", V_BUS_ID, &d, 0, &have_bus},
-        {"mig", V_FLAG, &d.mig, 0, NULL},
-        {"pci_device_id", V_UINT, &d.pci_device_id, 0, NULL},
-        {"pci_subsystem_id", V_UINT, &d.pci_subsystem_id, 0, NULL},
-        {"cc", V_CC, &d, 0, NULL},
-        {"brand", V_INT, &d.brand, 0, NULL},
+        {"index", V_UINT, &index, 0, NULL, MAY},
+        {"uuid", V_TEXT, d.uuid, sizeof d.uuid, &have_uuid, MAY},
+        {"name", V_TEXT, d.name, sizeof d.name, NULL, MAY},
+        {"total", V_U64, &d.total, 0, NULL, MAY},
+        {"reserved", V_U64, &d.reserved, 0, NULL, MAY},
+        {"unattributed", V_U64, &d.unattributed, 0, NULL, MAY},
+        {"util_gpu", V_UINT, &d.util_gpu, 0, NULL, MAY},
+        {"util_mem", V_UINT, &d.util_mem, 0, NULL, MAY},
+        {"pci_bus_id", V_BUS_ID, &d, 0, &have_bus, MAY},
+        {"mig", V_FLAG, &d.mig, 0, NULL, MAY},
+        {"pci_device_id", V_UINT, &d.pci_device_id, 0, NULL, MAY},
+        {"pci_subsystem_id", V_UINT, &d.pci_subsystem_id, 0, NULL, MAY},
+        {"cc", V_CC, &d, 0, NULL, MAY},
+        {"brand", V_INT, &d.brand, 0, NULL, MAY},
     };
-    const char *wrong = parse_keys(tok, n, keys, sizeof keys / sizeof *keys,
-                                   "unknown device key", "bad device value");
+    const char *wrong = parse_keys(tok, n, keys, sizeof keys / sizeof *keys, &DEVICE_WORDS);
     if (wrong)
         return wrong;
     if (index >= MAX_DEVICES)
@@ -488,48 +507,39 @@ static const char *parse_process(struct fake_state *s, char **tok, int n)
 {
     struct fake_process p = {0, 0, NVML_VALUE_NOT_AVAILABLE, PROC_COMPUTE, 0, NO_INSTANCE,
                              NO_INSTANCE};
-    int have_device = 0, have_pid = 0;
     if (s->n_processes == MAX_PROCESSES)
         return "too many processes";
     const struct key keys[] = {
-        {"device", V_UINT, &p.device, 0, &have_device},
-        {"pid", V_UINT, &p.pid, 0, &have_pid},
-        {"used", V_USED, &p.used, 0, NULL},
-        {"type", V_TYPES, &p.types, 0, NULL},
-        {"ghost", V_FLAG, &p.ghost, 0, NULL},
-        {"gi", V_UINT, &p.gi, 0, NULL},
-        {"ci", V_UINT, &p.ci, 0, NULL},
+        {"device", V_UINT, &p.device, 0, NULL, NEEDS},
+        {"pid", V_UINT, &p.pid, 0, NULL, NEEDS},
+        {"used", V_USED, &p.used, 0, NULL, MAY},
+        {"type", V_TYPES, &p.types, 0, NULL, MAY},
+        {"ghost", V_FLAG, &p.ghost, 0, NULL, MAY},
+        {"gi", V_UINT, &p.gi, 0, NULL, MAY},
+        {"ci", V_UINT, &p.ci, 0, NULL, MAY},
     };
-    const char *wrong = parse_keys(tok, n, keys, sizeof keys / sizeof *keys,
-                                   "unknown process key", "bad process value");
-    if (wrong)
-        return wrong;
-    if (!have_device || !have_pid)
-        return "process needs device= and pid=";
-    s->processes[s->n_processes++] = p;
-    return NULL;
+    const char *wrong = parse_keys(tok, n, keys, sizeof keys / sizeof *keys, &PROCESS_WORDS);
+    if (!wrong)
+        s->processes[s->n_processes++] = p;
+    return wrong;
 }
 
 static const char *parse_failure(struct fake_state *s, char **tok, int n)
 {
     struct fake_failure f;
-    int have_symbol = 0, have_error = 0;
     memset(&f, 0, sizeof f);
     f.device = -1;
     if (s->n_failures == MAX_FAILURES)
         return "too many failures";
     const struct key keys[] = {
-        {"symbol", V_NAME, f.symbol, sizeof f.symbol, &have_symbol},
-        {"error", V_NONZERO, &f.error, 0, &have_error},
-        {"device", V_INT, &f.device, 0, NULL},
-        {"times", V_INT, &f.times, 0, NULL},
+        {"symbol", V_NAME, f.symbol, sizeof f.symbol, NULL, NEEDS},
+        {"error", V_NONZERO, &f.error, 0, NULL, NEEDS},
+        {"device", V_INT, &f.device, 0, NULL, MAY},
+        {"times", V_INT, &f.times, 0, NULL, MAY},
     };
-    const char *wrong = parse_keys(tok, n, keys, sizeof keys / sizeof *keys,
-                                   "unknown fail key", "bad fail value");
+    const char *wrong = parse_keys(tok, n, keys, sizeof keys / sizeof *keys, &FAIL_WORDS);
     if (wrong)
         return wrong;
-    if (!have_symbol || !have_error)
-        return "fail needs symbol= and error=";
     size_t len = strlen(f.symbol);
     if (f.symbol[len - 1] == '*') {
         f.symbol[len - 1] = '\0';

@@ -90,6 +90,13 @@ def runtime_option(f: F) -> F:
         help="Where agent.sock and state.sock live.")(f)
 
 
+def refresh_option(help: str) -> Callable[[F], F]:
+    """`--interval`/`-n`: the time between two refreshes of a view (checked by at_least_100ms
+    where the command is ready to say so)."""
+    return click.option("--interval", "-n", cls=Option, type=DURATION, default=2.0,
+                        metavar="DURATION", help=help)
+
+
 def at_least_100ms(value: float, option: str) -> None:
     if value < 0.1:
         raise click.BadParameter("at least 100ms", param_hint=f"'{option}'")

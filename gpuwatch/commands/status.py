@@ -11,11 +11,10 @@ import click
 
 from gpuwatch.commands.exit_codes import ExitCode
 from gpuwatch.commands.options import (
-    DURATION,
-    Option,
     at_least_100ms,
     config_option,
     load_config,
+    refresh_option,
     runtime_option,
 )
 
@@ -45,8 +44,7 @@ Exit codes:
 @click.option("--watch", "-w", is_flag=True,
               help="Show it again every --interval until Ctrl+C, as `watch` does (with --json: "
                    "one document per line).")
-@click.option("--interval", "-n", cls=Option, type=DURATION, default=2.0, metavar="DURATION",
-              help="With --watch, the time between refreshes: 1s, 500ms.")
+@refresh_option("With --watch, the time between refreshes: 1s, 500ms.")
 @runtime_option
 @config_option
 def status(as_json: bool, poll: bool, verbose: bool, watch: bool, interval: float,

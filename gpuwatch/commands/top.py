@@ -10,11 +10,10 @@ import click
 
 from gpuwatch.commands.exit_codes import CommandError, ExitCode
 from gpuwatch.commands.options import (
-    DURATION,
-    Option,
     at_least_100ms,
     config_option,
     load_config,
+    refresh_option,
     runtime_option,
 )
 
@@ -32,8 +31,7 @@ Exit codes (128+N for signal N, as a shell reports it):
 
 @click.command(epilog=EXIT_CODES,
                short_help="A live, full-screen view: GPUs, process trees, findings, reap.")
-@click.option("--interval", "-n", cls=Option, type=DURATION, default=2.0, metavar="DURATION",
-              help="Time between refreshes: 1s, 500ms.")
+@refresh_option("Time between refreshes: 1s, 500ms.")
 @click.option("--poll", is_flag=True, help="Poll here even if a daemon is running.")
 @runtime_option
 @config_option

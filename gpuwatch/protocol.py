@@ -10,6 +10,8 @@ imports nothing of gpuwatch, so that the agent can import it without pulling in 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 #: The protocol's version, `v` of every datagram either way.
 PROTOCOL_VERSION = 1
 
@@ -23,6 +25,23 @@ SOCKET_NAME = "agent.sock"
 #: Beside SOCKET_NAME: `<uid>.sock`, the socket of one user's own (only that user may send to
 #: it), made by the daemon at the user's first report.
 PRIVATE_SOCKET_DIR = "agent.d"
+
+
+def user_named(uid: int) -> str:
+    """'alice (uid 1000)', or 'uid 1000' with no name: the owner of a runtime directory or
+    socket either side refuses, as the refusal names it."""
+    # Only when refusing: a name service lookup is on no report's path.
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except Exception:
+        return f"uid {uid}"
+
+
+def users_named(uids: Iterable[int]) -> str:
+    """'root or alice (uid 1000)': the owners a refusal wanted instead."""
+    return " or ".join("root" if uid == 0 else user_named(uid) for uid in sorted(set(uids)))
 
 # -- reports, agent to daemon ----------------------------------------------------------------
 #: The `kind` of a report. `tick`: a process that has not stepped yet (a data worker), on a

@@ -26,14 +26,14 @@ import fcntl
 import json
 import logging
 import os
-import pwd
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 from gpuwatch.daemon_info import DaemonInfo
+from gpuwatch.protocol import user_named, users_named
 
 #: Written to the runtime directory so that the CLI, the demo and tests find the live daemon.
 DAEMON_INFO_NAME = "daemon.json"
@@ -78,18 +78,6 @@ def unlink_if_same(path: Path, identity: Optional[FileIdentity]) -> None:
 class UnsafeDirectory(Exception):
     """A runtime or state directory that another user can write, or that is not what it should
     be: the message names the directory and why, for the user."""
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _owners(uids: Iterable[int]) -> str:
-    names = ["root" if uid == 0 else _user(uid) for uid in sorted(set(uids))]
-    return " or ".join(names)
 
 
 class TrustedDir:
@@ -171,8 +159,8 @@ class TrustedDir:
             if not stat.S_ISREG(st.st_mode):
                 raise OSError(f"{self.path / name} is not a regular file")
             if st.st_uid not in self.daemon_uids:
-                raise PermissionError(f"{self.path / name} is owned by {_user(st.st_uid)}, "
-                                      f"not by {_owners(self.daemon_uids)}: not believed")
+                raise PermissionError(f"{self.path / name} is owned by {user_named(st.st_uid)}, "
+                                      f"not by {users_named(self.daemon_uids)}: not believed")
             return os.pread(fd, limit, 0)
         finally:
             os.close(fd)
@@ -209,7 +197,7 @@ class TrustedDir:
         try:
             st = os.fstat(fd)
             if st.st_uid != os.geteuid():
-                raise UnsafeDirectory(f"{self.path / name} is owned by {_user(st.st_uid)}, "
+                raise UnsafeDirectory(f"{self.path / name} is owned by {user_named(st.st_uid)}, "
                                       "not by this process's user")
             if mode is not None:
                 os.fchmod(fd, mode)
@@ -234,8 +222,8 @@ def open_private_dir(path: Path, *, create_mode: Optional[int] = None,
     fd, st, _ = _walk(path, trusted, create_mode, setting)
     if st.st_uid not in trusted:
         os.close(fd)
-        raise UnsafeDirectory(_lead(setting, path) + f"owned by {_user(st.st_uid)}, not by "
-                              f"{_owners(trusted)}: another user's directory; "
+        raise UnsafeDirectory(_lead(setting, path) + f"owned by {user_named(st.st_uid)}, not by "
+                              f"{users_named(trusted)}: another user's directory; "
                               + _FIX)
     return TrustedDir(Path(os.path.abspath(path)), fd, st.st_uid, trusted)
 
@@ -250,7 +238,7 @@ def open_daemon_dir(path: Path, setting: str = "") -> TrustedDir:
     fd, st, placed = _walk(path, me, None, setting)
     if st.st_uid not in me and not placed:
         os.close(fd)
-        raise UnsafeDirectory(_lead(setting, path) + f"owned by {_user(st.st_uid)} in a "
+        raise UnsafeDirectory(_lead(setting, path) + f"owned by {user_named(st.st_uid)} in a "
                               "directory any user may create in: not the daemon's")
     return TrustedDir(Path(os.path.abspath(path)), fd, st.st_uid, me | {st.st_uid})
 
@@ -344,7 +332,7 @@ def _check_above(st: os.stat_result, current: str, trusted: frozenset[int], path
     the sticky bit, could replace what lies below."""
     if st.st_uid not in trusted:
         raise UnsafeDirectory(_lead(setting, path) + f"{current} above it is owned by "
-                              f"{_user(st.st_uid)}, who could replace what lies below; "
+                              f"{user_named(st.st_uid)}, who could replace what lies below; "
                               + _FIX)
     if not _safe_mode(st) and not st.st_mode & stat.S_ISVTX:
         raise UnsafeDirectory(_lead(setting, path) + f"{current} above it is writable by "
@@ -385,7 +373,7 @@ def lock_runtime_dir(directory: TrustedDir) -> int:
             # Held by someone who runs no daemon here: their lock, not this directory's.
             logging.getLogger("gpuwatch.daemon").warning(
                 "%s was locked by %s, which is not a daemon of this directory: replaced",
-                path, ", ".join(f"PID {pid} ({_user(uid or 0)})" for pid, uid in holders))
+                path, ", ".join(f"PID {pid} ({user_named(uid or 0)})" for pid, uid in holders))
             os.close(fd)
             directory.unlink(LOCK_NAME)
             fd = _open_lock(directory, fresh=True)
@@ -572,5 +560,5 @@ def daemon_peer_refusal(runtime_dir: Path, peer_uid: int) -> Optional[str]:
         return f"{runtime_dir}: {exc.strerror or exc}"
     if peer_uid in uids:
         return None
-    return (f"not believed: the process serving it runs as {_user(peer_uid)}, not as "
-            f"{_owners(uids)}")
+    return (f"not believed: the process serving it runs as {user_named(peer_uid)}, not as "
+            f"{users_named(uids)}")

@@ -52,6 +52,8 @@ from gpuwatch.protocol import (
     PRIVATE_SOCKET_DIR,
     RUNTIME_DIR_VARIABLE,
     SOCKET_NAME,
+    user_named,
+    users_named,
 )
 
 __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "DEFAULT_RUNTIME_DIR", "SOCKET_NAME", "Transport"]
@@ -265,7 +267,7 @@ def checked_directory(directory: str) -> tuple[str, frozenset[int]]:
             continue
         above, above_st = walked[-1]
         if above_st.st_uid not in mine:
-            raise Refused(f"{above} is owned by {_user(above_st.st_uid)}, who could replace "
+            raise Refused(f"{above} is owned by {user_named(above_st.st_uid)}, who could replace "
                           f"what lies below it ({directory})")
         if above_st.st_mode & _WRITABLE_BY_OTHERS and not above_st.st_mode & stat.S_ISVTX:
             raise Refused(f"{above} is writable by {_whom(above_st)} (mode "
@@ -292,7 +294,7 @@ def checked_directory(directory: str) -> tuple[str, frozenset[int]]:
                       "there and read the reports")
     placed = len(walked) > 1 and not walked[-2][1].st_mode & _WRITABLE_BY_OTHERS
     if st.st_uid not in mine and not placed:
-        raise Refused(f"the runtime directory {path} is owned by {_user(st.st_uid)} in a "
+        raise Refused(f"the runtime directory {path} is owned by {user_named(st.st_uid)} in a "
                       "directory any user may create in: not the daemon's")
     return path, frozenset({*mine, st.st_uid})
 
@@ -304,8 +306,8 @@ def check_private_dir(directory: str, trusted: frozenset[int]) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise Refused(f"{directory} is not a directory")
     if st.st_uid not in trusted:
-        raise Refused(f"{directory} is owned by {_user(st.st_uid)}, not by "
-                      f"{_owners(trusted)}")
+        raise Refused(f"{directory} is owned by {user_named(st.st_uid)}, not by "
+                      f"{users_named(trusted)}")
     if st.st_mode & _WRITABLE_BY_OTHERS:
         raise Refused(f"{directory} is writable by {_whom(st)} (mode "
                       f"{stat.S_IMODE(st.st_mode):04o})")
@@ -318,26 +320,12 @@ def check_socket(path: str, trusted: frozenset[int]) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise Refused(f"{path} is not a socket")
     if st.st_uid not in trusted:
-        raise Refused(f"{path} is owned by {_user(st.st_uid)}, not by {_owners(trusted)}: "
+        raise Refused(f"{path} is owned by {user_named(st.st_uid)}, not by {users_named(trusted)}: "
                       "another user's socket would read the reports")
 
 
 def _whom(st: os.stat_result) -> str:
     return "others" if st.st_mode & stat.S_IWOTH else "its group"
-
-
-def _user(uid: int) -> str:
-    # Only when refusing, once: a name service lookup is not on any report's path.
-    try:
-        import pwd
-
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except Exception:
-        return f"uid {uid}"
-
-
-def _owners(uids: frozenset[int]) -> str:
-    return " or ".join("root" if uid == 0 else _user(uid) for uid in sorted(uids))
 
 
 def _private_of(path: str) -> str:

@@ -410,8 +410,7 @@ class Daemon:
         self.history.resize(new.history.samples, new.history.max_processes,
                             sample_spacing(new))
         self.poller.private_memory.every = sample_spacing(new)
-        nvml = self.poller.nvml
-        nvml.retry_max = new.daemon.nvml_retry_max
+        self.poller.nvml.backoff.maximum = new.daemon.nvml_retry_max
         setup_logging(new.daemon.log_format, new.daemon.log_level)
         self.metrics.count_reload(applied=True)
         log.info("configuration reloaded")

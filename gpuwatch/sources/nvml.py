@@ -69,6 +69,28 @@ class _StaticInfo:
         self.mig_enabled = mig_enabled
 
 
+class Backoff:
+    """When to try again after failures in a row: `initial` seconds after the first, doubling
+    after each next one up to `maximum`; a success starts it over."""
+
+    __slots__ = ("failures", "initial", "maximum", "next_try")
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self.failures = 0
+        #: No try before this (the clock's seconds).
+        self.next_try = 0.0
+
+    def failed(self, now: float) -> None:
+        self.next_try = now + min(self.maximum, self.initial * 2 ** min(self.failures, 30))
+        self.failures += 1
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.next_try = 0.0
+
+
 class NvmlSource:
     """Reads NVML through nvidia-ml-py.
 
@@ -84,12 +106,9 @@ class NvmlSource:
                  dev_dir: str = "/dev") -> None:
         self._nvml = nvml
         self.dev_dir = dev_dir
-        self.retry_initial = retry_initial
-        self.retry_max = retry_max
+        self.backoff = Backoff(retry_initial, retry_max)
         self._clock = clock
         self._initialised = False
-        self._failures = 0
-        self._next_try = 0.0
         self._status = NvmlStatus(available=False, error="not initialised yet")
         self._static: dict[int, _StaticInfo] = {}
         #: Each GPU's holders at its last good read of both process lists, by index, with the
@@ -145,7 +164,7 @@ class NvmlSource:
     def read(self) -> NvmlReading:
         self.carried = {}
         now = self._clock()
-        if not self._initialised and now < self._next_try:
+        if not self._initialised and now < self.backoff.next_try:
             return NvmlReading(status=self._status)
         errors: list[SourceError] = []
         # A second attempt only after the first count failure since a good read: initialising
@@ -156,31 +175,25 @@ class NvmlSource:
                 if not self._initialised:
                     self._status = self._with_device_files(self._status)
                     errors.append(SourceError("nvml", self._status.message))
-                    self._back_off(now)
+                    self.backoff.failed(now)
                     return NvmlReading(status=self._status, errors=tuple(errors))
             nv = self._nvml
             try:
                 count = nv.nvmlDeviceGetCount()
             except nv.NVMLError as exc:
                 errors.append(self._lost_library(exc))
-                if not retry and self._failures == 0:
+                if not retry and self.backoff.failures == 0:
                     continue
-                self._back_off(now)
+                self.backoff.failed(now)
                 return NvmlReading(status=self._status, errors=tuple(errors))
             break
-        self._failures = 0
-        self._next_try = 0.0
+        self.backoff.succeeded()
         gpus = tuple(self._read_device(i) for i in range(count))
         for index in [i for i in self._holders if i >= count]:
             del self._holders[index]
         self._status = _with_count(self._status, count)
         errors += [SourceError("nvml", f"GPU {g.index}: {e}") for g in gpus for e in g.errors]
         return NvmlReading(status=self._status, gpus=gpus, errors=tuple(errors))
-
-    def _back_off(self, now: float) -> None:
-        delay = min(self.retry_max, self.retry_initial * 2 ** min(self._failures, 30))
-        self._failures += 1
-        self._next_try = now + delay
 
     def _lost_library(self, exc: Exception) -> SourceError:
         """The device count failed: whatever the code, the library is suspect. It is shut down,

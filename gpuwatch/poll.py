@@ -104,7 +104,9 @@ class Poller:
         agents = self.agents.drain() if self.agents is not None else {}
         seeds |= agents.keys()
         host = self.processes.read(seeds | set(watch), gpu_usage)
-        roots = {job_root(pid, host.processes) for pid in seeds}
+        # Each seed's root, worked out once: job_roots below starts from these.
+        seed_roots = {pid: job_root(pid, host.processes) for pid in seeds}
+        roots = set(seed_roots.values())
         more = self.job_walker.read_members(
             frozenset(root for root in roots if root is not None), gpu_usage, host.processes)
         processes = more.processes
@@ -112,7 +114,9 @@ class Poller:
         processes, private_errors = self._with_private_memory(
             processes, {root for root in roots if root is not None} | set(watch), taken_at)
         agents = self._live_agents(agents, processes)
-        processes, pods = self._with_pod_names(processes)
+        named, pods = self._with_pod_names(processes)
+        if named is not processes:  # a job renamed for its pod: its members' roots may move
+            seed_roots, processes = {}, named
         limited = {p.cgroup for pid, p in processes.items()
                    if p.cgroup and (p.holds_gpu or pid in agents)}
         self._unlisted = {pid for pid, p in processes.items() if p.holds_gpu and not p.in_procfs}
@@ -125,7 +129,7 @@ class Poller:
             processes=processes,
             errors=reading.errors + host.errors + more.errors + private_errors,
             poll_duration_seconds=time.perf_counter() - started,
-            job_roots=MappingProxyType(job_roots(processes)),
+            job_roots=MappingProxyType(job_roots(processes, seed_roots)),
             agents=MappingProxyType(agents),
             mem_available_bytes=read_mem_available(),
             cgroup_memory=MappingProxyType(self.cgroup_memory.read(limited)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from gpuwatch.jobs.key import JobKey
-from gpuwatch.jobs.tree import descendants
+from gpuwatch.jobs.tree import descendants, job_root, job_roots
 from gpuwatch.model import HostProcess, NodeSnapshot, NvmlStatus
 
 
@@ -41,3 +41,19 @@ def test_the_walk_down_a_tree_finds_each_descendant_once_and_never_a_root() -> N
     assert sorted(asked) == [1, 2, 3, 4, 5], "each process's children asked for once"
     assert descendants([1, 4], lambda pid: children.get(pid, [])) == {2, 3, 5}
     assert descendants([], children_of) == set()
+
+
+def test_job_roots_take_the_roots_a_poll_worked_out_for_its_seeds_and_work_out_the_rest(
+        ) -> None:
+    """A poll works out its seeds' roots to know which trees to walk; the snapshot's job_roots
+    start from those rather than climbing from each seed again."""
+    shell = HostProcess(pid=30, ppid=1, sid=30, name="bash")
+    launcher = HostProcess(pid=40, ppid=30, sid=30, name="torchrun", cmdline=("torchrun", "t.py"))
+    rank = HostProcess(pid=41, ppid=40, sid=30, name="python", cmdline=("python", "t.py"))
+    worker = HostProcess(pid=42, ppid=41, sid=30, name="python", cmdline=("python", "t.py"))
+    procs = {p.pid: p for p in (shell, launcher, rank, worker)}
+    afresh = job_roots(procs)
+    assert afresh == {30: 30, 40: 40, 41: 40, 42: 40}
+    assert job_roots(procs, {41: job_root(41, procs)}) == afresh
+    # What it is given is taken as it is: it is never worked out again.
+    assert job_roots(procs, {42: 42})[42] == 42

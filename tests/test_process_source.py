@@ -17,6 +17,7 @@ import pytest
 
 from gpuwatch.model import GpuProcessUsage
 from gpuwatch.simulate.demo import wait_for
+from gpuwatch.sources import processes
 from gpuwatch.sources.kernel_files import read_head
 from gpuwatch.sources.proc_stat import (
     NUM_THREADS,
@@ -502,6 +503,37 @@ def test_a_cgroup_file_is_read_to_8_kib_and_the_line_the_cut_falls_in_left_out(
         (proc / pid / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_4242/step_0\n")
         p = ProcessSource(str(proc)).read([child.pid]).processes[child.pid]
         assert p.cgroup == "/system.slice/slurmstepd.scope/job_4242/step_0"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_process_whose_stat_line_did_not_change_keeps_its_record_unparsed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most processes sleep between two polls: their stat line reads as it did, and the record
+    made of it last time is theirs again, without the line being parsed. A change in the line
+    (a stop), or in what NVML says the process holds, makes a new record."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        wait_for("the child's arguments", lambda: _arguments_in_place(child.pid) or None, 10)
+        source = ProcessSource()
+        first = source.read([child.pid]).processes[child.pid]
+        parsed: list[bytes] = []
+        def counting(line: bytes) -> tuple[bytes, list[bytes]]:
+            parsed.append(line)
+            return parse_stat(line)
+
+        monkeypatch.setattr(processes, "parse_stat", counting)
+        again = source.read([child.pid]).processes[child.pid]
+        assert again is first
+        assert not [line for line in parsed if line.startswith(f"{child.pid} ".encode())]
+        held = source.read([child.pid], {child.pid: (_usage(child.pid),)}).processes[child.pid]
+        assert held is not first and held.gpu_memory_bytes == GIB
+        child.send_signal(signal.SIGSTOP)
+        wait_for("the stop", lambda: state(child.pid) == "T" or None, 10)
+        stopped = source.read([child.pid]).processes[child.pid]
+        assert stopped.state == "stopped" and not stopped.holds_gpu
+        assert source.read([child.pid]).processes[child.pid] is stopped
     finally:
         child.kill()
         child.wait()

@@ -122,12 +122,14 @@ def _environment_reason(p: HostProcess, snapshot: NodeSnapshot, config: Detector
         return None
     if p.start_time is not None and snapshot.taken_at - p.start_time < config.min_age:
         return None
-    evidence = worker_evidence(p)
-    if evidence is None:
-        return None  # a service under PID 1 (persistenced, a notebook server) is no orphan
+    # The parent first: at every poll, for every GPU holder, it is most often the live
+    # launcher, which settles it without the environment's words.
     adopter = _adopter(p, parent)
     if adopter is None:
         return None
+    evidence = worker_evidence(p)
+    if evidence is None:
+        return None  # a service under PID 1 (persistenced, a notebook server) is no orphan
     # The summary names the marker variables (gpuwatch's own list), never their values.
     markers = ", ".join(sorted(k for k in p.launch_env if k in WORKER_MARKER_KEYS))
     return Evidence(f"reparented to {adopter.reason}; environment has {evidence}",

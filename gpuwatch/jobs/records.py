@@ -77,6 +77,11 @@ class JobTrees:
 
     def __init__(self) -> None:
         self._jobs: dict[JobKey, JobRecord] = {}
+        #: Whom each job's last_trainer names (PID, name, command line): named again only
+        #: when another process, or another program, is its last trainer.
+        self._titled: dict[JobKey, tuple[int, Optional[str], tuple[str, ...]]] = {}
+        #: Each trainer's job and environments, and its parent's, as last noted (_note_trainer).
+        self._noted: dict[Identity, tuple[JobRecord, object, object]] = {}
 
     def get(self, key: Optional[JobKey]) -> Optional[JobRecord]:
         return self._jobs.get(key) if key is not None else None
@@ -106,6 +111,7 @@ class JobTrees:
             job.members.clear()
             job.trainers.clear()
         trainers: list[tuple[JobRecord, HostProcess]] = []
+        last: dict[JobKey, HostProcess] = {}
         for p in snapshot.processes.values():
             h = member(p)
             if h is None or h.job_key is None:
@@ -119,15 +125,24 @@ class JobTrees:
             if holds and p.state != ProcState.ZOMBIE and not done:
                 job.trainers.add(p.identity)
                 job.had_trainer = True
-                job.last_trainer = (p.pid, process_title(p.name, p.cmdline))
-                job.last_trainer_comm = p.name
+                last[job.key] = p
                 trainers.append((job, p))
             elif done and p.state != ProcState.ZOMBIE:
                 job.agent_finished = True
+        noted, self._noted = self._noted, {}
         for job, p in trainers:  # once every member is known, its parent included
-            self._note_trainer(job, p, snapshot)
+            self._note_trainer(job, p, snapshot, noted)
+        titled = self._titled
+        for key, p in last.items():  # each job's last trainer in this poll's order, named once
+            was = titled.get(key)
+            if was is None or was[0] != p.pid or was[1] is not p.name or was[2] is not p.cmdline:
+                job = self._jobs[key]
+                job.last_trainer = (p.pid, process_title(p.name, p.cmdline))
+                job.last_trainer_comm = p.name
+                titled[key] = (p.pid, p.name, p.cmdline)
         for key in [k for k, job in self._jobs.items() if not job.members]:
             del self._jobs[key]
+            titled.pop(key, None)
         for job in self._jobs.values():
             if job.had_trainer:
                 _mark_launched(job, snapshot)
@@ -143,17 +158,24 @@ class JobTrees:
                                           root=root)
         return job
 
-    @staticmethod
-    def _note_trainer(job: JobRecord, p: HostProcess, snapshot: NodeSnapshot) -> None:
+    def _note_trainer(self, job: JobRecord, p: HostProcess, snapshot: NodeSnapshot,
+                      noted: dict[Identity, tuple[JobRecord, object, object]]) -> None:
         """What a live trainer shows of the job: its launch variables, those its parent lacks,
-        and its parent as the job's launcher where that is a member of the job."""
-        keys = p.launch_env.keys()
-        if not job.trainer_env >= keys:
-            job.trainer_env = job.trainer_env | keys
+        and its parent as the job's launcher where that is a member of the job. (The variables
+        are added to the job's once for the same trainer, parent environment and job: `noted`,
+        the last poll's.)"""
         parent = snapshot.processes.get(p.ppid) if p.ppid else None
-        parent_keys = parent.launch_env.keys() if parent is not None else frozenset()
-        if not job.launcher_set_env >= keys - parent_keys:
-            job.launcher_set_env = job.launcher_set_env | (keys - parent_keys)
+        env = p.launch_env
+        parent_env = parent.launch_env if parent is not None else None
+        was = noted.get(p.identity)
+        if was is None or was[0] is not job or was[1] is not env or was[2] is not parent_env:
+            keys = env.keys()
+            if not job.trainer_env >= keys:
+                job.trainer_env = job.trainer_env | keys
+            parent_keys = parent_env.keys() if parent_env is not None else frozenset()
+            if not job.launcher_set_env >= keys - parent_keys:
+                job.launcher_set_env = job.launcher_set_env | (keys - parent_keys)
+        self._noted[p.identity] = (job, env, parent_env)
         if (parent is not None and parent.identity in job.members
                 and parent.identity not in job.launchers):
             job.launchers[parent.identity] = parent

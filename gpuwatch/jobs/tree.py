@@ -9,6 +9,7 @@ a user's editor into a "leftover" when their training run ends.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Optional
 
 from gpuwatch.model import HostProcess, Job
@@ -205,14 +206,18 @@ def job_root(pid: int, processes: Mapping[int, HostProcess]) -> Optional[int]:
     return root.pid
 
 
-def job_roots(processes: Mapping[int, HostProcess]) -> dict[int, int]:
+def job_roots(processes: Mapping[int, HostProcess],
+              known: Mapping[int, Optional[int]] = MappingProxyType({})) -> dict[int, int]:
     """Each process's job root. A launcher is the root of its own job: climbing from it alone
     would make whatever started it (a shell script, the demo, a CI runner) its launcher, and put
     torchrun in another job than its workers. A rank that started processes of its own (a data
-    loader's workers) is not: it and they stay in its launcher's job (`_rank_of`)."""
+    loader's workers) is not: it and they stay in its launcher's job (`_rank_of`).
+
+    `known`: job_root of some of the processes, worked out already on the same records (a
+    poll's, for its seeds), taken as they are."""
     roots: dict[int, int] = {}
     for pid in processes:
-        root = job_root(pid, processes)
+        root = known[pid] if pid in known else job_root(pid, processes)
         if root is not None:
             roots[pid] = root
     for root in set(roots.values()):

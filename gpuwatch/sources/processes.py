@@ -93,6 +93,9 @@ class ProcessSource:
         #: Each process's last record with the stat fields and GPU usage it was built from: a
         #: process whose fields did not change since is given the same (immutable) record.
         self._records: dict[int, tuple[tuple[object, ...], HostProcess]] = {}
+        #: Each process's last stat line and GPU usage, with the record made of them: the same
+        #: line (most processes, asleep between two polls) gives the same record, unparsed.
+        self._lines: dict[int, tuple[bytes, tuple[GpuProcessUsage, ...], HostProcess]] = {}
         #: A GPU holder's record with group_leader_gone, by the record it was made from.
         self._holders: dict[int, tuple[HostProcess, Optional[bool], HostProcess]] = {}
         #: Open /proc/PID/stat descriptors of the processes read at the last poll. Kept only
@@ -170,7 +173,7 @@ class ProcessSource:
         for key in self._static.keys() - keep:
             del self._static[key]
         pids = {pid for pid, _ in keep}
-        for cache in (self._records, self._holders):
+        for cache in (self._records, self._holders, self._lines):
             for pid in cache.keys() - pids:
                 del cache[pid]
         for pid in self._fds.keys() - pids:
@@ -220,10 +223,26 @@ class ProcessSource:
     def _read_one(self, pid: int, usage: tuple[GpuProcessUsage, ...]) -> HostProcess:
         line = self._stat_line(pid)
         if line is None:
+            self._lines.pop(pid, None)
             # Absent from /proc: exited (between NVML's list and ours, or mid-read), or living in
             # another PID namespace whose PIDs NVML reports. Kept, marked, never a crash.
             return HostProcess(pid=pid, in_procfs=False, gpu_usage=usage,
                                read_errors=("not in /proc (exited, or another PID namespace)",))
+        # The line whole, as the last poll read it: every field the record is made of (and
+        # more) is as it was, so the record is. A line of a process in D state is never kept.
+        same = self._lines.get(pid)
+        if same is not None and same[0] == line and same[1] == usage:
+            return same[2]
+        record = self._parse_one(pid, line, usage)
+        kept = self._records.get(pid)
+        if kept is not None and kept[1] is record and record.state != ProcState.DISK_SLEEP:
+            self._lines[pid] = (line, usage, record)
+        else:
+            self._lines.pop(pid, None)
+        return record
+
+    def _parse_one(self, pid: int, line: bytes, usage: tuple[GpuProcessUsage, ...]
+                   ) -> HostProcess:
         comm, fields = parse_stat(line)
         # What the process runs: its name and where its arguments start (0 where the kernel
         # does not say). An exec changes both, the arguments landing on a new stack, while the

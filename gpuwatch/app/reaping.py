@@ -26,6 +26,7 @@ from gpuwatch.actions.reap_audit import AUDIT_NAME, AuditFollower, AuditWriter
 from gpuwatch.actions.reap_plan import TERMINATE, VIA_PARENT, Action, Filters, Result, Spared
 from gpuwatch.actions.reaper import Reaper
 from gpuwatch.config import Config
+from gpuwatch.forwarded import Forwarded
 from gpuwatch.model import NodeReport
 from gpuwatch.units import plural
 
@@ -57,14 +58,9 @@ class Reap:
         self.reaper = Reaper(cfg, cfg.daemon.state_dir / AUDIT_NAME, daemon_pid=daemon_pid,
                              actor=actor)
 
-    @property
-    def audit_path(self) -> Path:
-        return self.reaper.audit_path
-
-    @property
-    def unrecorded(self) -> Optional[str]:
-        """Why a dry run's plan could not be recorded (None: it was, or none was made)."""
-        return self.reaper.unrecorded
+    audit_path = Forwarded[Path]("reaper")
+    #: Why a dry run's plan could not be recorded (None: it was, or none was made).
+    unrecorded = Forwarded[Optional[str]]("reaper")
 
     def spared(self, report: NodeReport, filters: Filters) -> list[Spared]:
         """The protected GPU holders `filters` name by --job or --pid: never signalled, their

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpuwatch.config import ConfigError, read_config_file
+from gpuwatch.forwarded import Forwarded
 from gpuwatch.serve.tls import (
     CIPHER_SUITES,
     CLIENT_AUTH,
@@ -390,9 +391,7 @@ class WebSettings:
         return f"client certificate names none of client_allowed_sans ({sorted(names)})"
 
     # -- basic auth --------------------------------------------------------------------------
-    @property
-    def users(self) -> Mapping[str, bytes]:
-        return self.config.users
+    users = Forwarded[Mapping[str, bytes]]("config")
 
     def _key(self, user: str, password: bytes) -> tuple[bytes, bytes]:
         hashed = self.config.users.get(user, _DECOY_HASH)

@@ -113,6 +113,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 from gpuwatch.agent_budget import AgentBudget
+from gpuwatch.forwarded import Forwarded
 from gpuwatch.model import AgentReading, BufferSize
 from gpuwatch.protocol import MAX_DATAGRAM, MAX_FIGURE, TRACE_STATUSES
 from gpuwatch.runtime_dir import TrustedDir
@@ -174,27 +175,13 @@ class AgentReceiver:
         self._rejected = dict.fromkeys(REASONS, 0)
 
     # -- limits ------------------------------------------------------------------------------
-    @property
-    def budget(self) -> AgentBudget:
-        """The memory budget everything agent reports create is charged to (docs/agent.md)."""
-        return self.store.budget
-
-    @property
-    def max_processes(self) -> int:
-        return self.store.max_processes
-
-    @property
-    def max_points(self) -> int:
-        return self.store.max_points
-
-    @property
-    def max_pending(self) -> int:
-        return self.store.max_pending
-
-    @property
-    def max_reports_per_second(self) -> Optional[float]:
-        """None: no rate limit (the daemon always sets one, agent.max_reports_per_second)."""
-        return self.rates.max_reports_per_second
+    #: The memory budget everything agent reports create is charged to (docs/agent.md).
+    budget = Forwarded[AgentBudget]("store")
+    max_processes = Forwarded[int]("store")
+    max_points = Forwarded[int]("store")
+    max_pending = Forwarded[int]("store")
+    #: None: no rate limit (the daemon always sets one, agent.max_reports_per_second).
+    max_reports_per_second = Forwarded[Optional[float]]("rates")
 
     def configure(self, max_processes: int, memory_budget: int,
                   max_reports_per_second: Optional[float]) -> None:

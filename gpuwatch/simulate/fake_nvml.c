@@ -65,6 +65,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -769,15 +770,25 @@ static nvmlReturn_t leave(nvmlReturn_t r)
     return r;
 }
 
-/* enter() for calls on a device handle; *out is the device the handle names. */
-static nvmlReturn_t enter_device(const char *symbol, nvmlDevice_t handle,
+/* enter(), for a call that writes its answer through pointers: `given` says whether they all
+ * are (NVML_ERROR_INVALID_ARGUMENT, the lock left, where one is NULL). */
+static nvmlReturn_t enter_writing(const char *symbol, int device, int given)
+{
+    nvmlReturn_t r = enter(symbol, device);
+    if (r == NVML_SUCCESS && !given)
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    return r;
+}
+
+/* enter_writing() for calls on a device handle; *out is the device the handle names. */
+static nvmlReturn_t enter_device(const char *symbol, nvmlDevice_t handle, int given,
                                  const struct fake_device **out)
 {
     int index = slot_index(handle);
     nvmlReturn_t r = enter(symbol, index);
     if (r != NVML_SUCCESS)
         return r;
-    if (index < 0 || !g_state.devices[index].present)
+    if (index < 0 || !g_state.devices[index].present || !given)
         return leave(NVML_ERROR_INVALID_ARGUMENT);
     *out = &g_state.devices[index];
     return NVML_SUCCESS;
@@ -891,11 +902,9 @@ FAKE_API nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int lengt
 
 static nvmlReturn_t cuda_version(const char *symbol, int *version)
 {
-    nvmlReturn_t r = enter(symbol, -1);
+    nvmlReturn_t r = enter_writing(symbol, -1, version != NULL);
     if (r != NVML_SUCCESS)
         return r;
-    if (!version)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
     *version = g_state.cuda_version;
     return leave(NVML_SUCCESS);
 }
@@ -914,11 +923,9 @@ FAKE_API nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *version)
 
 static nvmlReturn_t device_count(const char *symbol, unsigned int *count)
 {
-    nvmlReturn_t r = enter(symbol, -1);
+    nvmlReturn_t r = enter_writing(symbol, -1, count != NULL);
     if (r != NVML_SUCCESS)
         return r;
-    if (!count)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
     *count = g_state.n_devices;
     return leave(NVML_SUCCESS);
 }
@@ -1019,55 +1026,67 @@ FAKE_API nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId,
 
 /* ---- device identity ------------------------------------------------------------------------ */
 
-FAKE_API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+/* A call that copies one of the device's strings, the one at `field` of its fake_device, out. */
+static nvmlReturn_t device_text(const char *symbol, nvmlDevice_t device, char *out,
+                                unsigned int length, size_t field)
 {
     const struct fake_device *d;
-    nvmlReturn_t r = enter_device("nvmlDeviceGetName", device, &d);
+    nvmlReturn_t r = enter_device(symbol, device, 1, &d);
     if (r != NVML_SUCCESS)
         return r;
-    return leave(copy_out(name, length, d->name));
+    return leave(copy_out(out, length, (const char *)d + field));
+}
+
+FAKE_API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    return device_text("nvmlDeviceGetName", device, name, length,
+                       offsetof(struct fake_device, name));
 }
 
 FAKE_API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
-    const struct fake_device *d;
-    nvmlReturn_t r = enter_device("nvmlDeviceGetUUID", device, &d);
-    if (r != NVML_SUCCESS)
-        return r;
-    return leave(copy_out(uuid, length, d->uuid));
+    return device_text("nvmlDeviceGetUUID", device, uuid, length,
+                       offsetof(struct fake_device, uuid));
 }
 
-static nvmlReturn_t device_number(const char *symbol, nvmlDevice_t device, unsigned int *out)
+/* What a call on a device answers through its one pointer (not NULL), under the lock. */
+typedef nvmlReturn_t (*device_answer_fn)(const struct fake_device *d, void *out);
+
+/* A call on a device handle that answers through one pointer, `out`: NVML_ERROR_INVALID_ARGUMENT
+ * for a NULL one, else what `answer` says, having written there. */
+static nvmlReturn_t device_answer(const char *symbol, nvmlDevice_t device, void *out,
+                                  device_answer_fn answer)
 {
     const struct fake_device *d;
-    nvmlReturn_t r = enter_device(symbol, device, &d);
+    nvmlReturn_t r = enter_device(symbol, device, out != NULL, &d);
     if (r != NVML_SUCCESS)
         return r;
-    if (!out)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
-    *out = (unsigned int)(d - g_state.devices);
-    return leave(NVML_SUCCESS);
+    return leave(answer(d, out));
+}
+
+static nvmlReturn_t index_of(const struct fake_device *d, void *index)
+{
+    *(unsigned int *)index = (unsigned int)(d - g_state.devices);
+    return NVML_SUCCESS;
 }
 
 FAKE_API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 {
-    return device_number("nvmlDeviceGetIndex", device, index);
+    return device_answer("nvmlDeviceGetIndex", device, index, index_of);
 }
 
 /* /dev/nvidiaN: the minor number equals the index on a node without hidden GPUs. */
 FAKE_API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
 {
-    return device_number("nvmlDeviceGetMinorNumber", device, minorNumber);
+    return device_answer("nvmlDeviceGetMinorNumber", device, minorNumber, index_of);
 }
 
 FAKE_API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
     const struct fake_device *d;
-    nvmlReturn_t r = enter_device("nvmlDeviceGetPciInfo_v3", device, &d);
+    nvmlReturn_t r = enter_device("nvmlDeviceGetPciInfo_v3", device, pci != NULL, &d);
     if (r != NVML_SUCCESS)
         return r;
-    if (!pci)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
     memset(pci, 0, sizeof *pci);
     snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04X:%02X:%02X.%X", d->domain & 0xFFFF,
              d->bus, d->dev, d->func);
@@ -1084,11 +1103,9 @@ static nvmlReturn_t pci_info_legacy(const char *symbol, nvmlDevice_t device,
                                     nvmlPciInfo_v2_t *pci)
 {
     const struct fake_device *d;
-    nvmlReturn_t r = enter_device(symbol, device, &d);
+    nvmlReturn_t r = enter_device(symbol, device, pci != NULL, &d);
     if (r != NVML_SUCCESS)
         return r;
-    if (!pci)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
     memset(pci, 0, sizeof *pci);
     snprintf(pci->busId, sizeof pci->busId, "%04X:%02X:%02X.%X", d->domain & 0xFFFF, d->bus,
              d->dev, d->func);
@@ -1114,33 +1131,31 @@ FAKE_API nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, in
                                                          int *minor)
 {
     const struct fake_device *d;
-    nvmlReturn_t r = enter_device("nvmlDeviceGetCudaComputeCapability", device, &d);
+    nvmlReturn_t r = enter_device("nvmlDeviceGetCudaComputeCapability", device,
+                                  major && minor, &d);
     if (r != NVML_SUCCESS)
         return r;
-    if (!major || !minor)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
     *major = d->cc_major;
     *minor = d->cc_minor;
     return leave(NVML_SUCCESS);
 }
 
+static nvmlReturn_t brand_of(const struct fake_device *d, void *type)
+{
+    *(int *)type = d->brand;
+    return NVML_SUCCESS;
+}
+
 FAKE_API nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device, int *type)
 {
-    const struct fake_device *d;
-    nvmlReturn_t r = enter_device("nvmlDeviceGetBrand", device, &d);
-    if (r != NVML_SUCCESS)
-        return r;
-    if (!type)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
-    *type = d->brand;
-    return leave(NVML_SUCCESS);
+    return device_answer("nvmlDeviceGetBrand", device, type, brand_of);
 }
 
 FAKE_API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
                                            unsigned int *pendingMode)
 {
     const struct fake_device *d;
-    nvmlReturn_t r = enter_device("nvmlDeviceGetMigMode", device, &d);
+    nvmlReturn_t r = enter_device("nvmlDeviceGetMigMode", device, 1, &d);
     if (r != NVML_SUCCESS)
         return r;
     if (d->mig < 0)
@@ -1151,18 +1166,18 @@ FAKE_API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *cu
     return leave(NVML_SUCCESS);
 }
 
+static nvmlReturn_t utilization_of(const struct fake_device *d, void *out)
+{
+    nvmlUtilization_t *utilization = out;
+    utilization->gpu = d->util_gpu;
+    utilization->memory = d->util_mem;
+    return NVML_SUCCESS;
+}
+
 FAKE_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device,
                                                     nvmlUtilization_t *utilization)
 {
-    const struct fake_device *d;
-    nvmlReturn_t r = enter_device("nvmlDeviceGetUtilizationRates", device, &d);
-    if (r != NVML_SUCCESS)
-        return r;
-    if (!utilization)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
-    utilization->gpu = d->util_gpu;
-    utilization->memory = d->util_mem;
-    return leave(NVML_SUCCESS);
+    return device_answer("nvmlDeviceGetUtilizationRates", device, utilization, utilization_of);
 }
 
 /* ---- memory --------------------------------------------------------------------------------- */
@@ -1186,37 +1201,37 @@ static unsigned long long free_of(unsigned long long total, unsigned long long t
 }
 
 /* The v1 structure has no reserved field: reserved memory is counted as used. */
-FAKE_API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+static nvmlReturn_t memory_v1(const struct fake_device *d, void *out)
 {
-    const struct fake_device *d;
-    nvmlReturn_t r = enter_device("nvmlDeviceGetMemoryInfo", device, &d);
-    if (r != NVML_SUCCESS)
-        return r;
-    if (!memory)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    nvmlMemory_t *memory = out;
     unsigned long long used = used_locked(d) + d->reserved;
     memory->total = d->total;
     memory->used = used;
     memory->free = free_of(d->total, used);
-    return leave(NVML_SUCCESS);
+    return NVML_SUCCESS;
 }
 
-FAKE_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+FAKE_API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
-    const struct fake_device *d;
-    nvmlReturn_t r = enter_device("nvmlDeviceGetMemoryInfo_v2", device, &d);
-    if (r != NVML_SUCCESS)
-        return r;
-    if (!memory)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    return device_answer("nvmlDeviceGetMemoryInfo", device, memory, memory_v1);
+}
+
+static nvmlReturn_t memory_v2(const struct fake_device *d, void *out)
+{
+    nvmlMemory_v2_t *memory = out;
     if (memory->version != nvmlMemory_v2)
-        return leave(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     unsigned long long used = used_locked(d);
     memory->total = d->total;
     memory->reserved = d->reserved;
     memory->used = used;
     memory->free = free_of(d->total, used + d->reserved);
-    return leave(NVML_SUCCESS);
+    return NVML_SUCCESS;
+}
+
+FAKE_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    return device_answer("nvmlDeviceGetMemoryInfo_v2", device, memory, memory_v2);
 }
 
 /* ---- process lists -------------------------------------------------------------------------- */
@@ -1227,11 +1242,9 @@ static nvmlReturn_t list_processes(const char *symbol, nvmlDevice_t device, unsi
                                    void *infos, unsigned int types, int v1_layout)
 {
     const struct fake_device *d;
-    nvmlReturn_t r = enter_device(symbol, device, &d);
+    nvmlReturn_t r = enter_device(symbol, device, count != NULL, &d);
     if (r != NVML_SUCCESS)
         return r;
-    if (!count)
-        return leave(NVML_ERROR_INVALID_ARGUMENT);
     unsigned int index = (unsigned int)(d - g_state.devices), n = 0;
     for (unsigned int i = 0; i < g_state.n_processes; i++) {
         const struct fake_process *p = &g_state.processes[i];

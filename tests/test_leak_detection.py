@@ -635,3 +635,35 @@ def test_a_stall_s_summary_says_what_holds_the_exit_by_kind_and_count_never_thre
     (f,) = Run().step(0, GIB, exit_report={"executors": 2}).findings
     assert f.summary == f.reason == \
         "hung at exit: the interpreter began to exit, but 2 executors were never shut down"
+
+
+def test_the_leak_test_by_time_runs_once_per_sample_not_at_every_poll(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a series grows depends on its samples alone: at polls that take no sample
+    (closer than sample_spacing to the last), a test that found no growth is not run again;
+    at the next sample it is, and the growth is found as it was."""
+    from gpuwatch.detectors import leaks as leak_detector
+
+    tested: list[float] = []
+    real = leak_detector.may_grow
+
+    def counting(*args: Any) -> bool:
+        if found is None:  # (a growth found is tested again at every poll: it is reported)
+            tested.append(now)
+        return real(*args)
+
+    monkeypatch.setattr(leak_detector, "may_grow", counting)
+    config = DetectorConfig(leak_warmup_seconds=0, leak_min_span_seconds=30,
+                            leak_min_bytes_per_second=10 * 1024)
+    history = History(300, sample_spacing=3.0)
+    sampled_at, found = [], None
+    for i in range(120):
+        now = 1000.0 + i
+        rss = GIB + i * MIB
+        taken = history._clock.taken
+        report = assess(_snapshot(now, _worker_job(now, rss)), history, config)
+        if history._clock.taken != taken:
+            sampled_at.append(now)
+        found = found or next((f for f in leaks(report)), None)
+    assert tested and set(tested) <= set(sampled_at)
+    assert found is not None and found.pid == 11

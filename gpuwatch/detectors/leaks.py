@@ -257,6 +257,19 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
              config: DetectorConfig, ticks: Optional[StepSeries] = None) -> Optional[Finding]:
     """The leak test per second on the poll's samples; `ticks`: what the process's agent
     reported on its timer (it has not stepped), by time, where a culprit may be found."""
+    # Whether a series grows depends on the samples and the settings alone, and most polls
+    # take no sample (gpuwatch.config.sample_spacing): a test that found no growth stands until
+    # the next sample.
+    sampled = h.sampled
+    if h.quiet is not None and h.quiet[0] == sampled and h.quiet[1] is config:
+        return None
+    found = _growing_by_time(p, h, snapshot, config, ticks)
+    h.quiet = (sampled, config) if found is None else None
+    return found
+
+
+def _growing_by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
+                     config: DetectorConfig, ticks: Optional[StepSeries]) -> Optional[Finding]:
     after = h.first_seen + config.leak_warmup_seconds
     taken = h.times
     if not len(taken) or taken[-1] - max(after, taken[0]) < config.leak_min_span_seconds:

@@ -145,18 +145,18 @@ def _adopter(p: HostProcess, parent: HostProcess) -> Evidence | None:
     """
     if parent.pid == 1:
         return Evidence.public("PID 1")  # the host's init never launches ranks
-    named_parent = process_named(parent, parent.pid)
+    # (Named only once it may be the adopter: most GPU holders' parent is their live launcher.)
     if is_supervisor(parent):
-        adopter = named_parent
+        adopter = process_named(parent, parent.pid)
     elif not p.launch_env.keys() & LAUNCHER_SET_KEYS:
         # A container's init or an entrypoint may start ranks itself (a shell loop setting RANK
         # and LOCAL_RANK): only a variable a launcher sets says another process started it.
         return None
     elif is_namespace_init(parent, p):
-        adopter = Evidence.join(named_parent, ", PID 1 of its PID namespace")
+        adopter = Evidence.join(process_named(parent, parent.pid), ", PID 1 of its PID namespace")
     elif p.group_leader_gone and p.pgid is not None and parent.pgid != p.pgid:
         gone = f"; the leader of its process group, {p.pgid}, has exited"
-        adopter = Evidence.join(named_parent, gone)
+        adopter = Evidence.join(process_named(parent, parent.pid), gone)
     else:
         return None
     if p.pgid == p.pid and TORCHELASTIC_RUN_ID_KEY not in p.launch_env:

@@ -159,28 +159,33 @@ class History:
         sample = self._clock.due(now, self.sample_spacing)
         if sample:
             self._clock.add(now)
+        by_identity = self._by_identity
+        #: Each process recorded, with its identity and history, for the job trees.
+        recorded: list[tuple[HostProcess, Identity, ProcessHistory]] = []
         for p in procs.values():
             if not p.in_procfs or p.start_time is None:
                 continue
-            key = p.identity
+            key = (p.pid, p.start_time)
             seen.add(key)
-            h = self._by_identity.get(key)
+            h = by_identity.get(key)
             if h is None:
                 parent = procs.get(p.ppid) if p.ppid else None
                 h = ProcessHistory(p, parent, self._first_job_key(p, parent, snapshot), now,
                                    self.samples, self._clock)
-                self._by_identity[key] = h
+                by_identity[key] = h
             h.observe(p, now, sample)
-            self._by_identity.move_to_end(key)
-        for key in [k for k in self._by_identity if k not in seen]:
+            by_identity.move_to_end(key)
+            recorded.append((p, key, h))
+        for key in [k for k in by_identity if k not in seen]:
             gone = self._by_identity.pop(key)
             self._drop_steps(gone)
             self._departed[key] = Departed(gone.name, gone.last_seen)
         while len(self._departed) > _DEPARTED:
             self._departed.popitem(last=False)
-        self._trim()
+        if self._trim():
+            recorded = [r for r in recorded if r[1] in by_identity]
         self._record_agents(snapshot)
-        self._jobs.update(snapshot, lambda p: self._by_identity.get(p.identity))
+        self._jobs.update(snapshot, recorded)
         self._record_gpus(snapshot)
 
     def _record_gpus(self, snapshot: NodeSnapshot) -> None:
@@ -275,13 +280,13 @@ class History:
             return key
         return known.job_key
 
-    def _trim(self) -> None:
+    def _trim(self) -> bool:
         """Forget processes past `max_processes`, shared by user (max-min fair): a user with
         more processes than the room leaves another user's histories, and with them the
         lineage that shows an orphan, in place. Within a user's share its GPU holders are kept
-        first, then the most recently seen."""
+        first, then the most recently seen. Whether any was forgotten."""
         if len(self._by_identity) <= self.max_processes:
-            return
+            return False
         by_user: dict[Optional[int], list[Identity]] = {}
         for key, h in self._by_identity.items():  # the oldest seen first
             by_user.setdefault(h.uid, []).append(key)
@@ -293,6 +298,7 @@ class History:
                 continue
             for key in sorted(keys, key=lambda k: self._by_identity[k].held_gpu)[:over]:
                 self._drop_steps(self._by_identity.pop(key))
+        return True
 
     def resize(self, samples: int, max_processes: int,
                sample_spacing: Optional[float] = None) -> None:

@@ -75,11 +75,13 @@ class SampleClock:
     one), so the times are kept once, not once per process: a process's samples are the newest
     of these, as many as it has."""
 
-    __slots__ = ("_ordered", "_times")
+    __slots__ = ("_ordered", "_times", "taken")
 
     def __init__(self, capacity: int) -> None:
         self._times = Ring(capacity)
         self._ordered: Optional[array[float]] = None
+        #: Samples taken so far: what a process's samples are made of changes only with it.
+        self.taken = 0
 
     def due(self, now: float, spacing: float) -> bool:
         """Whether a poll at `now` is a sample (a hundredth of the spacing spares one that
@@ -89,6 +91,7 @@ class SampleClock:
     def add(self, now: float) -> None:
         self._times.append(now)
         self._ordered = None
+        self.taken += 1
 
     def newest(self, n: int) -> memoryview:
         """The newest `n` times, oldest first: a view, no copy."""
@@ -110,7 +113,7 @@ class ProcessHistory:
     __slots__ = ("_clock", "_gpu_memory", "_rss", "_uss", "capacity", "disk_sleep_since",
                  "first_ppid", "first_seen", "held_gpu", "job_key", "last_seen", "name",
                  "parent_comm", "parent_name", "parent_start", "pid",
-                 "reparented_at", "start_time", "steps", "steps_refused",
+                 "quiet", "reparented_at", "start_time", "steps", "steps_refused",
                  "uid", "zombie_since")
 
     def __init__(self, p: HostProcess, parent: Optional[HostProcess], job_key: Optional[JobKey],
@@ -148,6 +151,14 @@ class ProcessHistory:
         #: USS at each sample (NaN where unknown), once the poll has read one for the process
         #: (forked workers of GPU jobs): None until then, so other processes pay nothing for it.
         self._uss: Optional[Ring] = None
+        #: What the time-based leak test (gpuwatch.detectors.leaks) found no growth in: the
+        #: `sampled` and settings it last ran on, so that it runs again only on new samples.
+        self.quiet: Optional[tuple[tuple[int, int], object]] = None
+
+    @property
+    def sampled(self) -> tuple[int, int]:
+        """Which samples the process has: it changes with each one taken (and a resize)."""
+        return (self._clock.taken, len(self._rss))
 
     @property
     def identity(self) -> Identity:
@@ -192,6 +203,7 @@ class ProcessHistory:
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
+        self.quiet = None
         for ring in (self._rss, self._gpu_memory, self._uss):
             if ring is not None:
                 ring.resize(capacity)

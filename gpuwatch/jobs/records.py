@@ -4,7 +4,7 @@ was found gone (what is still alive after that is a leftover)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -94,11 +94,12 @@ class JobTrees:
         return {pid for job in self._jobs.values() if job.had_trainer
                 for pid, _ in job.members}
 
-    def update(self, snapshot: NodeSnapshot, member: Callable[[HostProcess], Optional[Member]]
-               ) -> None:
-        """Each tree's members and trainers as `snapshot` has them, with `member` giving what
-        the history keeps of a process (the tree it was first seen in); a tree with no member
-        left is forgotten."""
+    def update(self, snapshot: NodeSnapshot,
+               recorded: Iterable[tuple[HostProcess, Identity, Optional[Member]]]) -> None:
+        """Each tree's members and trainers as `snapshot` has them, `recorded` giving each of
+        its processes the history keeps, in the snapshot's order, with its identity and what
+        the history keeps of it (the tree it was first seen in); a tree with no member left is
+        forgotten."""
         now = snapshot.taken_at
         # A GPU whose holders are unknown (its process lists unread, or no handle to ask them
         # of) hides them: a trainer last seen holding stays a trainer while alive, or a driver
@@ -112,18 +113,19 @@ class JobTrees:
             job.trainers.clear()
         trainers: list[tuple[JobRecord, HostProcess]] = []
         last: dict[JobKey, HostProcess] = {}
-        for p in snapshot.processes.values():
-            h = member(p)
+        jobs, agents = self._jobs, snapshot.agents
+        for p, identity, h in recorded:
             if h is None or h.job_key is None:
                 continue
-            job = self._jobs.get(h.job_key) or self._new(h.job_key, snapshot)
-            job.members.add(p.identity)
-            job.label = job.label or _tree_label(p, h, job)
-            agent = snapshot.agents.get(p.pid)
+            job = jobs.get(h.job_key) or self._new(h.job_key, snapshot)
+            job.members.add(identity)
+            if job.label is None:
+                job.label = _tree_label(p, h, job)
+            agent = agents.get(p.pid) if agents else None
             done = agent is not None and agent.finished_at is not None
-            holds = p.holds_gpu or p.identity in last_trainers.get(job.key, ())
+            holds = bool(p.gpu_usage) or identity in last_trainers.get(job.key, ())
             if holds and p.state != ProcState.ZOMBIE and not done:
-                job.trainers.add(p.identity)
+                job.trainers.add(identity)
                 job.had_trainer = True
                 last[job.key] = p
                 trainers.append((job, p))
@@ -201,8 +203,9 @@ def _mark_launched(job: JobRecord, snapshot: NodeSnapshot) -> None:
     """Mark the members now under one of the job's live trainers or launchers (the nearest one
     above each), and forget the marks of members gone."""
     procs = snapshot.processes
-    anchors = {i for i in (*job.trainers, *job.launchers)
-               if (a := procs.get(i[0])) is not None and a.identity == i}
+    # (Its trainers are this snapshot's processes: only a launcher may have gone.)
+    anchors = job.trainers.union(i for i in job.launchers
+                                 if (a := procs.get(i[0])) is not None and a.identity == i)
     launched = job.launched_by
     for identity in [i for i in launched if i not in job.members]:
         del launched[identity]

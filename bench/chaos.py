@@ -198,10 +198,11 @@ def quick_options(**changes: Any) -> ChaosOptions:
 
 
 def smoke_options() -> ChaosOptions:
-    """Every episode once, each as short as it goes, a tenth of the flood: does it run
-    (`--smoke`)."""
-    return quick_options(duration=15.0, memory_reporters=20, slot_processes=40, mixed_processes=4,
-                         driver_gone=1.5, state_full=1.5, clock_hold=1.5)
+    """Every episode once, each as short as it goes, a tenth of the flood or less (and 50
+    short-lived processes a second): does it run (`--smoke`)."""
+    return quick_options(duration=15.0, memory_reporters=20, memory_rate=100.0, slot_processes=40,
+                         fuzz_rate=50.0, mixed_processes=4, mixed_rate=20.0, driver_gone=1.5,
+                         state_full=1.5, clock_hold=1.5)
 
 
 # ---- small helpers -----------------------------------------------------------------------------
@@ -2400,7 +2401,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     run_arguments(p, seed=d.seed, keep="daemon logs, reap.jsonl, signal logs")
     sys.argv = [sys.argv[0], *argv]
     a = node.parse_args(p, quick={"minutes": q.duration / 60},
-                        smoke={"minutes": 0.25, "idle_connections": 50})
+                        smoke={"minutes": 0.25, "idle_connections": 50, "storm_rate": 50.0})
     say = console(a.quiet)
 
     base = smoke_options() if a.smoke else q if a.quick else d

@@ -16,6 +16,11 @@ from tests import process_guard, worlds
 
 # Before anything is started: every process of this run inherits the tag.
 RUN_TAG = process_guard.tag_this_run()
+# And computes at one OpenMP thread unless told otherwise, as torchrun starts its workers: the
+# suite's PyTorch programs (tiny models, a step every 0.1 s to 2 s) run a few at once on a
+# 2-core machine, where each one's pool of threads spinning between two operations burned about
+# as much CPU as the programs themselves (tests/test_autograd_history.py, docs/testing.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -54,7 +59,7 @@ def _parallel_in_worlds(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if worlds.HOST_WORKER in "".join(config.option.tx):
-        return worlds.make_scheduler(config, log, order=run_order)
+        return worlds.make_scheduler(config, log, order=run_order, together=TOGETHER_MODULES)
     return None
 
 
@@ -163,6 +168,15 @@ def is_slow(nodeid: str) -> bool:
 #: benchmarks, a child test run): under -n they start first, so that the tests that play a story
 #: against a deadline (the demo's, top's) run after them rather than starved beside them.
 BUSY_MODULES = ANNOUNCED_MODULES | {"tests/test_bench_smoke.py"}
+
+
+#: The modules whose module-scoped fixture starts a simulated node with its daemon and jobs, or
+#: builds the release and a virtual environment from it: under -n all their tests go to one
+#: worker, which does that once (a test at a time, each worker that took one did it again).
+TOGETHER_MODULES = frozenset({
+    "tests/test_hostile_text.py", "tests/test_narrow_terminals.py", "tests/test_packaging.py",
+    "tests/test_top.py",
+})
 
 
 def run_order(nodeid: str) -> int:

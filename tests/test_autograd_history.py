@@ -12,6 +12,7 @@ steps and stops, gradient accumulation, `.item()` and `.detach()` stay quiet."""
 from __future__ import annotations
 
 import sys
+import time
 import types
 from collections.abc import Iterator
 from contextlib import closing
@@ -62,6 +63,13 @@ while True:
         total_loss += loss.item()
     time.sleep(seconds)
 """
+
+
+def _until_the_next_poll(_: float) -> None:
+    """Between two reads of the daemon's status: half its poll interval, so that every poll's
+    findings are read at least once, and no document is asked for again and again before the
+    daemon has made the next one (the daemon writes each one it is asked for)."""
+    time.sleep(INTERVAL / 2)
 
 
 def _command(tmp_path: Path, mode: str, seconds: float = 0.3) -> list[str]:
@@ -119,7 +127,7 @@ def test_the_same_loop_accumulating_loss_item_stays_quiet(
             return step if step is not None and step >= 120 else None
 
         wait_for("120 steps of the healthy loop", many_steps_without_a_leak, 4 * WAIT,
-                 alive=d.proc)
+                 alive=d.proc, pause=_until_the_next_poll)
 
 
 def test_discovery_follows_a_tensors_graph_by_its_new_nodes_and_ignores_a_fresh_one() -> None:
@@ -229,8 +237,10 @@ def _reports(cli_env: dict[str, str], tmp_path: Path, fake_node: FakeNode, comma
                 leak = next((f for f in doc.get("findings", ()) if f["kind"] == "leak"
                              and f["pid"] == pid), None)
                 return leak, step
-            yield wait_for("a report of the training loop", read, WAIT, alive=d.proc)
+            yield wait_for("a report of the training loop", read, WAIT, alive=d.proc,
+                           pause=_until_the_next_poll)
             assert run.proc.poll() is None, "the training loop exited"
+            _until_the_next_poll(0)
 
 
 @pytest.mark.parametrize("seconds,start", [(0.3, START), (2.0, 5)],

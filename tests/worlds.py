@@ -103,18 +103,24 @@ def worker_specs(specs: list[str]) -> list[str]:
     return [f"popen//python={command}"] * len(specs) + [f"popen//id={HOST_WORKER}"]
 
 
-def make_scheduler(config: Any, log: Any, order: Callable[[str], int]) -> Any:
+def make_scheduler(config: Any, log: Any, order: Callable[[str], int],
+                   together: frozenset[str] = frozenset()) -> Any:
     """xdist's one-test-at-a-time scheduling (`--dist load`), where the HOST_PIDS tests go to
-    HOST_WORKER and it takes nothing else; in the order `order` gives each test
-    (tests/conftest.py's run_order: the modules that keep both cores busy for a minute first,
-    then the other slow ones, as they are what the run waits for, then the rest)."""
+    HOST_WORKER and it takes nothing else, and the tests of each module in `together` (paths)
+    go to one worker, which then sets up their module's fixtures once; in the order `order`
+    gives each test (tests/conftest.py's run_order: the modules that keep both cores busy for
+    a minute first, then the other slow ones, as they are what the run waits for, then the
+    rest)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class HostAwareScheduling(LoadScopeScheduling):  # type: ignore[misc]
         host: Optional[str] = HOST_WORKER
 
         def _split_scope(self, nodeid: str) -> str:
-            return _HOST_SCOPE if needs_host_pids(nodeid) else nodeid
+            if needs_host_pids(nodeid):
+                return _HOST_SCOPE
+            path = nodeid.split("::", 1)[0]
+            return path if path in together else nodeid
 
         def _takes(self, node: Any, scope: str) -> bool:
             if self.host is None:

@@ -192,3 +192,39 @@ def test_a_running_daemon_serves_its_metrics_without_prometheus_client_or_tls(
                     if line.startswith("import time:") and "|" in line]
     assert "gpuwatch.daemon" in imported and "gpuwatch.metrics" in imported
     assert [m for m in imported if m.split(".")[0] in UNWANTED] == []
+
+
+def test_a_name_is_escaped_once_however_many_samples_carry_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A render writes the same few metric and label names on every sample: each is escaped
+    once, not once per sample (a thousand GPU processes' series), with the same bytes."""
+    from gpuwatch.metrics import exposition
+
+    for cached in (exposition.escape_metric_name, exposition.escape_label_name):
+        getattr(cached, "cache_clear", lambda: None)()
+    escaped: list[str] = []
+    real = exposition._escape_name
+
+    def counting(s: str, *args: Any) -> str:
+        escaped.append(s)
+        return real(s, *args)
+
+    monkeypatch.setattr(exposition, "_escape_name", counting)
+    gauge = ours.GaugeMetricFamily("x_rss_bytes", "RSS.", labels=["pid", "name"])
+    their_gauge = theirs.GaugeMetricFamily("x_rss_bytes", "RSS.", labels=["pid", "name"])
+    for pid in range(1000):
+        gauge.add_metric([str(pid), "python"], pid)
+        their_gauge.add_metric([str(pid), "python"], pid)
+    encoder, _ = choose_encoder("")
+    their_encode, _ = their_encoder("")
+
+    class One:
+        def __init__(self, family: Any) -> None:
+            self.family = family
+
+        def collect(self) -> Iterator[Any]:
+            yield self.family
+
+    body = encoder(One(gauge))
+    assert encoder(One(gauge)) == body == their_encode(One(their_gauge))
+    assert len(escaped) <= 4, escaped[:10]

@@ -8,7 +8,9 @@ samples of name, labels, value, timestamp): gpuwatch's own, or prometheus-client
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -52,12 +54,18 @@ def _metric_rune(c: str, i: int) -> bool:
     return _label_rune(c, i) or c == ":"
 
 
+# What _metric_rune and _label_rune allow at each place, whole: checked in one match, as a
+# render checks every sample's name and label names.
+_LEGACY_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LEGACY_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
 def _legacy_name(s: str) -> bool:
-    return bool(s) and all(_metric_rune(c, i) for i, c in enumerate(s))
+    return _LEGACY_NAME.fullmatch(s) is not None
 
 
 def _legacy_label(s: str) -> bool:
-    return bool(s) and all(_label_rune(c, i) for i, c in enumerate(s))
+    return _LEGACY_LABEL.fullmatch(s) is not None
 
 
 def _escape_text(s: str) -> str:
@@ -106,10 +114,14 @@ def _escape_name(s: str, escaping: str, legacy: Callable[[str], bool],
     return _escape(s, escaping, valid)
 
 
+# A render escapes the same few names for every sample: each is escaped once per escaping
+# (the names are the exporter's own, bounded; the cache is bounded all the same).
+@functools.lru_cache(maxsize=4096)
 def escape_metric_name(s: str, escaping: str = UNDERSCORES) -> str:
     return _escape_name(s, escaping, _legacy_name, _metric_rune)
 
 
+@functools.lru_cache(maxsize=4096)
 def escape_label_name(s: str, escaping: str = UNDERSCORES) -> str:
     return _escape_name(s, escaping, _legacy_label, _label_rune)
 

@@ -187,10 +187,15 @@ class ProcessHistory:
         self.last_seen = taken_at
         if self.reparented_at is None and p.ppid != self.first_ppid:
             self.reparented_at = taken_at
-        self.zombie_since = _since(self.zombie_since, p.state == ProcState.ZOMBIE, taken_at)
-        self.disk_sleep_since = _since(self.disk_sleep_since, p.state == ProcState.DISK_SLEEP,
-                                       taken_at)
-        self.held_gpu = self.held_gpu or p.holds_gpu
+        state = p.state
+        # (Most processes are in neither state, and were not: nothing to change.)
+        if state == ProcState.ZOMBIE or self.zombie_since is not None:
+            self.zombie_since = _since(self.zombie_since, state == ProcState.ZOMBIE, taken_at)
+        if state == ProcState.DISK_SLEEP or self.disk_sleep_since is not None:
+            self.disk_sleep_since = _since(self.disk_sleep_since,
+                                           state == ProcState.DISK_SLEEP, taken_at)
+        if not self.held_gpu and p.gpu_usage:
+            self.held_gpu = True
         if not sample:
             return
         rss, gpu = p.rss_bytes, p.gpu_memory_bytes

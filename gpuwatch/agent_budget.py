@@ -55,7 +55,8 @@ TRIM_AFTER_BYTES = 16 << 20
 
 T = TypeVar("T")
 
-def _malloc_trim() -> Optional[Callable[[int], int]]:
+def malloc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's malloc_trim (which hands the allocator's free pages back), or None."""
     try:
         return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
     except (OSError, AttributeError):  # not glibc
@@ -81,7 +82,7 @@ class AgentBudget:
         self._waiting: set[int] = set()
         #: The highest total since the allocator was last asked to give pages back.
         self._high_water = 0
-        self._trim = _malloc_trim()
+        self._trim = malloc_trim()
 
     @property
     def ceiling(self) -> int:

@@ -44,7 +44,12 @@ from gpuwatch.detectors.common import (
 )
 from gpuwatch.history import History
 from gpuwatch.jobs.tree import is_launcher, is_namespace_init, is_supervisor
-from gpuwatch.launch_env import LAUNCHER_SET_KEYS, TORCHELASTIC_RUN_ID_KEY, WORKER_MARKER_KEYS
+from gpuwatch.launch_env import (
+    LAUNCHER_SET_KEYS,
+    RUN_SUPERVISOR_KEY,
+    TORCHELASTIC_RUN_ID_KEY,
+    WORKER_MARKER_KEYS,
+)
 from gpuwatch.model import Finding, HostProcess, Kind, NodeSnapshot
 from gpuwatch.units import clock_time
 from gpuwatch.vocabulary import ProcState, Severity
@@ -58,11 +63,14 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
     for p in snapshot.processes.values():
         if not p.in_procfs or p.pid == 1 or p.state == ProcState.ZOMBIE or is_protected(p, config):
             continue
-        evidence = supervisor_gone(p, snapshot)
+        # (Asked only of the processes that name a supervisor, or hold GPU memory in a pod's
+        # cgroup: the others, most, cannot be orphaned either way.)
+        evidence = (supervisor_gone(p, snapshot) if RUN_SUPERVISOR_KEY in p.launch_env
+                    else None)
         if evidence is not None:
             yield finding(Kind.ORPHAN, by_holding(p), p, evidence)
             continue
-        evidence = _pod_gone(p, snapshot)
+        evidence = _pod_gone(p, snapshot) if p.pod_uid and p.gpu_usage else None
         if evidence is not None:
             yield finding(Kind.ORPHAN, Severity.CRITICAL, p, evidence)
             continue

@@ -5,7 +5,10 @@ path), and with GPUWATCH_AGENT=auto (the job's: the import hook waits for torch.
 program never imports). The three take turns, round after round, so that a noisy neighbour slows
 all of them alike; the cost is the median (and p90) of each round's difference to the first.
 
-    python bench/agent_bootstrap.py [--rounds 200]
+With --against DIR (another bootstrap directory: a former version's sitecustomize.py), its two
+rows are measured in the same rounds, side by side with this one's.
+
+    python bench/agent_bootstrap.py [--rounds 200] [--against DIR]
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ def quantile(values: list[float], q: float) -> float:
 
 def main() -> None:
     args = arguments(__doc__, quick={"rounds": 10}, smoke={"rounds": 2},
-                     rounds=(200, "interleaved rounds"))
+                     rounds=(200, "interleaved rounds"),
+                     against=("", "another bootstrap directory, measured in the same rounds"))
     plain = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GPUWATCH_AGENT")}
     envs = {
         "python -c pass": plain,
@@ -44,6 +48,13 @@ def main() -> None:
                                                          "PYTHONPATH": AGENT_BOOTSTRAP_DIR,
                                                          "GPUWATCH_AGENT": "auto"},
     }
+    if args.against:
+        envs.update({
+            f"{args.against} on PYTHONPATH, GPUWATCH_AGENT unset": {
+                **plain, "PYTHONPATH": args.against},
+            f"{args.against} on PYTHONPATH, GPUWATCH_AGENT=auto": {
+                **plain, "PYTHONPATH": args.against, "GPUWATCH_AGENT": "auto"},
+        })
     argv = [sys.executable, "-c", "pass"]
     for env in envs.values():  # warm the page cache
         wall_ms(argv, env)
@@ -55,13 +66,14 @@ def main() -> None:
     figures: dict[str, dict[str, float]] = {}
     print(f"`python -c pass`, wall from fork to exit, {args.rounds} interleaved rounds "
           f"({sys.executable}, Python {sys.version.split()[0]})")
-    print(f"{'':48}{'median ms':>10}{'p90':>8}{'+ median':>10}{'+ p90':>8}")
+    width = max(48, *(len(name) + 2 for name in envs))
+    print(f"{'':{width}}{'median ms':>10}{'p90':>8}{'+ median':>10}{'+ p90':>8}")
     for name, values in walls.items():
         over = [v - b for v, b in zip(values, base)]
         figures[name] = {"median": statistics.median(values), "p90": quantile(values, 0.9),
                          "over_median": statistics.median(over), "over_p90": quantile(over, 0.9)}
         f = figures[name]
-        print(f"{name:48}{f['median']:10.1f}{f['p90']:8.1f}{f['over_median']:10.2f}"
+        print(f"{name:{width}}{f['median']:10.1f}{f['p90']:8.1f}{f['over_median']:10.2f}"
               f"{f['over_p90']:8.2f}")
     write_figures(args.figures, {"rounds": args.rounds, "wall_ms": figures})
 

@@ -125,6 +125,7 @@ SLOW: tuple[str, ...] = (
     "tests/test_process_guard.py",
     "tests/test_process_source_vs_psutil.py",
     "tests/test_prometheus_e2e.py",
+    "tests/test_python_worker_ticks.py",
     "tests/test_real_launchers.py",
     "tests/test_reap.py",
     "tests/test_reap_audit.py",

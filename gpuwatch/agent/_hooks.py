@@ -137,6 +137,9 @@ def _on_sigint(signum: int, frame: Any) -> None:
 def _start_ticker() -> None:
     if not _state.enabled or _state.st.last is not None:
         return
+    ticker = _state.ticker
+    if ticker is not None and ticker.is_alive():
+        return  # one ticker a process (after a fork, the parent's is not alive here)
     # A daemon thread: it never keeps the program alive, and it ends at the first step.
     _state.ticker = threading.Thread(target=_tick_loop, args=(_state.st,),
                                      name="gpuwatch-agent-tick", daemon=True)

@@ -5,7 +5,11 @@ prints it), Python's `site` imports this module at start. When GPUWATCH_AGENT is
 it puts a one-shot import hook in front of sys.meta_path: when the program imports
 `torch.optim`, the hook removes itself and gpuwatch.agent._auto counts the optimizer's steps as
 the program's steps (docs/agent.md). Until then nothing but the standard library is imported,
-and a program that never imports torch pays for one string comparison per import.
+and a program that never imports torch pays for one string comparison per import. It also arms
+a timer (one sleeping thread, and again in each forked child): a process that lives TICK_AFTER
+seconds, torch or not (a data worker of a pure-Python pipeline, a preprocessor), then loads the
+agent and reports on a timer until its first step, so that its growth is tested too; a `pip` or
+a `python -c` of the job that ends sooner never loads it.
 
 Whatever GPUWATCH_AGENT says, the `sitecustomize` that this one hides (the next on sys.path) is
 imported after it, as if this one were not there. Nothing here may break the program: every
@@ -26,6 +30,9 @@ if TYPE_CHECKING:
 
 _ON = ("auto", "1")
 _TARGET = "torch.optim"
+#: A process of the job that has lived this long (from its start, or from its fork) loads the
+#: agent and reports on a timer until its first step.
+TICK_AFTER = 5.0
 
 
 def _say(what: str) -> None:
@@ -95,6 +102,32 @@ def _install_counter() -> None:
         _say(f"could not count optimizer steps ({_describe(exc)}){_WITHOUT}")
 
 
+def _tick_later() -> None:
+    """The timer's thread: after TICK_AFTER seconds, the agent reports on a timer until the
+    first step (the agent's own call does nothing where it already ticks or has stepped)."""
+    try:
+        import time
+        time.sleep(TICK_AFTER)
+        if sys.is_finalizing():
+            return
+        import gpuwatch.agent
+        gpuwatch.agent.tick_until_stepped()
+    except BaseException as exc:
+        with contextlib.suppress(BaseException):
+            if not sys.is_finalizing():
+                _say(f"could not report on a timer ({_describe(exc)}){_WITHOUT}")
+
+
+def _arm() -> None:
+    """One thread that sleeps, then ticks: a raw _thread (threading is not loaded at start in
+    every Python, and the thread must never keep the program alive)."""
+    try:
+        import _thread
+        _thread.start_new_thread(_tick_later, ())
+    except Exception as exc:
+        _say(f"could not start the timer ({_describe(exc)}){_WITHOUT}")
+
+
 def _start() -> None:
     try:
         if os.environ.get("GPUWATCH_AGENT", "").strip().lower() not in _ON:
@@ -103,6 +136,10 @@ def _start() -> None:
             _install_counter()
         elif not any(isinstance(f, _OptimizerHook) for f in sys.meta_path):
             sys.meta_path.insert(0, _OptimizerHook())
+        _arm()
+        # A forked child (a multiprocessing worker) has none of its parent's threads.
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_arm)
     except Exception as exc:
         _say(f"could not start ({_describe(exc)}){_WITHOUT}")
 

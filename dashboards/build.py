@@ -317,11 +317,14 @@ def node_dashboard(settings: Settings) -> dict[str, Any]:
               order=process_columns, width=12, sort_by="time left"),
         table("Leak culprits", "What explains each leak, and how gpuwatch found it "
               "(`found_by`): a buffer given to `agent.watch()` (`watched`), a growing "
-              "container the agent found by itself (`discovered`), or the allocation site a "
-              "trace of the process's allocations names (`traced`: the site, a source file and "
-              "line, only in `gpuwatch status` on the node). With the culprit's own growth per "
-              "step, where its bytes are known.",
-              [(f"gpuwatch_leak_culprit_bytes_per_step{{{process}}}", "bytes/step", "bytes")],
+              "container the agent found by itself (`discovered`), a tensor holding the "
+              "autograd history of every step (`autograd`: its items are graph nodes; a leak "
+              "of `autograd history` has no bytes), or the allocation site a trace of the "
+              "process's allocations names (`traced`: the site, a source file and line, only "
+              "in `gpuwatch status` on the node). With the culprit's own growth per step, "
+              "where its bytes or items are known.",
+              [(f"gpuwatch_leak_culprit_bytes_per_step{{{process}}}", "bytes/step", "bytes"),
+               (f"gpuwatch_leak_culprit_items_per_step{{{process}}}", "items/step", "none")],
               order=["pid", "name", "series", "culprit", "found_by"], sort_by="bytes/step"),
         timeseries("Training steps per second", "Step rate reported by the in-process agent; "
                    "a line that drops to 0 while the process holds GPU memory is a stall.",

@@ -335,6 +335,27 @@ def test_a_culprits_own_growth_is_served_only_where_there_is_a_culprit_and_a_fig
     assert culprit_items == {"700": 1.0, "701": 16.0}
 
 
+def test_an_autograd_history_leak_serves_its_graph_nodes_per_step_as_its_culprits_items(
+        ) -> None:
+    # Raised on the history alone: no bytes, so no growth, projection or culprit bytes series;
+    # its one gpuwatch_leak_* series is the nodes its graph gains a step.
+    history = leakreports.leak(
+        708, "autograd history grows every step; `__main__.total_loss` holds the graph of every "
+        "step since step 20: use `loss.item()` or `.detach()` (autograd)",
+        series="autograd history", culprit="__main__.total_loss", found_by="autograd",
+        history_since_step=20, graph_nodes_per_step=12.0)
+    report = leakreports.leak_report((history,))
+    families = {m.name: m for m in ReportCollector(lambda: report).collect()}
+    (items,) = families["gpuwatch_leak_culprit_items_per_step"].samples
+    assert items.value == 12.0
+    assert (items.labels["pid"], items.labels["series"], items.labels["culprit"],
+            items.labels["found_by"]) == ("708", "autograd history", "__main__.total_loss",
+                                          "autograd")
+    for name in ("gpuwatch_leak_growth_bytes_per_step", "gpuwatch_leak_growth_bytes_per_second",
+                 "gpuwatch_leak_projected_oom_step", "gpuwatch_leak_culprit_bytes_per_step"):
+        assert families[name].samples == [], name
+
+
 def test_each_finding_s_summary_is_served_on_the_info_series_never_its_reason_and_bounded(
         ) -> None:
     """gpuwatch_finding_info carries the labels of gpuwatch_finding and the summary, at most

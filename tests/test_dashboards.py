@@ -215,14 +215,17 @@ def test_the_node_dashboard_shows_each_leaks_culprit_and_how_it_was_found() -> N
     node = {p["title"]: p for p in panels(load("gpuwatch-node.json"))}
     culprits = node["Leak culprits"]
     assert culprits["type"] == "table"
-    (query,) = culprits["targets"]
-    assert query["expr"].startswith("gpuwatch_leak_culprit_bytes_per_step{")
+    # Its bytes and its items a step: a leak of `autograd history` has only items (graph
+    # nodes), and is in the table all the same.
+    by_bytes, by_items = culprits["targets"]
+    assert by_bytes["expr"].startswith("gpuwatch_leak_culprit_bytes_per_step{")
+    assert by_items["expr"].startswith("gpuwatch_leak_culprit_items_per_step{")
     organize = culprits["transformations"][-1]["options"]
     order = sorted(organize["indexByName"], key=organize["indexByName"].get)
-    assert order[:6] == ["pid", "name", "series", "culprit", "found_by", "Value"]
-    assert organize["renameByName"] == {"Value": "bytes/step"}
-    assert {"watched", "discovered", "traced"} <= set(re.findall(r"`(\w+)`",
-                                                                 culprits["description"]))
+    assert order[:7] == ["pid", "name", "series", "culprit", "found_by", "Value #A", "Value #B"]
+    assert organize["renameByName"] == {"Value #A": "bytes/step", "Value #B": "items/step"}
+    assert {"watched", "discovered", "autograd", "traced"} <= set(
+        re.findall(r"`(\w+)`", culprits["description"]))
     growth = node["Leak growth per step"]
     assert "{{culprit}} {{found_by}}" in growth["targets"][0]["legendFormat"]
     assert "found_by" in growth["description"]

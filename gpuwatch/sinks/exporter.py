@@ -496,8 +496,13 @@ class ReportCollector(Collector):
                                + oom.in_seconds))
             if c is not None and c.name and c.bytes_per_step is not None:
                 culprit_bytes.append((key, float(c.bytes_per_step)))
-            if c is not None and c.name and c.items_per_step is not None:
-                culprit_items.append((key, float(c.items_per_step)))
+            # An autograd history's items are its graph nodes (as the agent reports them): the
+            # one series of a leak of `autograd history`, which has no bytes.
+            items = (None if c is None or not c.name
+                     else c.graph_nodes_per_step if c.found_by == FoundBy.AUTOGRAD
+                     else c.items_per_step)
+            if items is not None:
+                culprit_items.append((key, float(items)))
         yield _gauge("gpuwatch_leak_growth_bytes_per_step",
                      "Growth per training step of a leaking figure (RSS, GPU memory, a buffer).",
                      labels, per_step)

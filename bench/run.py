@@ -36,7 +36,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCHES = ["poll_cost", "exporter_vs_nvitop", "render_cost", "equal_work", "oneshot",
            "daemon_rss", "rss_plateau",
-           "agent_step", "culprit_torch", "culprit_torch_auto", "agent_ingest", "run_overhead",
+           "agent_step", "culprit_torch", "culprit_torch_auto", "seeded_auto", "agent_ingest",
+           "run_overhead",
            "agent_bootstrap", "top_cpu", "daemon_poll",
            "agent_flood", "agent_junk_flood", "argv_flood", "web_auth_flood", "chaos"]
 #: Benches that run a script under another name, with arguments of their own (a --quick run
@@ -399,6 +400,22 @@ def culprit_rows(f: Figures) -> list[Row]:
     return rows
 
 
+def seeded_rows(f: Figures) -> list[Row]:
+    what = "seeded healthy PyTorch programs without a line (auto agent)"
+    if f.get("skipped"):
+        return [Row(f"false leaks, {what}", f"not measured: {f['skipped']}")]
+    rows = [Row(f"false leaks, {f['programs']} {what}, {f['steps']} steps of "
+                f"{f['step_seconds']:g} s", f"{f['false_leaks']} ({f['judged']} judged past "
+                f"{f['steps'] - 8} steps, {len(f['failed'])} failed)", "0",
+                f["false_leaks"] == 0)]
+    if f.get("controls"):
+        rows.append(Row("the same programs leaking 1 to 16 MiB a step (controls): named",
+                        f"{f['controls_named']} of {f['controls']} (raised: "
+                        f"{f['controls_raised']})", "all",
+                        f["controls_named"] == f["controls"]))
+    return rows
+
+
 def ingest_rows(f: Figures) -> list[Row]:
     rows = [Row("daemon ingest, realistic agent reports per CPU second",
                 f"{f['handle_per_cpu_s']:,.0f}/s", f">= {f['goal']:,}/s",
@@ -557,6 +574,7 @@ ROWS: dict[str, Callable[[Figures], list[Row]]] = {
     "oneshot": oneshot_rows, "daemon_rss": rss_rows, "rss_plateau": rss_plateau_rows,
     "agent_step": agent_step_rows,
     "culprit_torch": culprit_rows, "culprit_torch_auto": culprit_rows,
+    "seeded_auto": seeded_rows,
     "agent_ingest": ingest_rows,
     "run_overhead": run_overhead_rows, "agent_bootstrap": agent_bootstrap_rows,
     "top_cpu": top_rows, "agent_flood": agent_flood_rows,

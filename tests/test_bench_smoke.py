@@ -30,6 +30,8 @@ ROWS: dict[str, tuple[str, ...]] = {
     "culprit_torch_auto": ("PyTorch program without a line (auto agent), 0.3 s steps",
                            "healthy PyTorch program without a line (auto agent)",
                            "agent's share of the training thread, PyTorch program without a line"),
+    "seeded_auto": ("false leaks, 2 seeded healthy PyTorch programs without a line (auto "
+                    "agent)",),
     "agent_ingest": ("daemon ingest",),
     "agent_bootstrap": ("`python -c pass` with the agent bootstrap on PYTHONPATH - without",),
     "run_overhead": ("`gpuwatch run -- true` - `true`", "`gpuwatch run` supervisor CPU"),

@@ -63,6 +63,25 @@ def malloc_trim() -> Optional[Callable[[int], int]]:
         return None
 
 
+#: glibc's mallopt parameter for the most malloc arenas (malloc.h).
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(arenas: int = 1) -> bool:
+    """Ask glibc for at most `arenas` malloc arenas (mallopt M_ARENA_MAX), before any thread
+    starts: by default each thread that allocates while another does gets an arena of its own,
+    and each arena keeps its own free pages, which malloc_trim after a poll cannot pool. Whether
+    it was set: elsewhere than glibc, or refused, nothing changes (never an error)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    try:
+        return bool(mallopt(_M_ARENA_MAX, arenas))
+    except (OSError, ctypes.ArgumentError):
+        return False
+
+
 class AgentBudget:
     """Thread-safe: the agent socket's thread and the poll thread both charge it."""
 

@@ -22,7 +22,7 @@ from gpuwatch import __version__, systemd_notify
 from gpuwatch.actions.reap_plan import OUTCOMES, REAPABLE_KINDS
 from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
 from gpuwatch.actions.trace_requests import SEARCH_RESULTS, TraceRequests
-from gpuwatch.agent_budget import AgentBudget, malloc_trim
+from gpuwatch.agent_budget import AgentBudget, limit_malloc_arenas, malloc_trim
 from gpuwatch.app.reaping import DaemonReaping
 from gpuwatch.config import (
     EXIT_CONFIG,
@@ -451,6 +451,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     would keep for its whole life; the daemon needs none of it, so it starts afresh with only
     this parser. Flags arrive as `--set section.key=value` config overrides.
     """
+    # Before any thread: one malloc arena for all of them (the HTTP server's, the agent
+    # socket's, the poll's), whose free pages the trim after each poll hands back.
+    limit_malloc_arenas()
     parser = argparse.ArgumentParser(prog="gpuwatch daemon")
     parser.add_argument("--config", type=Path, default=None)
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")

@@ -144,6 +144,41 @@ def test_the_allocator_gives_pages_back_after_a_large_release_only() -> None:
     assert not budget.give_pages_back()
 
 
+_THREAD_MALLOC = """
+import ctypes, sys, threading
+from gpuwatch.agent_budget import limit_malloc_arenas
+if sys.argv[1] == "limited":
+    assert limit_malloc_arenas()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+got = []
+thread = threading.Thread(target=lambda: got.append(libc.malloc(1000)))
+thread.start()
+thread.join()
+with open("/proc/self/maps") as maps:
+    heap = [line.split()[0] for line in maps if line.rstrip().endswith("[heap]")]
+low, high = (int(x, 16) for x in heap[0].split("-"))
+print("main" if low <= got[0] < high else "own")
+"""
+
+
+def test_with_one_malloc_arena_a_thread_allocates_from_the_main_heap() -> None:
+    import ctypes
+    import subprocess
+    import sys
+    if not hasattr(ctypes.CDLL(None), "mallopt"):
+        pytest.skip("not glibc: no malloc arenas to limit")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    where = {how: subprocess.run([sys.executable, "-c", _THREAD_MALLOC, how], env=env,
+                                 capture_output=True, text=True, timeout=60, check=True
+                                 ).stdout.strip()
+             for how in ("default", "limited")}
+    # A thread takes an arena of its own by default, whose free pages are its own to keep.
+    assert where == {"default": "own", "limited": "main"}
+
+
 # -- the receiver: slots, memory, pending points, rate ---------------------------------------------
 
 

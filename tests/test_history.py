@@ -8,7 +8,7 @@ from types import MappingProxyType
 from typing import Optional
 
 from gpuwatch.evidence import Culprit, LeakEvidence
-from gpuwatch.history import MAX_DISCOVERED, STEP_POINTS, History, StepSeries
+from gpuwatch.history import MAX_DISCOVERED, STEP_POINTS, FigureRing, History, StepSeries
 from gpuwatch.ledger import FindingsLedger
 from gpuwatch.model import (
     NO_DISCOVERY,
@@ -303,11 +303,45 @@ def test_a_process_s_samples_take_their_memory_at_its_first_sight_not_as_they_fi
     assert full - first < 200 * 200, (first, full)
 
 
-def test_samples_cost_16_bytes_a_process_their_times_kept_once() -> None:
+def test_samples_cost_8_bytes_a_process_their_times_kept_once() -> None:
     _, full = _history_bytes(200, 400)
-    # RSS and GPU memory, 8 bytes each; the times once for every process (2.4 KB in all);
-    # each process's record (about 1 KB).
-    assert full < 200 * (300 * 16 + 1200) + 300 * 8 + 8192, full
+    # RSS and GPU memory, 4 bytes each (32-bit floats); the times once for every process
+    # (2.4 KB in all); each process's record (about 1 KB).
+    assert full < 200 * (300 * 8 + 1200) + 300 * 8 + 8192, full
+
+
+def test_figures_in_pages_or_mib_are_kept_exactly_in_half_a_double() -> None:
+    ring = FigureRing(8)
+    page, mib = 4096, 1 << 20
+    kept = [0, page, 123_457 * page, (1 << 24) * page,  # every RSS up to 64 GiB
+            141 * 1024 * mib, ((1 << 24) - 1) * mib]      # NVML's MiB up to 16 TiB
+    for value in kept:
+        ring.append(float(value))
+    ring.append(math.nan)
+    assert ring.compact
+    assert [int(v) for v in ring.values()[:-1]] == kept
+    assert math.isnan(ring.values()[-1])
+
+
+def test_a_figure_a_32_bit_float_would_round_turns_the_ring_into_exact_doubles() -> None:
+    ring = FigureRing(4)
+    for value in (5 * 4096, (1 << 36) + 4096, 2**62 + 4096, float(2**64), 1e300):
+        ring.append(float(value))
+    # Nothing rounded, nothing overflowed: the ring holds doubles now, its older figures too.
+    assert not ring.compact
+    assert list(ring.values()) == [float((1 << 36) + 4096), float(2**62 + 4096),
+                                   float(2**64), 1e300]
+
+
+def test_an_rss_over_64_gib_keeps_its_every_page_in_the_history() -> None:
+    history = History(samples=5)
+    huge = (1 << 36) + 3 * 4096  # 64 GiB and 3 pages: 25 significant bits of pages
+    history.record(_snapshot(1.0, _proc(10, 1.0, rss=4096)))
+    history.record(_snapshot(2.0, _proc(10, 1.0, rss=huge)))
+    history.record(_snapshot(3.0, _proc(10, 1.0, rss=huge + 4096)))
+    h = history.get((10, 1.0))
+    assert h is not None
+    assert [s.rss_bytes for s in h.samples()] == [4096, huge, huge + 4096]
 
 
 def test_a_process_first_seen_between_two_samples_has_its_first_at_the_next() -> None:

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import NamedTuple, Optional
 
 from gpuwatch.agent_budget import AgentBudget, fair_shares
-from gpuwatch.history.samples import ProcessHistory, Ring, Sample, SampleClock
+from gpuwatch.history.samples import FigureRing, ProcessHistory, Ring, Sample, SampleClock
 from gpuwatch.history.steps import (
     MAX_DISCOVERED,
     PAIR_BYTES,
@@ -48,7 +48,8 @@ from gpuwatch.model import HostProcess, Job, NodeSnapshot
 
 __all__ = [
     "GPU_READINGS", "MAX_DISCOVERED", "PAIR_BYTES", "RSS_SLACK_BYTES", "RSS_TOLERANCE",
-    "SERIES_POINTS", "STEP_BYTES", "STEP_POINTS", "Departed", "History", "ProcessHistory",
+    "SERIES_POINTS", "STEP_BYTES", "STEP_POINTS", "Departed", "FigureRing", "History",
+    "ProcessHistory",
     "Ring", "Sample", "SampleClock", "Series", "StepSeries", "series_bytes",
 ]
 

@@ -1,9 +1,11 @@
 """A process's samples: its RSS, GPU memory and USS at each sampled poll, in compact arrays.
 
-Samples are rings of doubles (8 bytes a figure, NaN for unknown) taken whole at a process's
-first sight (Ring), so their memory is the processes' count times history.samples x 16 bytes
-from the first poll on, not a climb over the history's span; every process is sampled at the
-same polls, so their times are kept once (SampleClock). ProcessHistory is what the history
+Samples are rings of 32-bit floats (4 bytes a figure, NaN for unknown) taken whole at a
+process's first sight (FigureRing), so their memory is the processes' count times
+history.samples x 8 bytes from the first poll on, not a climb over the history's span. A figure
+a 32-bit float does not hold exactly turns its ring into doubles: what is kept is always what
+was read. Every process is sampled at the same polls, so their times are kept once
+(SampleClock). ProcessHistory is what the history
 keeps of one process: those rings, its lineage as first seen and its states.
 """
 
@@ -36,9 +38,11 @@ class Ring:
     oldest is overwritten in place."""
 
     __slots__ = ("_data", "_size", "_start")
+    #: The array's type: doubles.
+    TYPECODE = "d"
 
     def __init__(self, capacity: int, unknown: int = 0) -> None:
-        self._data = array("d", [_NAN]) * max(1, capacity)
+        self._data = array(self.TYPECODE, [_NAN]) * max(1, capacity)
         self._start = 0
         #: How many are filled; `unknown` NaNs to begin with.
         self._size = min(unknown, len(self._data))
@@ -63,9 +67,45 @@ class Ring:
 
     def resize(self, capacity: int) -> None:
         kept = self.values()[-max(1, capacity):]
-        self._data = array("d", [_NAN]) * max(1, capacity)
+        self._data = array(self._data.typecode, [_NAN]) * max(1, capacity)
         self._data[:len(kept)] = kept
         self._start, self._size = 0, len(kept)
+
+
+class FigureRing(Ring):
+    """A Ring of byte counts in 32-bit floats: half a double's memory, and exact for every
+    figure the kernel and NVML give in practice. RSS and USS are whole pages (exact up to
+    64 GiB: 2**24 pages of 4 KiB), NVML's GPU memory whole MiB (exact up to 16 TiB); any figure
+    with at most 24 significant bits is exact whatever its size. One that is not (an RSS over
+    64 GiB not a multiple of a larger power of two, or beyond a float's range) turns the ring
+    into doubles, as a Ring is, before it is kept: no figure is ever rounded, so no leak test
+    can turn on the unit. Reading one costs nothing more: its values are Python floats all the
+    same."""
+
+    __slots__ = ()
+    TYPECODE = "f"
+
+    def append(self, value: float) -> None:
+        data = self._data
+        if self._size < len(data):
+            i = self._size
+            self._size += 1
+        else:
+            i = self._start
+            self._start = (i + 1) % len(data)
+        try:
+            data[i] = value
+            if data[i] == value or value != value:  # exact, or NaN (unknown)
+                return
+        except OverflowError:  # beyond a float's range (where Python refuses to round it)
+            pass
+        self._data = array("d", data)
+        self._data[i] = value
+
+    @property
+    def compact(self) -> bool:
+        """Whether its figures are still 32-bit floats (not turned into doubles)."""
+        return self._data.typecode == "f"
 
 
 class SampleClock:
@@ -146,11 +186,11 @@ class ProcessHistory:
         self.capacity = capacity
         #: The history's: when its samples were taken.
         self._clock = clock
-        self._rss = Ring(capacity)
-        self._gpu_memory = Ring(capacity)
+        self._rss = FigureRing(capacity)
+        self._gpu_memory = FigureRing(capacity)
         #: USS at each sample (NaN where unknown), once the poll has read one for the process
         #: (forked workers of GPU jobs): None until then, so other processes pay nothing for it.
-        self._uss: Optional[Ring] = None
+        self._uss: Optional[FigureRing] = None
         #: What the time-based leak test (gpuwatch.detectors.leaks) found no growth in: the
         #: `sampled` and settings it last ran on, so that it runs again only on new samples.
         self.quiet: Optional[tuple[tuple[int, int], object]] = None
@@ -202,7 +242,7 @@ class ProcessHistory:
         self._rss.append(_NAN if rss is None else float(rss))
         self._gpu_memory.append(_NAN if gpu is None else float(gpu))
         if self._uss is None and p.uss_bytes is not None:
-            self._uss = Ring(self.capacity, unknown=len(self._rss) - 1)
+            self._uss = FigureRing(self.capacity, unknown=len(self._rss) - 1)
         if self._uss is not None:
             self._uss.append(_NAN if p.uss_bytes is None else float(p.uss_bytes))
 

@@ -225,12 +225,13 @@ def check_room_for(n: int) -> None:
 
 
 @contextlib.contextmanager
-def unrelated_host_processes(n: int) -> Iterator[None]:
-    """`n` idle processes in another process tree than the GPU holders', as on a real host."""
+def unrelated_host_processes(n: int, settle_for: float = 60.0) -> Iterator[None]:
+    """`n` idle processes in another process tree than the GPU holders', as on a real host
+    (waiting up to `settle_for` seconds for the machine to calm down after their start)."""
     check_room_for(n)
     launcher, pids = _spawn_tree(n, new_session=True)
     try:
-        settle()
+        settle(settle_for)
         yield
     finally:
         _stop_tree(launcher, pids)

@@ -414,18 +414,21 @@ def main() -> None:
 
     by_host: list[tuple[str, dict[str, Any]]] = []
     sizes = sorted(args.host_procs)
+    # A smoke run's figures mean nothing: it need not wait for a loaded machine to calm down
+    # (a minute per size on a busy CI host).
+    calm = 1.0 if args.smoke else 60.0
     with bench_node(args.gpus, args.base_gpu_procs) as b, \
-            unrelated_host_processes(sizes[0]):
+            unrelated_host_processes(sizes[0], calm):
         by_host.append((f"+{sizes[0]:,} idle host processes", measure(b.node, args.polls)))
         with contextlib.ExitStack() as spawned:
             running = sizes[0]
             for n in sizes[1:]:
-                spawned.enter_context(unrelated_host_processes(n - running))
+                spawned.enter_context(unrelated_host_processes(n - running, calm))
                 running = n
                 by_host.append((f"+{n:,} idle host processes", measure(b.node, args.polls)))
         # The smallest size again once the others are gone: the machine drifts over a sweep
         # (a shared VM), and growth is measured against both ends of it.
-        settle()
+        settle(calm)
         again = measure(b.node, args.polls)
     print_rows(f"(b) host processes grow, {args.base_gpu_procs} GPU processes",
                [*by_host, (f"+{sizes[0]:,} again, after", again)])

@@ -63,21 +63,34 @@ def malloc_trim() -> Optional[Callable[[int], int]]:
         return None
 
 
-#: glibc's mallopt parameter for the most malloc arenas (malloc.h).
+#: glibc's mallopt parameters (malloc.h): the most malloc arenas; the size from which a block
+#: is mapped on its own (returned to the system as it is freed), and the free top of the heap
+#: beyond which free() trims it. Either set fixes both, where glibc would raise them as blocks
+#: of up to 32 MiB come and go.
 _M_ARENA_MAX = -8
+_M_MMAP_THRESHOLD = -3
+_M_TRIM_THRESHOLD = -1
+#: Blocks from this size are mapped on their own: a /metrics body or a gzip buffer is back to
+#: the system when freed, whenever that is.
+MMAP_THRESHOLD = 128 << 10
 
 
 def limit_malloc_arenas(arenas: int = 1) -> bool:
     """Ask glibc for at most `arenas` malloc arenas (mallopt M_ARENA_MAX), before any thread
     starts: by default each thread that allocates while another does gets an arena of its own,
-    and each arena keeps its own free pages, which malloc_trim after a poll cannot pool. Whether
-    it was set: elsewhere than glibc, or refused, nothing changes (never an error)."""
+    and each arena keeps its own free pages, which malloc_trim after a poll cannot pool. It also
+    fixes the mmap threshold at MMAP_THRESHOLD (and the trim threshold at twice it), which glibc
+    would raise to the largest block freed. Whether the arenas were limited: elsewhere than
+    glibc, or refused, nothing changes (never an error)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc
         return False
     try:
-        return bool(mallopt(_M_ARENA_MAX, arenas))
+        limited = bool(mallopt(_M_ARENA_MAX, arenas))
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD)
+        return limited
     except (OSError, ctypes.ArgumentError):
         return False
 

@@ -452,7 +452,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     this parser. Flags arrive as `--set section.key=value` config overrides.
     """
     # Before any thread: one malloc arena for all of them (the HTTP server's, the agent
-    # socket's, the poll's), whose free pages the trim after each poll hands back.
+    # socket's, the poll's), whose free pages the trim after each poll hands back; large blocks
+    # (a /metrics body) mapped on their own, back to the system as they are freed.
     limit_malloc_arenas()
     parser = argparse.ArgumentParser(prog="gpuwatch daemon")
     parser.add_argument("--config", type=Path, default=None)

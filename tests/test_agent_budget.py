@@ -617,3 +617,38 @@ def test_the_agent_limits_come_from_the_config_and_a_reload_applies_them(tmp_pat
         for handler in handlers:
             root.addHandler(handler)
         root.setLevel(level)
+
+
+_BIG_BLOCK = """
+import ctypes, sys
+from gpuwatch.agent_budget import limit_malloc_arenas
+if sys.argv[1] == "limited":
+    assert limit_malloc_arenas()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(4 << 20))  # a body of 4 MiB, come and gone
+block = libc.malloc(512 << 10)
+with open("/proc/self/maps") as maps:
+    heap = [line.split()[0] for line in maps if line.rstrip().endswith("[heap]")]
+low, high = (int(x, 16) for x in heap[0].split("-"))
+print("heap" if low <= block < high else "mapped")
+"""
+
+
+def test_a_large_block_is_mapped_on_its_own_however_large_the_blocks_before_it() -> None:
+    import ctypes
+    import subprocess
+    import sys
+    if not hasattr(ctypes.CDLL(None), "mallopt"):
+        pytest.skip("not glibc")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    where = {how: subprocess.run([sys.executable, "-c", _BIG_BLOCK, how], env=env,
+                                 capture_output=True, text=True, timeout=60, check=True
+                                 ).stdout.strip()
+             for how in ("default", "limited")}
+    # By default glibc raises its threshold to the 4 MiB freed, and the next 512 KiB comes
+    # from the heap, whose pages stay until a trim; mapped, they go back as it is freed.
+    assert where == {"default": "heap", "limited": "mapped"}

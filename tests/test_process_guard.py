@@ -41,11 +41,12 @@ def test_ends_what_it_starts():
 def test_a_test_that_leaves_a_process_running_fails_named_and_the_process_is_killed(
         tmp_path: Path) -> None:
     (tmp_path / "test_leaky.py").write_text(LEAKY)
+    # Its leaks sleep for ten minutes: the guard need not give them 15 s each to end on their own.
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q",
          "--rootdir", str(tmp_path), str(tmp_path / "test_leaky.py")],
-        cwd=REPO, env={**os.environ, "LEAKS": str(tmp_path)}, capture_output=True, text=True,
-        timeout=120)
+        cwd=REPO, env={**os.environ, "LEAKS": str(tmp_path), "GPUWATCH_TEST_EXIT_DEADLINE": "2"},
+        capture_output=True, text=True, timeout=120)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     assert "3 passed, 2 errors" in out, out

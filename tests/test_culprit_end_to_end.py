@@ -131,9 +131,27 @@ def training(env: dict[str, str], tmp_path: Path, holder: str
 
 
 def leak_of(env: dict[str, str], pid: int) -> Optional[dict[str, Any]]:
+    """The process's leak finding as `gpuwatch status --json` shows it."""
     _, doc = status_json(env)
     assert doc["source"] == "daemon", doc.get("source_detail")
     return next((f for f in doc["findings"] if f["kind"] == "leak" and f["pid"] == pid), None)
+
+
+def findings_now(env: dict[str, str]) -> list[dict[str, Any]]:
+    """The daemon's findings read off its state socket, in this process: what the tests watch
+    poll after poll (a `gpuwatch status` a read is a Python started each time, a CPU's worth
+    of them while a test waits). None while the daemon is between two answers."""
+    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+
+    try:
+        doc = fetch_status(Path(env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME)
+    except StateUnavailable:
+        return []
+    return list(doc.get("findings", ()))
+
+
+def leak_now(env: dict[str, str], pid: int) -> Optional[dict[str, Any]]:
+    return next((f for f in findings_now(env) if f["kind"] == "leak" and f["pid"] == pid), None)
 
 
 def _config(extra: str = "") -> str:
@@ -144,7 +162,7 @@ def _named(env: dict[str, str], pid: int, progress: Path, found_by: str,
            culprits: list[str]) -> Optional[tuple[dict[str, Any], int]]:
     """The leak finding once its culprit is named `found_by`; every culprit seen on the way."""
     step = progress_step(progress)
-    leak = leak_of(env, pid)
+    leak = leak_now(env, pid)
     if leak is None or step is None:
         return None
     culprit = leak["details"].get("culprit")
@@ -163,6 +181,8 @@ def _discovered_culprit(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: 
             "the leak named by discovery",
             lambda: _named(cli_env, proc.pid, progress, "discovered", culprits),
             60, alive=daemon.proc)
+        shown = leak_of(cli_env, proc.pid)  # and `gpuwatch status --json` names it too
+        assert shown is not None and shown["details"]["culprit"] == expected, shown
         print(f"{expected} named (discovered) at step {step}, warm-up {WARMUP}")
         assert leak["details"]["culprit"] == expected
         # Within 10 steps after warm-up, give or take the poll that noticed it.
@@ -202,7 +222,9 @@ def test_a_closures_list_is_found_by_tracing_its_allocation_site(
         leak, step = wait_for("the leak named by tracing",
                            lambda: _named(cli_env, proc.pid, progress, "traced", culprits),
                            90, alive=daemon.proc)
+        shown = leak_of(cli_env, proc.pid)  # and `gpuwatch status --json` shows it too
     site = f"areal/infra/rpc/rtensor.py:{line}"
+    assert shown is not None and shown["details"]["culprit"] == site, shown
     print(f"{leak['details']['culprit']} named (traced) at step {step}")
     assert leak["details"]["culprit"] == site
     assert leak["reason"].startswith(f"RSS grows every step; allocations at `{site}` explain it "
@@ -251,7 +273,7 @@ def test_in_a_real_pytorch_program_the_fetch_buffer_is_named_within_15_steps_of_
     def named(proc: subprocess.Popen[bytes], progress: Path) -> Optional[tuple[dict[str, Any],
                                                                                 int]]:
         step = torch_step(progress)
-        leak = leak_of(cli_env, proc.pid)
+        leak = leak_now(cli_env, proc.pid)
         if leak is None or step is None:
             return None
         raised.append(step)
@@ -267,6 +289,8 @@ def test_in_a_real_pytorch_program_the_fetch_buffer_is_named_within_15_steps_of_
         fake_node.hold(proc.pid, device=0, used=GIB)
         leak, step = wait_for("the leak's culprit named", lambda: named(proc, progress), 180,
                               alive=daemon.proc)
+        shown = leak_of(cli_env, proc.pid)  # and `gpuwatch status --json` names it too
+        assert shown is not None and shown["details"]["culprit"] == expected, shown
         print(f"{leak['details']['culprit']} named ({leak['details']['found_by']}) at step "
               f"{step}, the leak raised at step {raised[0]}, leaking from step {WARMUP}")
         assert leak["details"]["culprit"] == expected
@@ -318,11 +342,14 @@ def test_seed_001_a_rank_held_at_exit_with_its_gloo_group_never_destroyed_is_sta
         fake_node.hold(proc.pid, device=0, used=GIB)
 
         def hung() -> Optional[dict[str, Any]]:
-            _, doc = status_json(cli_env)
-            return next((f for f in doc["findings"] if f["kind"] == "stalled"
+            return next((f for f in findings_now(cli_env) if f["kind"] == "stalled"
                          and f["pid"] == proc.pid and f["severity"] == "critical"), None)
 
-        stalled = wait_for("the stalled finding", hung, 120, alive=daemon.proc)
+        wait_for("the stalled finding", hung, 120, alive=daemon.proc)
+        # And as `gpuwatch status --json` shows it.
+        _, doc = status_json(cli_env)
+        stalled = next(f for f in doc["findings"] if f["kind"] == "stalled"
+                       and f["pid"] == proc.pid and f["severity"] == "critical")
         assert stalled["reason"] == ("hung at exit: the interpreter began to exit, but the "
                                      "torch.distributed process group was never destroyed")
         assert proc.poll() is None

@@ -41,6 +41,18 @@ def daemon_doc(env: dict[str, str]) -> dict[str, Any]:
     return doc
 
 
+def daemon_doc_now(env: dict[str, str]) -> dict[str, Any]:
+    """The daemon's status document read off its state socket, in this process: what a test
+    waiting on it reads poll after poll (a `gpuwatch status --json` a read is a Python started
+    each time). An empty one while the daemon is between two answers."""
+    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+
+    try:
+        return fetch_status(Path(env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME)
+    except StateUnavailable:
+        return {"findings": [], "processes": []}
+
+
 def finding_of(doc: dict[str, Any], kind: str, pid: int) -> Optional[dict[str, Any]]:
     return next((f for f in doc["findings"] if f["kind"] == kind and f["pid"] == pid), None)
 
@@ -65,11 +77,13 @@ def test_a_buffer_leaking_4_mib_a_step_is_named_with_its_projected_oom_step(
         fake_node.hold(pid, device=0, used=GIB)
 
         def flagged() -> Optional[tuple[dict[str, Any], dict[str, Any]]]:
-            doc = daemon_doc(cli_env)
+            doc = daemon_doc_now(cli_env)
             f = finding_of(doc, "leak", pid)
             return (f, doc) if f is not None else None
 
         leak, doc = wait_for("the leak finding", flagged, 30, alive=daemon.proc)
+        # And `gpuwatch status --json` shows it.
+        assert finding_of(daemon_doc(cli_env), "leak", pid) is not None
         agent = process_of(doc, pid)["agent"]
         # Named within 10 steps after warm-up (plus the steps a late poll can lag).
         assert leak["details"]["window_steps"][1] <= WARMUP + 10 + 2
@@ -142,7 +156,7 @@ def test_gpu_memory_growing_every_step_alone_is_a_leak(
         follower.start()
         try:
             leak = wait_for("the GPU leak",
-                            lambda: finding_of(daemon_doc(cli_env), "leak", pid), 40,
+                            lambda: finding_of(daemon_doc_now(cli_env), "leak", pid), 40,
                             alive=daemon.proc)
         finally:
             done.set()
@@ -164,13 +178,14 @@ def test_a_stall_is_flagged_after_the_threshold_and_cleared_when_steps_resume(
             trainer(cli_env, tmp_path, "--step-seconds", "0.05", "--stall-at", "10",
                     "--stall-seconds", "3") as (pid, progress):
         fake_node.hold(pid, device=0, used=GIB)
-        stalled = wait_for("the stall", lambda: finding_of(daemon_doc(cli_env), "stalled", pid),
+        stalled = wait_for("the stall",
+                           lambda: finding_of(daemon_doc_now(cli_env), "stalled", pid),
                            20, alive=daemon.proc)
         assert stalled["reason"].startswith("step 9 has not advanced since")
         assert progress_step(progress) == 9
         wait_for("steps to resume and the stall to clear", lambda: (
             (progress_step(progress) or 0) > 12
-            and finding_of(daemon_doc(cli_env), "stalled", pid) is None) or None, 20,
+            and finding_of(daemon_doc_now(cli_env), "stalled", pid) is None) or None, 20,
             alive=daemon.proc)
 
 
@@ -190,9 +205,10 @@ def test_a_trainer_that_says_it_finished_leaves_its_helper_a_leftover_while_it_l
             trainer_pid = next(pid for cmd, pid in pids.items() if "trainer" in cmd)
             helper_pid = next(pid for cmd, pid in pids.items() if "--helper" in cmd)
             fake_node.hold(trainer_pid, device=0, used=2 * GIB)
-            doc = wait_for("the helper as a leftover", lambda: (
-                d if finding_of(d := daemon_doc(cli_env), "leftover", helper_pid) else None),
+            wait_for("the helper as a leftover", lambda: (
+                d if finding_of(d := daemon_doc_now(cli_env), "leftover", helper_pid) else None),
                 30, alive=daemon.proc)
+            doc = daemon_doc(cli_env)  # as `gpuwatch status --json` shows it
             assert process_of(doc, trainer_pid)["agent"]["finished_at"] is not None
             assert f"its trainer {trainer_pid} (" in finding_of(doc, "leftover",
                                                                  helper_pid)["reason"]
@@ -228,13 +244,15 @@ def test_a_rank_hung_at_exit_by_an_executor_never_shut_down_is_stalled_within_a_
         fake_node.hold(proc.pid, device=0, used=8 * GIB)
         reached_exit = time.monotonic()
 
-        def hung() -> Optional[dict[str, Any]]:
-            _, doc = status_json(cli_env)
-            f = finding_of(doc, "stalled", proc.pid) if doc["source"] == "daemon" else None
+        def hung(doc: dict[str, Any]) -> Optional[dict[str, Any]]:
+            f = finding_of(doc, "stalled", proc.pid)
             return f if f is not None and f["gpu_memory_bytes"] == 8 * GIB else None
 
         # A few polls, and the time `gpuwatch status` takes on a loaded machine.
-        stalled = wait_for("the stalled finding", hung, 30, alive=daemon.proc)
+        wait_for("the stalled finding", lambda: hung(daemon_doc_now(cli_env)), 30,
+                 alive=daemon.proc)
+        stalled = hung(daemon_doc(cli_env))  # as `gpuwatch status --json` shows it
+        assert stalled is not None
         assert time.monotonic() - reached_exit < 30
         cause = ("a ThreadPoolExecutor with 1 live worker thread ('reward_buffer_0') was never "
                  "shut down")

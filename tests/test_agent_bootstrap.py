@@ -120,8 +120,19 @@ def _python(tmp_path: Path, source: str, *args: str, env: dict[str, str]
                           capture_output=True, text=True, timeout=WAIT)
 
 
-def _agent_of(env: dict[str, str], pid: int) -> Optional[dict[str, Any]]:
-    _, doc = status_json(env)
+def _agent_of(env: dict[str, str], pid: int, now: bool = False) -> Optional[dict[str, Any]]:
+    """The agent part of the process's entry in `gpuwatch status --json`; with `now`, read off
+    the daemon's state socket in this process instead (a test waiting reads it poll after poll,
+    and the command is a Python started each time)."""
+    if now:
+        from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+
+        try:
+            doc = fetch_status(Path(env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME)
+        except StateUnavailable:
+            return None
+    else:
+        _, doc = status_json(env)
     if doc["source"] != "daemon":
         return None
     process = next((p for p in doc["processes"] if p["pid"] == pid), None)
@@ -147,8 +158,8 @@ def test_a_torch_script_that_never_imports_gpuwatch_reports_its_optimizer_steps_
                                            str(pidfile), "0", "0"], "--no-cgroup") as run:
         pid = _job_pid(pidfile, run.proc)
         fake_node.hold(pid, device=0, used=GIB)
-        def step_at_least(least: int) -> Optional[int]:
-            agent = _agent_of(cli_env, pid)
+        def step_at_least(least: int, now: bool = True) -> Optional[int]:
+            agent = _agent_of(cli_env, pid, now)
             step = agent.get("step") if agent is not None else None
             return step if step is not None and step >= least else None
 
@@ -156,6 +167,8 @@ def test_a_torch_script_that_never_imports_gpuwatch_reports_its_optimizer_steps_
         later = wait_for("the agent's step advancing", lambda: step_at_least(first + 3), WAIT,
                          alive=d.proc)
         assert later > first >= 1
+        # And `gpuwatch status --json` shows the step.
+        assert step_at_least(later, now=False) is not None
 
 
 #: Steps from a leak raised to its culprit named, at most (the goal in docs/agent.md).

@@ -726,13 +726,14 @@ reap_children_forever()
 def _launcher_args(ready: Path, workers: int, helpers: Sequence[str],
                    trainer_exit_after: Optional[float], launcher_waits_for: str,
                    stubborn_rank: Optional[int], sigint_grace: float,
-                   run_id: Optional[str]) -> list[str]:
+                   run_id: Optional[str], trainer_exit_clock: str = "start") -> list[str]:
     args = ["--workers", str(workers), "--ready", str(ready),
             "--launcher-waits-for", launcher_waits_for, "--sigint-grace", repr(sigint_grace)]
     if helpers:
         args += ["--helpers", ",".join(helpers)]
     if trainer_exit_after is not None:
-        args += ["--trainer-exit-after", repr(trainer_exit_after)]
+        args += ["--trainer-exit-after", repr(trainer_exit_after),
+                 "--trainer-exit-clock", trainer_exit_clock]
     if stubborn_rank is not None:
         args += ["--stubborn-rank", str(stubborn_rank)]
     if run_id is not None:
@@ -745,12 +746,13 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
                  helpers: Sequence[str] = (), trainer_exit_after: Optional[float] = None,
                  launcher_waits_for: str = "helpers", stubborn_rank: Optional[int] = None,
                  via: Optional[str] = None, sigint_grace: float = 2.0,
-                 run_id: Optional[str] = None, cgroup: Optional[Path] = None
-                 ) -> Iterator[JobPids]:
+                 run_id: Optional[str] = None, cgroup: Optional[Path] = None,
+                 trainer_exit_clock: str = "start") -> Iterator[JobPids]:
     """A launcher with `workers` workers and one helper per role in `helpers` (see
-    gpuwatch.simulate.job for `trainer_exit_after`, `launcher_waits_for`, `stubborn_rank` and
-    `sigint_grace`), with `env` added to this process's environment. The launcher leads its own
-    process group, which its workers and helpers share. `via` says what starts it:
+    gpuwatch.simulate.job for `trainer_exit_after`, `trainer_exit_clock`, `launcher_waits_for`,
+    `stubborn_rank` and `sigint_grace`), with `env` added to this process's environment. The
+    launcher leads its own process group, which its workers and helpers share. `via` says what
+    starts it:
 
     None
         This test process, with the launcher in a session of its own. Orphans go to
@@ -796,7 +798,8 @@ def torchrun_job(tmp_path: Path, workers: int = 4, env: Optional[Mapping[str, st
     ready = _unique(tmp_path, "job", ".json")
     launcher_cmd = [sys.executable, "-m", "gpuwatch.simulate.job",
                     *_launcher_args(ready, workers, helpers, trainer_exit_after,
-                                    launcher_waits_for, stubborn_rank, sigint_grace, run_id)]
+                                    launcher_waits_for, stubborn_rank, sigint_grace, run_id,
+                                    trainer_exit_clock)]
     full_env = {**os.environ, **(env or {})}
     # The shell's foreground job, then the shell waits at its "prompt" until stdin closes.
     script = f"set -m\n{shlex.join(launcher_cmd)} </dev/null\nread -r _\n"

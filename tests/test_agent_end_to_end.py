@@ -192,14 +192,15 @@ def test_a_stall_is_flagged_after_the_threshold_and_cleared_when_steps_resume(
 def test_a_trainer_that_says_it_finished_leaves_its_helper_a_leftover_while_it_lingers(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     config = "[detectors]\nleftover_grace = 1.0\n"
-    launcher = subprocess.Popen(
-        ["sh", "-c", f"{sys.executable} -m gpuwatch.simulate.trainer --steps 15 "
-                     "--step-seconds 0.1 --finish --linger 600 & "
-                     f"{sys.executable} -m gpuwatch.simulate.job --helper redis & wait"],
-        env=cli_env)
-    try:
-        with running_daemon(cli_env, tmp_path, config=config,
-                            args=("--interval", str(INTERVAL))) as daemon:
+    # The daemon first: the trainer tells its agent it finished 1.5 s after it starts, once.
+    with running_daemon(cli_env, tmp_path, config=config,
+                        args=("--interval", str(INTERVAL))) as daemon:
+        launcher = subprocess.Popen(
+            ["sh", "-c", f"{sys.executable} -m gpuwatch.simulate.trainer --steps 15 "
+                         "--step-seconds 0.1 --finish --linger 600 & "
+                         f"{sys.executable} -m gpuwatch.simulate.job --helper redis & wait"],
+            env=cli_env)
+        try:
             children = wait_for("both children", lambda: _children(launcher.pid, 2), 20)
             pids = {_cmd(pid): pid for pid in children}
             trainer_pid = next(pid for cmd, pid in pids.items() if "trainer" in cmd)
@@ -214,11 +215,11 @@ def test_a_trainer_that_says_it_finished_leaves_its_helper_a_leftover_while_it_l
                                                                  helper_pid)["reason"]
             lingering = finding_of(doc, "leftover", trainer_pid)
             assert lingering is not None and "told the agent it finished" in lingering["reason"]
-    finally:
-        for pid in _children(launcher.pid, 0) or []:
-            os.kill(pid, 9)
-        launcher.kill()
-        launcher.wait()
+        finally:
+            for pid in _children(launcher.pid, 0) or []:
+                os.kill(pid, 9)
+            launcher.kill()
+            launcher.wait()
 
 
 def test_exit_hygiene_reaches_the_daemon_log_and_stderr(

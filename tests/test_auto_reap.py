@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -31,13 +33,16 @@ def test_auto_reap_ends_orphans_after_auto_after_and_leaves_other_kinds(
         fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
     config = DETECTORS + "[reaper]\nauto = true\nauto_kinds = [\"orphan\"]\nauto_after = 1.0\n" \
                          "grace = 1\n"
+    # The finishing trainer's 2 s run from when it holds its memory (SIGUSR1), so that the
+    # daemon sees it hold some however slowly this machine started them.
     with torchrun_job(tmp_path, workers=2, helpers=("redis",)) as orphaned, \
-            torchrun_job(tmp_path, workers=1, helpers=("actor",),
-                         trainer_exit_after=2.0) as finishing, \
+            torchrun_job(tmp_path, workers=1, helpers=("actor",), trainer_exit_after=2.0,
+                         trainer_exit_clock="sigusr1") as finishing, \
             running_daemon(cli_env, tmp_path, config=config, args=("--interval", "0.2")) as d:
         for pid in orphaned.workers:
             fake_node.hold(pid, device=0, used=GIB)
         fake_node.hold(finishing.workers[0], device=1, used=GIB)
+        os.kill(finishing.workers[0], signal.SIGUSR1)
         d.wait_for_metrics("the workers seen", lambda s: (value(
             s, "gpuwatch_findings", kind="orphan") == 0 and value(s, "gpuwatch_polls_total") > 3)
             or None)

@@ -338,12 +338,8 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
         torchrun = _write_torchrun(work_dir)
         training = _start_job(started, torchrun, work_dir, "job-a", _run_id("pretrain-7b"),
                               pause, "--workers", str(workers), "--helpers", "dataloader")
-        finishing = _start_job(started, torchrun, work_dir, "job-b", _run_id("rlhf"), pause,
-                               "--workers", "1", "--helpers", "redis,actor,preprocessor",
-                               "--trainer-exit-after", str(3 * pace))
         for rank, pid in enumerate(training.workers):
             node.hold(pid, device=rank % gpus, used=(12 + 2 * rank) * GIB)
-        node.hold(finishing.workers[0], device=gpus - 1, used=20 * GIB)
         config = work_dir / "gpuwatch.toml"
         config.write_text(f"[detectors]\nleftover_grace = {2 * pace}\n{detectors}\n")
         runtime = work_dir / "run"
@@ -357,6 +353,16 @@ def simulated_node(work_dir: Path, listen: str = f"127.0.0.1:{DEFAULT_PORT}", gp
             signal.SIGKILL, env=env, stdout=daemon_output, stderr=daemon_output)
         metrics_url = wait_for("the daemon", lambda: _metrics_url(runtime), 30, alive=daemon,
                                pause=pause)
+        # Job B starts once the daemon answers, and its trainer's 3 units are counted from when
+        # it holds its GPU memory: the daemon must see that memory, or the helpers are no job's
+        # leftovers (on a loaded machine, a daemon slow to start, or a job slow to get ready,
+        # would otherwise miss the whole of the trainer's life).
+        finishing = _start_job(started, torchrun, work_dir, "job-b", _run_id("rlhf"), pause,
+                               "--workers", "1", "--helpers", "redis,actor,preprocessor",
+                               "--trainer-exit-after", str(3 * pace),
+                               "--trainer-exit-clock", "sigusr1")
+        node.hold(finishing.workers[0], device=gpus - 1, used=20 * GIB)
+        os.kill(finishing.workers[0], signal.SIGUSR1)
         # 2 MiB a step for 300 steps: visible, and bounded if the demo is left running.
         instrumented = _start_job(
             started, torchrun, work_dir, "job-c", _run_id("sft"), pause, "--workers", "1", "--",

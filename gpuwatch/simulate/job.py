@@ -18,8 +18,10 @@ Launcher options that reproduce what is seen on real nodes:
     the launcher's environment minus the per-worker rank variables, the way a job script starts a
     redis server or a Ray actor next to its trainer.
 `--trainer-exit-after SECONDS`
-    Workers finish (exit 0) after SECONDS. With `--launcher-waits-for helpers` (the default) the
-    launcher then keeps waiting for the helpers, which never finish by themselves; with
+    Workers finish (exit 0) after SECONDS: SECONDS from their start, or, with
+    `--trainer-exit-clock sigusr1`, from the SIGUSR1 each is sent (a driver that gives the worker
+    its GPU memory first, then starts its clock). With `--launcher-waits-for helpers` (the
+    default) the launcher then keeps waiting for the helpers, which never finish by themselves; with
     `--launcher-waits-for workers` it exits at once and the helpers are left behind, reparented.
 `--stubborn-rank R`
     Worker R runs a non-daemon heartbeat thread. On Ctrl+C its main thread catches
@@ -120,6 +122,7 @@ def _exit_status(code: int) -> int:
 
 def run_launcher(workers: int, ready: Path, run_id: str, helpers: Sequence[str] = (),
                  trainer_exit_after: Optional[float] = None, waits_for: str = "helpers",
+                 trainer_exit_clock: str = "start",
                  stubborn_rank: Optional[int] = None, sigint_grace: float = 2.0,
                  command: Sequence[str] = ()) -> int:
     worker_procs: list[subprocess.Popen[bytes]] = []
@@ -148,6 +151,8 @@ def run_launcher(workers: int, ready: Path, run_id: str, helpers: Sequence[str] 
             extra = ["--stubborn"] if rank == stubborn_rank else []
             if trainer_exit_after is not None:
                 extra += ["--exit-after", repr(trainer_exit_after)]
+                if trainer_exit_clock == "sigusr1":
+                    extra.append("--exit-clock-signal")
             worker_procs.append(_spawn(["--worker", *extra],
                                        launch_env(rank, workers, run_id), write_end))
         for role in helpers:
@@ -196,8 +201,10 @@ def _handle_signals_like_a_terminal_program() -> None:
 
 
 def run_worker(ready_fd: Optional[int] = None, exit_after: Optional[float] = None,
-               stubborn: bool = False) -> int:
+               stubborn: bool = False, clock_on_signal: bool = False) -> int:
     _handle_signals_like_a_terminal_program()
+    if clock_on_signal:  # blocked before the ready report, so that none sent after it is lost
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     finished = threading.Event()
     if stubborn:
         threading.Thread(target=_heartbeat, args=(finished,), name="heartbeat").start()
@@ -206,6 +213,8 @@ def run_worker(ready_fd: Optional[int] = None, exit_after: Optional[float] = Non
         if exit_after is None:
             while True:  # a training step would go here; the simulated one only waits
                 time.sleep(3600)
+        if clock_on_signal:
+            signal.sigwait({signal.SIGUSR1})
         time.sleep(exit_after)
     except KeyboardInterrupt:
         # The training loop's Ctrl+C path: it returns without stopping the heartbeat, which is
@@ -273,6 +282,7 @@ def launcher_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--exit-after", type=_seconds, help=argparse.SUPPRESS)
     parser.add_argument("--stubborn", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--exit-clock-signal", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ready", type=Path, help="where to write the PIDs once all are up")
     parser.add_argument("--run-id", default=None, help="TORCHELASTIC_RUN_ID for the workers")
@@ -280,6 +290,9 @@ def launcher_parser() -> argparse.ArgumentParser:
                         help="also start one non-GPU helper process per role")
     parser.add_argument("--trainer-exit-after", type=_seconds, metavar="SECONDS",
                         help="workers finish (exit 0) after SECONDS")
+    parser.add_argument("--trainer-exit-clock", choices=("start", "sigusr1"), default="start",
+                        help="count --trainer-exit-after from the worker's start (default) or "
+                             "from the SIGUSR1 sent to it")
     parser.add_argument("--launcher-waits-for", choices=WAIT_CHOICES, default="helpers",
                         help="once the workers finish, wait for the helpers too (default) or exit")
     parser.add_argument("--stubborn-rank", type=int, metavar="R",
@@ -313,7 +326,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = launcher_parser()
     args = parser.parse_args(argv)
     if args.worker:
-        return run_worker(args.ready_fd, args.exit_after, args.stubborn)
+        return run_worker(args.ready_fd, args.exit_after, args.stubborn, args.exit_clock_signal)
     if args.helper:
         return run_helper(args.helper, args.ready_fd)
     if args.ready is None:
@@ -326,6 +339,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--stubborn-rank and --trainer-exit-after apply to the idling workers only")
     return run_launcher(args.workers, args.ready, args.run_id or uuid.uuid4().hex[:12],
                         helpers=args.helpers, trainer_exit_after=args.trainer_exit_after,
+                        trainer_exit_clock=args.trainer_exit_clock,
                         waits_for=args.launcher_waits_for, stubborn_rank=args.stubborn_rank,
                         sigint_grace=args.sigint_grace, command=args.command)
 

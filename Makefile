@@ -82,7 +82,7 @@ $(TORCH_STAMP): $(STAMP)
 # namespace of its own with its own /proc (tests/worlds.py), so that the daemons and jobs of one
 # do not see another's, nor a second suite's on the same host. Not root, the workers would share
 # the host, and the suite runs in one process. TEST_WORKERS=N chooses (0: one process).
-TEST_WORKERS ?= $(if $(filter 0,$(shell id -u)),4,0)
+TEST_WORKERS ?= $(if $(filter 0,$(shell id -u)),6,0)
 
 # The slowest tests are listed at the end (--durations); tests/conftest.py names each test of
 # the end-to-end modules that run for minutes as it starts.

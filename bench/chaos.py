@@ -436,19 +436,32 @@ class Cgroups:
         return problems
 
 
+def pid_namespace() -> int:
+    """The inode of this process's PID namespace (0 where it cannot be read): a PID and its
+    start time name a process only inside its namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def owner_tag() -> str:
-    """This process, as the names of what the bench makes carry it: PID and start time."""
-    return f"{os.getpid()}-{start_ticks(os.getpid())}"
+    """This process, as the names of what the bench makes carry it: PID, start time and PID
+    namespace (cgroups are the host's: two benches in two PID namespaces may share a PID)."""
+    return f"{os.getpid()}-{start_ticks(os.getpid())}-{pid_namespace()}"
 
 
 def clean_stale(say: Callable[[str], None]) -> None:
     """Remove what an earlier bench killed with SIGKILL left: its cgroups and its tmpfs, whose
-    names carry the PID and start time of the bench that made them. Only those of a bench that
-    is gone (another one running at the same time keeps its own)."""
-    def gone(pid: str, ticks: str) -> bool:
-        return not running(int(pid), int(ticks))
+    names carry the PID, start time and PID namespace of the bench that made them. Only those of
+    a bench of this PID namespace that is gone (another one running at the same time keeps its
+    own, and one of another namespace cannot be judged from here)."""
+    own_namespace = pid_namespace()
 
-    pattern = re.compile(rf"^{NAME}-(\d+)-(\d+)$")
+    def gone(pid: str, ticks: str, namespace: str) -> bool:
+        return int(namespace) == own_namespace and not running(int(pid), int(ticks))
+
+    pattern = re.compile(rf"^{NAME}-(\d+)-(\d+)-(\d+)$")
     try:
         mounts = Path("/proc/self/mounts").read_text().splitlines()
     except OSError:
@@ -458,7 +471,7 @@ def clean_stale(say: Callable[[str], None]) -> None:
         if len(parts) < 3 or parts[2] != "tmpfs":
             continue
         target = Path(parts[1].replace("\\040", " "))
-        m = re.match(rf"^{NAME}-(\d+)-(\d+)-", target.parent.name)
+        m = re.match(rf"^{NAME}-(\d+)-(\d+)-(\d+)-", target.parent.name)
         if target.name == "state" and m and gone(*m.groups()):
             subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True)
             shutil.rmtree(target.parent, ignore_errors=True)

@@ -124,8 +124,10 @@ def of_kind(reports: list[Report], kind: str, pid: Optional[int] = None) -> list
 
 
 def first_step_report(program: str, runtime_dir: Path, receiver: Receiver,
-                      timeout: float = 15) -> dict[str, Any]:
-    """The first step report of `program`, which steps and then waits for its stdin to close."""
+                      timeout: float = 60) -> dict[str, Any]:
+    """The first step report of `program`, which steps and then waits for its stdin to close.
+    The deadline only bounds a failure: a program importing torch on a starved machine (two
+    suites on 2 cores) took more than 15 s to step."""
     proc = start(program, runtime_dir, stdin=subprocess.PIPE)
     try:
         (_, _, report), = receiver.wait_for("a step report", lambda rs: of_kind(rs, "step"),

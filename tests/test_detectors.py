@@ -474,6 +474,23 @@ def test_a_trainer_that_told_the_agent_it_finished_is_evidence_of_a_finished_job
     assert sorted(kinds(report)) == [("leftover", 11), ("leftover", 12)]
 
 
+def test_a_trainer_first_seen_after_it_told_the_agent_it_finished_still_finishes_its_job(
+        ) -> None:
+    """A daemon that starts, or first sees the trainer's GPU memory, only after the trainer's
+    finished report: the job still had a trainer, and its helpers are still leftovers."""
+    history = History()
+    root = proc(10, 1, pgid=10, sid=5, name="sh")
+    trainer = proc(11, 10, gpu=GIB, pgid=10)
+    helper = proc(12, 10, pgid=10, cmdline=("redis-server",))
+    done = AgentReading(pid=11, uid=1000, first_seen=0.5, last_seen=1.5, step=9,
+                        step_changed_at=1.5, finished_at=1.5, exit_report=None, points=(),
+                        latest=None)
+    agents = MappingProxyType({11: done})
+    run(history, replace(snapshot(2.0, root, trainer, helper), agents=agents))
+    report = run(history, replace(snapshot(30.0, root, trainer, helper), agents=agents))
+    assert sorted(kinds(report)) == [("leftover", 11), ("leftover", 12)]
+
+
 def test_a_tree_that_holds_a_service_never_has_leftovers_whatever_its_evidence() -> None:
     """Ray's raylet and its `ray::` workers and agents, a notebook server and its kernels: even
     where the whole tree inherited a launcher's variables (`srun ray start`, PMI_RANK in every

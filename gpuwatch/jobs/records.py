@@ -131,6 +131,12 @@ class JobTrees:
                 trainers.append((job, p))
             elif done and p.state != ProcState.ZOMBIE:
                 job.agent_finished = True
+                if holds and not job.had_trainer:
+                    # It trained, and said it finished before any poll saw it hold memory (a
+                    # daemon started late): the job's trainer all the same, noted as one.
+                    job.had_trainer = True
+                    last[job.key] = p
+                    trainers.append((job, p))
         noted, self._noted = self._noted, {}
         for job, p in trainers:  # once every member is known, its parent included
             self._note_trainer(job, p, snapshot, noted)

@@ -122,6 +122,19 @@ def wait_first_poll(runtime: Path, proc: subprocess.Popen[bytes], timeout: float
     return wait_for("the daemon's first poll", first_document, timeout, alive=proc)
 
 
+def status_now(env: Mapping[str, str]) -> dict[str, Any]:
+    """The status document of the daemon of `env`'s GPUWATCH_RUNTIME_DIR, read off its state
+    socket in this process: what a test reads poll after poll while it waits (a `gpuwatch
+    status --json` a read is a Python started each time). One with no finding and no process
+    while the daemon is between two answers."""
+    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
+
+    try:
+        return fetch_status(Path(env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME)
+    except StateUnavailable:
+        return {"findings": [], "processes": []}
+
+
 def by_pid(doc: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:
     """The document's findings of `kind`, by PID."""
     return {f["pid"]: f for f in doc["findings"] if f["kind"] == kind}

@@ -19,7 +19,7 @@ import pytest
 
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
-from tests.daemonproc import running_daemon, value
+from tests.daemonproc import running_daemon, status_now, value
 from tests.realprocs import GIB, MIB, gpuwatch, killed_after, progress_step, status_json
 from tests.scenarios import hung_at_exit
 
@@ -39,18 +39,6 @@ def daemon_doc(env: dict[str, str]) -> dict[str, Any]:
     _, doc = status_json(env)
     assert doc["source"] == "daemon", doc.get("source_detail")
     return doc
-
-
-def daemon_doc_now(env: dict[str, str]) -> dict[str, Any]:
-    """The daemon's status document read off its state socket, in this process: what a test
-    waiting on it reads poll after poll (a `gpuwatch status --json` a read is a Python started
-    each time). An empty one while the daemon is between two answers."""
-    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
-
-    try:
-        return fetch_status(Path(env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME)
-    except StateUnavailable:
-        return {"findings": [], "processes": []}
 
 
 def finding_of(doc: dict[str, Any], kind: str, pid: int) -> Optional[dict[str, Any]]:
@@ -77,7 +65,7 @@ def test_a_buffer_leaking_4_mib_a_step_is_named_with_its_projected_oom_step(
         fake_node.hold(pid, device=0, used=GIB)
 
         def flagged() -> Optional[tuple[dict[str, Any], dict[str, Any]]]:
-            doc = daemon_doc_now(cli_env)
+            doc = status_now(cli_env)
             f = finding_of(doc, "leak", pid)
             return (f, doc) if f is not None else None
 
@@ -156,7 +144,7 @@ def test_gpu_memory_growing_every_step_alone_is_a_leak(
         follower.start()
         try:
             leak = wait_for("the GPU leak",
-                            lambda: finding_of(daemon_doc_now(cli_env), "leak", pid), 40,
+                            lambda: finding_of(status_now(cli_env), "leak", pid), 40,
                             alive=daemon.proc)
         finally:
             done.set()
@@ -179,13 +167,13 @@ def test_a_stall_is_flagged_after_the_threshold_and_cleared_when_steps_resume(
                     "--stall-seconds", "3") as (pid, progress):
         fake_node.hold(pid, device=0, used=GIB)
         stalled = wait_for("the stall",
-                           lambda: finding_of(daemon_doc_now(cli_env), "stalled", pid),
+                           lambda: finding_of(status_now(cli_env), "stalled", pid),
                            20, alive=daemon.proc)
         assert stalled["reason"].startswith("step 9 has not advanced since")
         assert progress_step(progress) == 9
         wait_for("steps to resume and the stall to clear", lambda: (
             (progress_step(progress) or 0) > 12
-            and finding_of(daemon_doc_now(cli_env), "stalled", pid) is None) or None, 20,
+            and finding_of(status_now(cli_env), "stalled", pid) is None) or None, 20,
             alive=daemon.proc)
 
 
@@ -207,7 +195,7 @@ def test_a_trainer_that_says_it_finished_leaves_its_helper_a_leftover_while_it_l
             helper_pid = next(pid for cmd, pid in pids.items() if "--helper" in cmd)
             fake_node.hold(trainer_pid, device=0, used=2 * GIB)
             wait_for("the helper as a leftover", lambda: (
-                d if finding_of(d := daemon_doc_now(cli_env), "leftover", helper_pid) else None),
+                d if finding_of(d := status_now(cli_env), "leftover", helper_pid) else None),
                 30, alive=daemon.proc)
             doc = daemon_doc(cli_env)  # as `gpuwatch status --json` shows it
             assert process_of(doc, trainer_pid)["agent"]["finished_at"] is not None
@@ -250,7 +238,7 @@ def test_a_rank_hung_at_exit_by_an_executor_never_shut_down_is_stalled_within_a_
             return f if f is not None and f["gpu_memory_bytes"] == 8 * GIB else None
 
         # A few polls, and the time `gpuwatch status` takes on a loaded machine.
-        wait_for("the stalled finding", lambda: hung(daemon_doc_now(cli_env)), 30,
+        wait_for("the stalled finding", lambda: hung(status_now(cli_env)), 30,
                  alive=daemon.proc)
         stalled = hung(daemon_doc(cli_env))  # as `gpuwatch status --json` shows it
         assert stalled is not None

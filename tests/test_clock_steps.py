@@ -16,7 +16,7 @@ from gpuwatch.clock import SteadyClock
 from gpuwatch.simulate.clockjump import ClockJump
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
-from tests.daemonproc import RunningDaemon, running_daemon, value
+from tests.daemonproc import RunningDaemon, running_daemon, status_now, value
 from tests.realprocs import GIB, killed_after, progress_step, status_json
 from tests.scenarios import unreaped_child
 
@@ -60,18 +60,6 @@ def _doc(env: dict[str, str]) -> dict[str, Any]:
     return doc
 
 
-def _doc_now(env: dict[str, str]) -> dict[str, Any]:
-    """The daemon's status document read off its state socket, in this process: what the test
-    reads poll after poll while it waits (a `gpuwatch status --json` a read is a Python started
-    each time). An empty one while the daemon is between two answers."""
-    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
-
-    try:
-        return fetch_status(Path(env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME)
-    except StateUnavailable:
-        return {"findings": [], "processes": []}
-
-
 def _kinds(doc: dict[str, Any]) -> list[tuple[str, int]]:
     return sorted((f["kind"], f["pid"]) for f in doc["findings"])
 
@@ -106,7 +94,7 @@ def test_a_clock_stepped_an_hour_either_way_flags_nothing_early_nor_late(
         fake_node.hold(parent, device=1, used=GIB)
 
         def all_seen() -> Optional[dict[str, Any]]:
-            doc = _doc_now(cli_env)
+            doc = status_now(cli_env)
             t = _process(doc, trainer.pid)
             ready = (t is not None and t["agent"] is not None and t["agent"]["step"] is not None
                      and _process(doc, zombie) is not None)
@@ -122,7 +110,7 @@ def test_a_clock_stepped_an_hour_either_way_flags_nothing_early_nor_late(
         polls = _polls(daemon)
         stepped_at = progress_step(progress)
         seen_forward = wait_for("polls and a training step under the step forward", lambda: (
-            _doc_now(cli_env) if _polls(daemon) >= polls + 5
+            status_now(cli_env) if _polls(daemon) >= polls + 5
             and progress_step(progress) != stepped_at
             else None), 30, alive=daemon.proc)
         asked = time.monotonic()
@@ -137,7 +125,7 @@ def test_a_clock_stepped_an_hour_either_way_flags_nothing_early_nor_late(
         jump.set(-HOURS_2)
         daemon.wait_for_metrics("the step back seen", lambda _: _stepped_by(daemon, -HOURS_2))
         doc = wait_for("the zombie after its grace, under the step back", lambda: (
-            d if ("zombie", zombie) in _kinds(d := _doc_now(cli_env)) else None),
+            d if ("zombie", zombie) in _kinds(d := status_now(cli_env)) else None),
             zombie_grace + 30, alive=daemon.proc)
         # Not an hour late: on time, give or take the machine's load.
         assert time.monotonic() - zombie_seen < zombie_grace + 30

@@ -24,7 +24,7 @@ import pytest
 
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
-from tests.daemonproc import running_daemon
+from tests.daemonproc import running_daemon, status_now
 from tests.realprocs import GIB, killed_after, progress_step, status_json
 
 WARMUP = 10
@@ -138,16 +138,8 @@ def leak_of(env: dict[str, str], pid: int) -> Optional[dict[str, Any]]:
 
 
 def findings_now(env: dict[str, str]) -> list[dict[str, Any]]:
-    """The daemon's findings read off its state socket, in this process: what the tests watch
-    poll after poll (a `gpuwatch status` a read is a Python started each time, a CPU's worth
-    of them while a test waits). None while the daemon is between two answers."""
-    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
-
-    try:
-        doc = fetch_status(Path(env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME)
-    except StateUnavailable:
-        return []
-    return list(doc.get("findings", ()))
+    """The daemon's findings read off its state socket, in this process (`status_now`)."""
+    return list(status_now(env).get("findings", ()))
 
 
 def leak_now(env: dict[str, str], pid: int) -> Optional[dict[str, Any]]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Optional
@@ -459,15 +460,21 @@ def test_each_kind_of_evidence_of_a_finished_job_makes_its_helpers_leftovers() -
     assert ended(History(), plain, ranked, helper) == []
 
 
-def test_a_trainer_that_told_the_agent_it_finished_is_evidence_of_a_finished_job() -> None:
-    history = History()
-    root = proc(10, 1, pgid=10, sid=5, name="sh")  # `sh -c "train & redis & wait"`
+def _told_it_finished() -> tuple[list[HostProcess], Mapping[int, AgentReading]]:
+    """`sh -c "train & redis & wait"` whose trainer (11, holding GPU memory) told the agent it
+    finished at 1.5, and its helper 12."""
+    root = proc(10, 1, pgid=10, sid=5, name="sh")
     trainer = proc(11, 10, gpu=GIB, pgid=10)
     helper = proc(12, 10, pgid=10, cmdline=("redis-server",))
     done = AgentReading(pid=11, uid=1000, first_seen=0.5, last_seen=1.5, step=9,
                         step_changed_at=1.5, finished_at=1.5, exit_report=None, points=(),
                         latest=None)
-    agents = MappingProxyType({11: done})
+    return [root, trainer, helper], MappingProxyType({11: done})
+
+
+def test_a_trainer_that_told_the_agent_it_finished_is_evidence_of_a_finished_job() -> None:
+    history = History()
+    (root, trainer, helper), agents = _told_it_finished()
     run(history, snapshot(1.0, root, trainer, helper))
     run(history, replace(snapshot(2.0, root, trainer, helper), agents=agents))
     report = run(history, replace(snapshot(30.0, root, trainer, helper), agents=agents))
@@ -479,13 +486,7 @@ def test_a_trainer_first_seen_after_it_told_the_agent_it_finished_still_finishes
     """A daemon that starts, or first sees the trainer's GPU memory, only after the trainer's
     finished report: the job still had a trainer, and its helpers are still leftovers."""
     history = History()
-    root = proc(10, 1, pgid=10, sid=5, name="sh")
-    trainer = proc(11, 10, gpu=GIB, pgid=10)
-    helper = proc(12, 10, pgid=10, cmdline=("redis-server",))
-    done = AgentReading(pid=11, uid=1000, first_seen=0.5, last_seen=1.5, step=9,
-                        step_changed_at=1.5, finished_at=1.5, exit_report=None, points=(),
-                        latest=None)
-    agents = MappingProxyType({11: done})
+    (root, trainer, helper), agents = _told_it_finished()
     run(history, replace(snapshot(2.0, root, trainer, helper), agents=agents))
     report = run(history, replace(snapshot(30.0, root, trainer, helper), agents=agents))
     assert sorted(kinds(report)) == [("leftover", 11), ("leftover", 12)]

@@ -135,6 +135,16 @@ def status_now(env: Mapping[str, str]) -> dict[str, Any]:
         return {"findings": [], "processes": []}
 
 
+def leak_now(env: Mapping[str, str], pid: int) -> tuple[Optional[dict[str, Any]], Any]:
+    """The leak finding of `pid` (or None) and its process in the daemon's document now
+    (`status_now`): None and None while the daemon is between two answers."""
+    doc = status_now(env)
+    found = next((f for f in doc.get("findings", ()) if f["kind"] == "leak"
+                  and f["pid"] == pid), None)
+    process = next((p for p in doc["processes"] if p["pid"] == pid), None)
+    return found, process
+
+
 def by_pid(doc: dict[str, Any], kind: str) -> dict[int, dict[str, Any]]:
     """The document's findings of `kind`, by PID."""
     return {f["pid"]: f for f in doc["findings"] if f["kind"] == kind}

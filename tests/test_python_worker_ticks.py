@@ -14,7 +14,7 @@ from typing import Any, Optional
 from gpuwatch.agent.bootstrap.sitecustomize import TICK_AFTER
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
-from tests.daemonproc import running_daemon
+from tests.daemonproc import leak_now, running_daemon
 from tests.realprocs import GIB
 from tests.test_run import supervised
 
@@ -57,19 +57,6 @@ CONFIG = ("[detectors]\nleak_warmup_steps = 10\nleak_warmup_seconds = 0\n"
 QUIET_SECONDS = 20.0
 
 
-def _leak_of(cli_env: dict[str, str], pid: int) -> tuple[Optional[dict[str, Any]], Any]:
-    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
-
-    try:
-        doc = fetch_status(Path(cli_env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME)
-    except StateUnavailable:
-        return None, None
-    found = next((f for f in doc.get("findings", ()) if f["kind"] == "leak"
-                  and f["pid"] == pid), None)
-    process = next((p for p in doc["processes"] if p["pid"] == pid), None)
-    return found, process
-
-
 def _pids(tmp_path: Path, alive: Any) -> tuple[int, int]:
     pidfile = tmp_path / "pipeline.pid"
 
@@ -98,11 +85,11 @@ def test_a_pure_python_worker_keeping_what_it_loads_has_its_list_named(
         fake_node.hold(parent, device=0, used=GIB)
 
         def named() -> Optional[dict[str, Any]]:
-            found, _ = _leak_of(cli_env, worker)
+            found, _ = leak_now(cli_env, worker)
             return found if found is not None and found["details"].get("culprit") else None
 
         finding = wait_for("the worker's leak naming its list", named, 3 * WAIT, alive=d.proc)
-        _, process = _leak_of(cli_env, worker)
+        _, process = leak_now(cli_env, worker)
     details = finding["details"]
     assert details["culprit"] == "__main__.WORKER_CACHE", finding
     assert details["found_by"] == "discovered", finding
@@ -125,7 +112,7 @@ def test_a_pure_python_worker_that_keeps_nothing_reports_and_stays_quiet(
         # the daemon's clock goes (each tick refreshes last_seen): never a leak.
         def long_quiet() -> Optional[bool]:
             nonlocal first
-            found, process = _leak_of(cli_env, worker)
+            found, process = leak_now(cli_env, worker)
             assert found is None, found
             if process is None or process["agent"] is None:
                 return None

@@ -14,7 +14,7 @@ import pytest
 
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
-from tests.daemonproc import running_daemon
+from tests.daemonproc import leak_now, running_daemon
 from tests.realprocs import GIB
 from tests.test_agent_bootstrap import INTERVAL, WAIT
 from tests.test_run import supervised
@@ -61,19 +61,6 @@ CONFIG = ("[detectors]\nleak_warmup_steps = 10\nleak_warmup_seconds = 0\n"
           "leak_min_span_seconds = 8\nleak_min_bytes_per_second = 1048576\n")
 
 
-def _leak_of(cli_env: dict[str, str], pid: int) -> tuple[Optional[dict[str, Any]], Any]:
-    from gpuwatch.serve.state_client import STATE_SOCKET_NAME, StateUnavailable, fetch_status
-
-    try:
-        doc = fetch_status(Path(cli_env["GPUWATCH_RUNTIME_DIR"]) / STATE_SOCKET_NAME)
-    except StateUnavailable:
-        return None, None
-    found = next((f for f in doc.get("findings", ()) if f["kind"] == "leak"
-                  and f["pid"] == pid), None)
-    process = next((p for p in doc["processes"] if p["pid"] == pid), None)
-    return found, process
-
-
 def _worker(tmp_path: Path, alive: Any) -> tuple[int, int]:
     """The trainer's PID and its worker's, once the first batch is in."""
     pidfile = tmp_path / "train.pid"
@@ -104,11 +91,11 @@ def test_a_dataloader_worker_that_never_steps_and_keeps_what_it_loads_has_its_li
         fake_node.hold(trainer, device=0, used=GIB)
 
         def named() -> Optional[dict[str, Any]]:
-            found, _ = _leak_of(cli_env, worker)
+            found, _ = leak_now(cli_env, worker)
             return found if found is not None and found["details"].get("culprit") else None
 
         finding = wait_for("the worker's leak naming its list", named, 3 * WAIT, alive=d.proc)
-        _, process = _leak_of(cli_env, worker)
+        _, process = leak_now(cli_env, worker)
     details = finding["details"]
     assert details["culprit"] == "__main__.WORKER_CACHE", finding
     assert details["found_by"] == "discovered", finding
@@ -136,7 +123,7 @@ def test_a_dataloader_worker_that_never_steps_and_keeps_nothing_stays_quiet(
         # the leak test: never a leak.
         def long_quiet() -> Optional[bool]:
             nonlocal reports
-            found, process = _leak_of(cli_env, worker)
+            found, process = leak_now(cli_env, worker)
             assert found is None, found
             agent = process["agent"] if process is not None else None
             if agent is not None:

@@ -124,14 +124,9 @@ def _gpu(g: GpuDevice) -> GpuDoc:
 
 
 def _usage(u: GpuProcessUsage) -> GpuUsageDoc:
-    return {
-        "index": u.gpu_index,
-        "uuid": u.gpu_uuid,
-        "memory_bytes": u.memory_bytes,
-        "type": u.kind,
-        "gpu_instance_id": u.gpu_instance_id,
-        "compute_instance_id": u.compute_instance_id,
-    }
+    return GpuUsageDoc(index=u.gpu_index, uuid=u.gpu_uuid, memory_bytes=u.memory_bytes,
+                       type=u.kind, gpu_instance_id=u.gpu_instance_id,
+                       compute_instance_id=u.compute_instance_id)
 
 
 def _finding(f: Finding, wall: Callable[[float], float]) -> FindingDoc:

@@ -270,7 +270,7 @@ def test_the_daemonset_has_the_units_limits_and_stop_timeout() -> None:
     assert daemonset()["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == int(stop)
 
 
-def test_the_daemonset_runs_the_units_command_with_its_directories() -> None:
+def test_the_daemonset_runs_the_units_command_with_its_directories(tmp_path: Path) -> None:
     (exec_start,) = unit()["ExecStart"]
     c = container()
     assert c["command"] == ["gpuwatch", *exec_start.split()[1:]]
@@ -292,8 +292,9 @@ def test_the_daemonset_runs_the_units_command_with_its_directories() -> None:
     config_map = manifests()["ConfigMap/" + volumes[config_mount["name"]]["configMap"]["name"]]
     assert set(config_map["data"]) == {DEFAULT_CONFIG_PATH.name}
     # The shipped configuration loads (it is all comments: every key at its default).
-    shipped = Path(DEFAULT_CONFIG_PATH.name)
-    assert load_config(path=_write(shipped, config_map["data"][shipped.name]),
+    shipped = tmp_path / DEFAULT_CONFIG_PATH.name
+    shipped.write_text(config_map["data"][shipped.name])
+    assert load_config(path=shipped,
                        environ={}) == load_config(environ={"GPUWATCH_CONFIG": "/dev/null"})
     assert unit()["PrivateTmp"] == ["yes"] and "emptyDir" in volumes[mounts["/tmp"]["name"]]
 
@@ -311,14 +312,6 @@ def test_the_daemonset_reads_the_kubelets_pod_records_read_only_where_the_defaul
         assert mount["readOnly"] is True, mount
         assert volumes[mount["name"]]["hostPath"] == {"path": path, "type": "Directory"}
     assert not any("containerd" in m or "crio" in m or "docker" in m for m in mounts)
-
-
-def _write(name: Path, text: str) -> Path:
-    import tempfile
-
-    folder = Path(tempfile.mkdtemp(prefix="gpuwatch-k8s-"))
-    (folder / name).write_text(text)
-    return folder / name
 
 
 def test_the_daemonset_sees_the_nodes_processes_and_names_the_node() -> None:

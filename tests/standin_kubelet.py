@@ -192,22 +192,28 @@ def pod_cgroup(uid: str, container_id: str) -> Iterator[Path]:
     if os.geteuid() != 0 or not os.access(root, os.W_OK) or not (root / "cgroup.procs").exists():
         pytest.skip("cannot create a pod-like cgroup here (needs root and cgroup v1's pids "
                     "hierarchy writable)")
-    parts = [root / "kubepods", root / "kubepods" / "burstable",
-             root / "kubepods" / "burstable" / f"pod{uid}"]
-    parts.append(parts[-1] / container_id)
-    made = [p for p in parts if not p.exists()]
-    for p in made:
-        p.mkdir()
+    shared = [root / "kubepods", root / "kubepods" / "burstable"]
+    own = [shared[-1] / f"pod{uid}", shared[-1] / f"pod{uid}" / container_id]
+    for p in shared:
+        with contextlib.suppress(FileExistsError):
+            p.mkdir()
+    for p in own:
+        p.mkdir()  # the caller's own pod: one left by another would be a name clash, and fails
     try:
-        yield parts[-1]
+        yield own[-1]
     finally:
         def removed() -> bool | None:
-            for p in reversed(made):
+            for p in reversed(own):
                 with contextlib.suppress(FileNotFoundError):
                     try:
                         p.rmdir()
                     except OSError:
-                        return None
+                        return None  # its process is still leaving
             return True
 
         wait_for("the pod's cgroup to empty", removed, GONE_TIMEOUT)
+        # The parents go too unless another test's pod (another worker's, a second suite's) is
+        # still in them.
+        for p in reversed(shared):
+            with contextlib.suppress(OSError):
+                p.rmdir()

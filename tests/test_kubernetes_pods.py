@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,8 +41,10 @@ from tests.standin_kubelet import (
 )
 
 GIB = 1 << 30
-UID = "1843d150-6a2e-4b1f-9c3d-2a7e5f0b8c11"
-CTR = "3f" * 32
+# A pod and a container of this process's own: the cgroups they name are the host's, shared by
+# every worker of this suite and by a second suite running beside it.
+UID = str(uuid.uuid4())
+CTR = secrets.token_hex(32)
 INTERVAL = 0.25
 
 

@@ -781,7 +781,9 @@ def test_the_exit_code_is_the_commands(tmp_path: Path, cli_env: dict[str, str], 
 def test_a_stop_signal_to_the_supervisor_exits_128_plus_n(
         tmp_path: Path, cli_env: dict[str, str], signum: signal.Signals) -> None:
     pids_dir = new_dir(tmp_path)
-    with supervised(tmp_path, cli_env, member(pids_dir, "job"), "--grace", "1",
+    # A grace long enough for a starved machine: the job dies of the forwarded signal, and a
+    # second SIGTERM (the grace's end) would say only that it was slow to.
+    with supervised(tmp_path, cli_env, member(pids_dir, "job"), "--grace", "30",
                     pids_dir=pids_dir) as run:
         job = run.pid_of("job")
         os.kill(run.pid, signum)
@@ -798,7 +800,9 @@ def test_ctrl_z_stops_the_job_with_the_supervisor_and_fg_continues_both(
     """The job runs in a process group of its own, so the terminal's Ctrl+Z (SIGTSTP) reaches
     the supervisor alone: it stops the job, then itself; SIGCONT (`fg`) continues both."""
     pids_dir = new_dir(tmp_path)
-    with supervised(tmp_path, cli_env, member(pids_dir, "job"), "--grace", "1",
+    # A grace long enough for a starved machine: the job dies of the forwarded signal, and a
+    # second SIGTERM (the grace's end) would say only that it was slow to.
+    with supervised(tmp_path, cli_env, member(pids_dir, "job"), "--grace", "30",
                     pids_dir=pids_dir) as run:
         job = run.pid_of("job")
         os.kill(run.pid, signal.SIGTSTP)

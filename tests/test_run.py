@@ -173,15 +173,18 @@ def job_cgroup_of(pid: int) -> Optional[str]:
     return None
 
 
-def cgroups_made_by(supervisor_pid: int) -> list[Path]:
-    """Job cgroups named after `supervisor_pid` (JobCgroup's `gpuwatch-run-NAME-PID`), v2 under
-    this process's own cgroup, or v1 under pids/gpuwatch."""
+def cgroups_made_by(supervisor_pid: int, job: str) -> list[Path]:
+    """Job cgroups named after job `job` and `supervisor_pid` (JobCgroup's
+    `gpuwatch-run-NAME-PID`), v2 under this process's own cgroup, or v1 under pids/gpuwatch. (The
+    PID alone is not enough: v1's pids/gpuwatch is the host's, and another worker's supervisor,
+    in a PID namespace of its own, may have the same PID.)"""
     own = next((line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
                 if line.startswith("0::")), "/")
     root = Path("/sys/fs/cgroup")
     parents = [root / own.lstrip("/"), root / "unified" / own.lstrip("/"),
                root / "pids" / "gpuwatch"]
-    return [p for d in parents if d.is_dir() for p in d.glob(f"gpuwatch-run-*-{supervisor_pid}")]
+    name = f"gpuwatch-run-{job}-{supervisor_pid}"
+    return [p for d in parents if d.is_dir() for p in d.glob(name)]
 
 
 def _ignore_sigint() -> None:
@@ -278,7 +281,7 @@ def supervised(tmp_path: Path, env: Mapping[str, str], command: Sequence[str],
         for ref in listed:
             with contextlib.suppress(PermissionError):
                 signaller.send(ref, signal.SIGKILL)
-        cgroups = cgroups_made_by(proc.pid)
+        cgroups = cgroups_made_by(proc.pid, job)
         in_cgroups = [int(p) for c in cgroups
                       for p in (c / "cgroup.procs").read_text().split()]
         _kill(in_cgroups)
@@ -693,7 +696,7 @@ def test_what_a_sigkilled_supervisor_leaves_keeps_running_and_the_daemon_flags_i
         assert job_cgroup_of(the_launcher) == cgroup
         if cgroup is not None:
             assert all(job_cgroup_of(w) == cgroup for w in workers)
-            assert cgroups_made_by(run.pid), "the cgroup stays"
+            assert cgroups_made_by(run.pid, run.job), "the cgroup stays"
         assert gpu_used(cli_env) == [2 * GIB, 2 * GIB]
 
         found = node.findings_of("orphan", [the_launcher, *workers], timeout=START)
@@ -716,7 +719,7 @@ def test_reaping_what_a_sigkilled_supervisor_left_removes_the_job_s_emptied_cgro
         info = wait_for("the job to start", lambda: read_json(ready), START, alive=run.proc)
         the_launcher, workers = int(info["launcher"]), [int(p) for p in info["workers"]]
         run.others += [the_launcher, *workers]
-        (cgroup,) = cgroups_made_by(run.pid)
+        (cgroup,) = cgroups_made_by(run.pid, run.job)
         assert job_cgroup_of(the_launcher) is not None
         for rank, pid in enumerate(workers):
             fake_node.hold(pid, device=rank, used=2 * GIB)
@@ -730,7 +733,7 @@ def test_reaping_what_a_sigkilled_supervisor_left_removes_the_job_s_emptied_cgro
         assert reaped.returncode == 0, reaped.stdout + reaped.stderr
         wait_not_running([the_launcher, *workers])
         assert not cgroup.exists(), f"{cgroup} is left behind"
-        assert cgroups_made_by(run.pid) == []
+        assert cgroups_made_by(run.pid, run.job) == []
 
 
 def test_the_job_cgroups_of_a_process_are_read_from_its_proc_cgroup(tmp_path: Path) -> None:
@@ -847,7 +850,7 @@ def test_a_command_that_does_not_exist_exits_127_with_one_line(
     assert code == supervisor.EXIT_NOT_FOUND == 127
     assert err.splitlines() == [f"gpuwatch run: {missing}: No such file or directory"]
     assert doc["exit_code"] == 127 and doc["processes"] == []
-    assert cgroups_made_by(run.pid) == [], "the cgroup made for it is removed"
+    assert cgroups_made_by(run.pid, run.job) == [], "the cgroup made for it is removed"
 
 
 def test_a_command_that_cannot_be_run_exits_126(tmp_path: Path, cli_env: dict[str, str]
@@ -972,7 +975,7 @@ def test_the_job_runs_in_a_cgroup_of_its_own_removed_at_the_end(
                     stdin=subprocess.PIPE, pids_dir=pids_dir) as run:
         main = run.command_pid()
         child = run.pid_of("child")
-        (made,) = cgroups_made_by(run.pid)
+        (made,) = cgroups_made_by(run.pid, run.job)
         assert {main, child} <= {int(p) for p in (made / "cgroup.procs").read_text().split()}
         assert job_cgroup_of(child) == job_cgroup_of(main) is not None
         assert made.name == f"gpuwatch-run-{run.job}-{run.pid}"
@@ -993,7 +996,7 @@ def test_no_cgroup_runs_on_the_tree_alone_and_says_why(
         tmp_path: Path, cli_env: dict[str, str]) -> None:
     with supervised(tmp_path, cli_env, [sys.executable, "-c", "pass"], "--no-cgroup") as run:
         code, doc, err = run.result()
-        assert cgroups_made_by(run.pid) == []
+        assert cgroups_made_by(run.pid, run.job) == []
     assert code == 0, err
     assert doc["cgroup"] is None and doc["cgroup_reason"] == "--no-cgroup given"
     assert "cgroup: none (--no-cgroup given); the process tree alone" in err

@@ -414,6 +414,7 @@ class Cgroups:
             for procs in {*self.daemon_procs, *self.actor_procs}:
                 with contextlib.suppress(OSError, ValueError):
                     left.update(int(x) for x in procs.read_text().split())
+            left.discard(0)  # cgroup v2's member outside this PID namespace: kill(0) is ours
             signal_all(left)
             if not left or time.monotonic() >= deadline:
                 return sorted(left)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import pytest
 
 from gpuwatch.actions import supervisor
-from gpuwatch.actions.cgroup import supported_here
+from gpuwatch.actions.cgroup import JobCgroup, supported_here
 from gpuwatch.actions.signals import ProcessRef, Signaller
 from gpuwatch.simulate.demo import read_json, wait_for
 from gpuwatch.simulate.fakenvml import STATE_ENV, FakeNode
@@ -193,8 +193,20 @@ def _ignore_sigint() -> None:
 
 def _kill(pids: Sequence[int]) -> None:
     for pid in pids:
+        if pid <= 0:  # a cgroup v2 member outside this PID namespace reads as 0: kill(0) is ours
+            continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_job_cgroup_lists_no_pid_0_for_a_member_outside_this_pid_namespace(
+        tmp_path: Path) -> None:
+    """cgroup v2's cgroup.procs, read from a PID namespace, shows a member outside it as 0;
+    signalling PID 0 would signal the supervisor's own process group."""
+    (tmp_path / "cgroup.procs").write_text("0\n1234\n")
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "cgroup.procs").write_text("0\n5678\n")
+    assert JobCgroup(tmp_path, "cgroup v2").pids() == {1234, 5678}
 
 
 @dataclass

@@ -79,11 +79,14 @@ class JobCgroup:
         (self.path / "cgroup.procs").write_text(str(pid))
 
     def pids(self) -> set[int]:
-        """Every process in the cgroup and the cgroups below it (the job may make its own)."""
+        """Every process in the cgroup and the cgroups below it (the job may make its own) that
+        this PID namespace can see. cgroup v2 lists a member outside it as PID 0, which is no
+        process to signal: kill(0) would signal the caller's own process group."""
         found: set[int] = set()
         for procs in [self.path / "cgroup.procs", *self.path.glob("**/cgroup.procs")]:
             with contextlib.suppress(OSError, ValueError):
                 found.update(int(line) for line in procs.read_text().split())
+        found.discard(0)
         return found
 
     def kill(self) -> bool:

@@ -82,7 +82,10 @@ def test_uss_and_pss_read_as_psutil_reads_them_for_a_parent_and_its_forked_child
                 after = psutil_figures(pid)
                 assert figures is not None
                 ours = (figures.uss_bytes, figures.pss_bytes)
-                if ours in (before, after):
+                # Read between psutil's two reads: each figure lies between theirs (PSS moves
+                # whenever a process sharing a page starts or exits, on a busy host often).
+                if ours in (before, after) or all(
+                        min(b, a) <= o <= max(b, a) for o, b, a in zip(ours, before, after)):
                     break
             else:
                 pytest.fail(f"PID {pid}: gpuwatch {ours}, psutil {before} then {after}")

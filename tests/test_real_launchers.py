@@ -46,10 +46,10 @@ def watched(fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path
 
 def orphans_once_reaped(watched: WatchedNode, launcher: int, name: str, workers: list[int]
                         ) -> dict[int, dict[str, Any]]:
-    """The orphan finding of each worker once the daemon has seen its SIGKILLed launcher reaped:
-    each names the launcher and when it was last seen. (A poll between the kill and the reap
-    says, truly, that it "exited before ... (not reaped yet)".)"""
-    said = f"parent {launcher} ({name}) exited after "
+    """The orphan finding of each worker, naming its SIGKILLed launcher as exited: "exited after
+    HH:MM:SSZ" (last seen alive) or, where a poll came between the kill and the reap, "exited
+    before HH:MM:SSZ (not reaped yet)"; both are true."""
+    said = f"parent {launcher} ({name}) exited "
     doc = watched.doc_when(f"orphan findings for {workers} naming {name}", lambda d: all(
         by_pid(d, "orphan").get(w, {}).get("reason", "").startswith(said) for w in workers))
     return {w: by_pid(doc, "orphan")[w] for w in workers}

@@ -193,8 +193,6 @@ def _ignore_sigint() -> None:
 
 def _kill(pids: Sequence[int]) -> None:
     for pid in pids:
-        if pid <= 0:  # a cgroup v2 member outside this PID namespace reads as 0: kill(0) is ours
-            continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
 
@@ -294,8 +292,8 @@ def supervised(tmp_path: Path, env: Mapping[str, str], command: Sequence[str],
             with contextlib.suppress(PermissionError):
                 signaller.send(ref, signal.SIGKILL)
         cgroups = cgroups_made_by(proc.pid, job)
-        in_cgroups = [int(p) for c in cgroups
-                      for p in (c / "cgroup.procs").read_text().split()]
+        in_cgroups = [pid for c in cgroups for pid in JobCgroup(
+            c, "cgroup v1" if "pids" in c.parts else "cgroup v2").pids()]
         _kill(in_cgroups)
         if proc.stdin is not None:
             proc.stdin.close()

@@ -124,19 +124,18 @@ class JobTrees:
             agent = agents.get(p.pid) if agents else None
             done = agent is not None and agent.finished_at is not None
             holds = bool(p.gpu_usage) or identity in last_trainers.get(job.key, ())
-            if holds and p.state != ProcState.ZOMBIE and not done:
-                job.trainers.add(identity)
+            if p.state == ProcState.ZOMBIE:
+                continue
+            if done:
+                job.agent_finished = True
+            # A holder that said it finished before any poll saw it hold memory (a daemon
+            # started late) trained all the same: the job's trainer, noted as one, not live.
+            if holds and (not done or not job.had_trainer):
+                if not done:
+                    job.trainers.add(identity)
                 job.had_trainer = True
                 last[job.key] = p
                 trainers.append((job, p))
-            elif done and p.state != ProcState.ZOMBIE:
-                job.agent_finished = True
-                if holds and not job.had_trainer:
-                    # It trained, and said it finished before any poll saw it hold memory (a
-                    # daemon started late): the job's trainer all the same, noted as one.
-                    job.had_trainer = True
-                    last[job.key] = p
-                    trainers.append((job, p))
         noted, self._noted = self._noted, {}
         for job, p in trainers:  # once every member is known, its parent included
             self._note_trainer(job, p, snapshot, noted)

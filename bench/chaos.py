@@ -1136,10 +1136,13 @@ class Scraper(threading.Thread):
             self.c.say(f"note: a scrape could not be parsed: {exc!r}")
             return None
         scrape = Scrape(started, time.time(), inc.pid if inc else 0, samples)
-        self._take(scrape)
+        self._take(scrape, findings=count)
         return scrape
 
-    def _take(self, s: Scrape) -> None:
+    def _take(self, s: Scrape, findings: bool = True) -> None:
+        """What the figures need of one scrape; with `findings`, the findings it shows too (not
+        those of the last scrape, taken after the bench stopped its actors: whatever their
+        ending left is not a scenario of the run)."""
         polls = total(s.samples, "gpuwatch_polls_total")
         with self.lock:
             self.latest = s
@@ -1157,7 +1160,7 @@ class Scraper(threading.Thread):
                 if name == "gpuwatch_agent_reports_rejected_total":
                     key2 = (s.pid, d.get("reason", ""))
                     self.rejected[key2] = max(self.rejected.get(key2, 0.0), value)
-                elif name == "gpuwatch_finding" and value:
+                elif name == "gpuwatch_finding" and value and findings:
                     key3 = (d.get("kind", ""), d.get("pid", ""), d.get("name", ""))
                     seen = self.findings.get(key3)
                     if seen is None:
@@ -1953,6 +1956,14 @@ def _signals_logged(text: str) -> list[dict[str, Any]]:
 # ---- figures -----------------------------------------------------------------------------------
 
 
+def _when(c: Chaos, at: float) -> str:
+    """`at` (monotonic) as seconds into the run, with the episodes under way then."""
+    began = getattr(c, "started", at)
+    during = [e.kind for e in c.result.episodes
+              if e.started <= at <= e.started + max(e.seconds, 0.0) + 1.0]
+    return f"{at - began:+.1f} s" + (f" during {', '.join(during)}" if during else "")
+
+
 def _row(result: ChaosResult, key: str, figure: str, value: str, goal: str = "",
          met: Optional[bool] = None) -> None:
     result.rows.append({"key": key, "figure": figure, "value": value, "goal": goal,
@@ -2023,16 +2034,17 @@ def analyse(c: Chaos) -> None:
     # Wrong findings.
     wrong: list[str] = []
     planted, others, wrong_kinds = Counter(), Counter(), Counter()
-    storm_stall = (_json_of(c.text(c.storm_report)) or {}).get("max_stall", 0.0)
+    storm_report = _json_of(c.text(c.storm_report)) or {}
+    storm_stall = storm_report.get("max_stall", 0.0)
     by_time = sorted(sc.findings.items(), key=lambda item: item[1][0])
-    for (kind, pid, name), (_, owner, _user, reason, times) in by_time:
+    for (kind, pid, name), (at, owner, _user, reason, times) in by_time:
         if owner == "storm" and kind == "zombie" and storm_stall >= ZOMBIE_GRACE:
             # The storm itself stopped collecting its children that long: real zombies.
             others[f"{kind} (storm, stalled {storm_stall:.0f} s)"] += 1
         elif owner.startswith(("innocent", "flood-memory", "flood-slots")) or owner in (
                 "storm", "device"):
-            wrong.append(f"{kind} on {owner} PID {pid or '-'} ({name}, {times} scrapes): "
-                         f"{reason[:160]}")
+            wrong.append(f"{kind} on {owner} PID {pid or '-'} ({name}, {times} scrapes, first "
+                         f"{_when(c, at)}): {reason[:160]}")
             wrong_kinds[f"{kind} on {owner}"] += 1
         elif owner == "victim":
             planted[kind] += 1
@@ -2048,7 +2060,9 @@ def analyse(c: Chaos) -> None:
     _row(r, "wrong_findings", "wrong findings",
          f"{len(wrong)}" + (" (" + ", ".join(f"{k}: {n}" for k, n in wrong_kinds.most_common())
                             + f"); first: {wrong[0]}" if wrong else "")
-         + (f"; not counted: {dict(others)}" if others else ""),
+         + (f"; not counted: {dict(others)}" if others else "")
+         + (f"; the storm's longest stall {storm_stall:.1f} s, ended "
+            f"{storm_report.get('max_stall_ended', 0.0):.1f} s into it" if wrong else ""),
          "0", not wrong)
 
     # Wrong signals.

@@ -178,16 +178,25 @@ def storm(rate: float, gpu_share: float, gpus: int, seed: int,
     out = sys.stdout
     pacer = Pacer(rate, stopping)
     began = last_turn = reported = time.monotonic()
-    max_stall = 0.0
+    max_stall = stall_ended = 0.0
 
     def so_far() -> dict[str, Any]:
         return {"seconds": time.monotonic() - began, "max_stall": max_stall,
+                "max_stall_ended": stall_ended,
                 "spawned": spawned, "holders": holders, "spawn_failed": failed,
                 "capped": capped, "max_live": most_alive, "signalled": signalled}
 
-    while not stopping.is_set():
+    def turn() -> float:
+        """A turn begins: the longest stall between turns, and when it ended (s since began)."""
+        nonlocal max_stall, stall_ended, last_turn
         now = time.monotonic()
-        max_stall, last_turn = max(max_stall, now - last_turn), now
+        if now - last_turn > max_stall:
+            max_stall, stall_ended = now - last_turn, now - began
+        last_turn = now
+        return now
+
+    while not stopping.is_set():
+        now = turn()
         if progress is not None and now - reported >= 1.0:
             progress(so_far())
             reported = now
@@ -219,6 +228,7 @@ def storm(rate: float, gpu_share: float, gpus: int, seed: int,
                 out.write(f"R {pid}\n")
         out.flush()
         pacer.wait()
+    turn()  # a stall that SIGTERM interrupted counts too
     signal_all(live)
     collect(live)
     return so_far()

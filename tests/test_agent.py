@@ -551,6 +551,43 @@ def test_finished_is_sent_at_once_with_the_newest_step(
     assert len(of_kind(receiver.reports, "finished")) == 1
 
 
+def test_finished_sent_into_a_full_queue_is_tried_again_until_the_daemon_drains_it(
+        runtime_dir: Path) -> None:
+    # The daemon's socket, here the program's own: its queue is filled by steps nobody reads,
+    # and a thread starts draining it only once finished() has been dropped at least once.
+    result = run("""
+        import json, os, socket, threading, time
+        from gpuwatch import agent
+        rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        rx.bind(os.path.join(os.environ["GPUWATCH_RUNTIME_DIR"], "agent.sock"))
+        agent.configure(min_interval=0)
+        for i in range(200):
+            agent.step(i)
+        transport = agent._state.st.transport
+        full = transport.dropped
+        kinds = []
+
+        def drain():
+            deadline = time.monotonic() + 30
+            while transport.dropped == full and time.monotonic() < deadline:
+                time.sleep(0.001)
+            rx.settimeout(5)
+            while "finished" not in kinds:
+                kinds.append(json.loads(rx.recv(65536))["kind"])
+
+        t = threading.Thread(target=drain)
+        t.start()
+        agent.finished()
+        t.join(30)
+        print(json.dumps({"full": full, "dropped": transport.dropped, "kinds": kinds}))
+        """, runtime_dir)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["full"] > 0, "the queue never filled: nothing was tested"
+    assert seen["dropped"] > seen["full"], "finished() was never dropped: nothing was tested"
+    assert seen["kinds"].count("finished") == 1, seen["kinds"]
+
+
 # ---- exit hygiene ------------------------------------------------------------------------------
 
 

@@ -55,7 +55,7 @@ from gpuwatch.agent._exit import EXIT_CODE_INTERRUPTED
 from gpuwatch.agent._hooks import TICK_INTERVAL as TICK_INTERVAL
 from gpuwatch.agent._hooks import _first_use, _install_fork_hook, _on_sigint, _start_ticker
 from gpuwatch.agent._reports import SIZE_INTERVAL as SIZE_INTERVAL
-from gpuwatch.agent._reports import _report, _send
+from gpuwatch.agent._reports import _report, _send, _send_once_only
 from gpuwatch.agent._sizing import SAMPLES
 from gpuwatch.agent._state import DEFAULT_MIN_INTERVAL, _acquire, _env_on
 from gpuwatch.agent._transport import BACKOFF_FIRST, BACKOFF_MAX
@@ -136,7 +136,7 @@ def finished() -> None:
             data = _report("finished", last[0] if last is not None else None, now)
             st.sent = last
             if data is not None:
-                _send(data, now)
+                _send_once_only(data, now)
         finally:
             _state.lock.release()
     except Exception:

@@ -145,6 +145,25 @@ def _send(data: bytes, now: float) -> None:
     _state.st.due = now + max(wait, _state.min_interval)
 
 
+#: A report sent once (finished) is tried again while the daemon's queue is full, this many
+#: times, FULL_QUEUE_WAIT apart: a daemon busy for a moment drains it, and a dropped finished
+#: would leave the job's helpers unjudged while the trainer lingers.
+FULL_QUEUE_TRIES = 50
+FULL_QUEUE_WAIT = 0.01
+
+
+def _send_once_only(data: bytes, now: float) -> None:
+    """_send for a report that is never sent again: a full queue is waited out, at most
+    FULL_QUEUE_TRIES x FULL_QUEUE_WAIT (0.5 s); no daemon is not."""
+    transport = _state.st.transport
+    for _ in range(FULL_QUEUE_TRIES):
+        dropped = transport.dropped
+        _send(data, now)
+        if transport.dropped == dropped:
+            return
+        time.sleep(FULL_QUEUE_WAIT)
+
+
 def _rss() -> Optional[int]:
     # One descriptor kept open and re-read from offset 0 (the kernel regenerates the text): a
     # quarter of the cost of open/read/close. Caller holds the lock.

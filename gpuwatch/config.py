@@ -7,7 +7,6 @@ fails at start (or is refused on SIGHUP) instead of being silently ignored.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import stat
@@ -43,11 +42,6 @@ from gpuwatch.protocol import (
     SOCKET_NAME,
 )
 from gpuwatch.vocabulary import Kind
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.9/3.10 only
-    import tomli as tomllib
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpuwatch/gpuwatch.toml")
 #: Chosen to clash with none of node_exporter (9100), dcgm-exporter (9400), process-exporter
@@ -416,7 +410,11 @@ def shown_name(name: Any, from_file: bool = False, known: Sequence[str] = ()) ->
     repeated (what the reader looks for); any other key is not, as a file named by mistake is
     all keys (/etc/shadow)."""
     bare = isinstance(name, str) and _BARE_NAME.fullmatch(name)
-    if bare and (not from_file or difflib.get_close_matches(name, known, n=1, cutoff=0.6)):
+    if bare and from_file:
+        import difflib  # an error's path only: the daemon does not keep it imported
+
+        bare = bool(difflib.get_close_matches(name, known, n=1, cutoff=0.6))
+    if bare:
         return str(name)
     return "(a key that is no setting name)" if from_file else repr(str(name)[:64])
 
@@ -431,6 +429,12 @@ def _shown_value(value: Any) -> str:
 
 
 def _apply_file(config: Config, path: Path) -> Config:
+    # Imported where a file is read: a node without one never pays for the parser.
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.9/3.10 only
+        import tomli as tomllib
+
     raw = read_config_file(path, "config file")
     try:
         data = tomllib.loads(raw.decode("utf-8"))

@@ -7,7 +7,6 @@ SIGHUP reloads the configuration (a bad one is refused and the running one kept)
 
 from __future__ import annotations
 
-import argparse
 import errno
 import logging
 import os
@@ -444,6 +443,36 @@ class Daemon:
         self.poller.close()
 
 
+_USAGE = "usage: gpuwatch daemon [--config PATH] [--set SECTION.KEY=VALUE ...]"
+
+
+def parse_daemon_args(argv: list[str]) -> tuple[Optional[Path], dict[str, Any]]:
+    """The config path and the `--set` overrides of the daemon process's command line, which
+    exec_daemon writes (`--config PATH`, `--set=KEY=VALUE`; `--opt VALUE` and `--opt=VALUE`
+    alike). Raises ValueError for anything else: argparse, kept for the daemon's life, would
+    cost it a third of a MiB for two options."""
+    config: Optional[Path] = None
+    overrides: dict[str, Any] = {}
+    items = iter(argv)
+    for arg in items:
+        name, eq, value = arg.partition("=")
+        if name not in ("--config", "--set"):
+            raise ValueError(f"unrecognised argument {arg!r}")
+        if not eq:
+            following = next(items, None)
+            if following is None:
+                raise ValueError(f"{name}: expected a value")
+            value = following
+        if name == "--config":
+            config = Path(value)
+            continue
+        key, sep, setting = value.partition("=")
+        if not sep:
+            raise ValueError(f"--set {value!r}: expected SECTION.KEY=VALUE")
+        overrides[key] = setting
+    return config, overrides
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """The daemon process's own entry point: `gpuwatch daemon` execs into it.
 
@@ -455,24 +484,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     # socket's, the poll's), whose free pages the trim after each poll hands back; large blocks
     # (a /metrics body) mapped on their own, back to the system as they are freed.
     limit_malloc_arenas()
-    parser = argparse.ArgumentParser(prog="gpuwatch daemon")
-    parser.add_argument("--config", type=Path, default=None)
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    args = parser.parse_args(argv)
-    overrides: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        overrides[key] = value
     try:
-        config = load_config(args.config, overrides=overrides)
+        config_path, overrides = parse_daemon_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"{_USAGE}\ngpuwatch daemon: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(config_path, overrides=overrides)
     except ConfigError as exc:
         print(f"gpuwatch: bad configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(config.daemon.log_format, config.daemon.log_level)
     try:
-        return Daemon(config, config_path=args.config, overrides=overrides).run()
+        return Daemon(config, config_path=config_path, overrides=overrides).run()
     except AlreadyRunning as exc:
         print(f"gpuwatch daemon: {exc}", file=sys.stderr)
         return EXIT_ALREADY_RUNNING

@@ -299,10 +299,6 @@ class HostProcess:
     #: (/proc/PID/wchan) and, where readable (root), its kernel stack. Read for D state only.
     wchan: Optional[str] = None
     kernel_stack: tuple[str, ...] = ()
-    #: For a GPU holder in a process group another process leads: whether that leader has exited
-    #: (no such PID, or a zombie). The group outlives its leader, so this shows a launcher that
-    #: led its workers' group is gone, without any history. None where not read.
-    group_leader_gone: Optional[bool] = None
     #: Private memory from /proc/PID/smaps_rollup: USS (Private_Clean + Private_Dirty, the
     #: pages no other process maps) and PSS. Read only for the forked workers of GPU jobs (a
     #: DataLoader's), where copy-on-write hides behind a flat RSS; None elsewhere, and where it
@@ -511,6 +507,8 @@ class ProcessReading:
 
     processes: Mapping[int, HostProcess]
     errors: tuple[SourceError, ...] = ()
+    #: NodeSnapshot.gone_group_leaders, for the GPU holders this reading read.
+    gone_group_leaders: frozenset[int] = frozenset()
 
 
 @_frozen
@@ -553,6 +551,12 @@ class NodeSnapshot:
     #: The Kubernetes pods of the processes here, by pod UID (gpuwatch.sources.pods): their
     #: names, the GPUs the kubelet allocated them, and whether the kubelet still lists them.
     pods: Mapping[str, Pod] = field(default_factory=lambda: MappingProxyType({}))
+    #: The process groups (PGIDs) of GPU holders whose leader, another process, has exited (no
+    #: such PID, or a zombie). A group outlives its leader, so this shows that a launcher which
+    #: led its workers' group is gone, without any history. A fact about the leader, kept here
+    #: rather than on each holder's record: a record holds what /proc says of its own process,
+    #: and stays the same object from poll to poll while that does not change.
+    gone_group_leaders: frozenset[int] = frozenset()
 
     def wall(self, t: float) -> float:
         """A time of this snapshot's (`taken_at`, a start time, a `since`) on the wall clock:

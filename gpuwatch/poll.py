@@ -136,6 +136,7 @@ class Poller:
             run_supervisors=MappingProxyType(self._run_supervisors(processes)),
             observer_pid=self._observer_pid(),
             pods=pods,
+            gone_group_leaders=host.gone_group_leaders,
         )
 
     def _with_pod_names(self, processes: Mapping[int, HostProcess]

@@ -50,11 +50,13 @@ def proc(pid: int, ppid: int, start: float = 100.0, gpu: Optional[int] = None,
 RANK_0 = MappingProxyType({"LOCAL_RANK": "0", "RANK": "0", "TORCHELASTIC_RUN_ID": "r0"})
 
 
-def snapshot(t: float, *procs: HostProcess, gpus: tuple[GpuDevice, ...] = ()) -> NodeSnapshot:
+def snapshot(t: float, *procs: HostProcess, gpus: tuple[GpuDevice, ...] = (),
+             gone_group_leaders: frozenset[int] = frozenset()) -> NodeSnapshot:
     by_pid = {p.pid: p for p in (INIT, *procs)}
     return NodeSnapshot(taken_at=t, hostname="n", nvml=NvmlStatus(available=True), gpus=gpus,
                         processes=MappingProxyType(by_pid),
-                        job_roots=MappingProxyType(job_roots(by_pid)))
+                        job_roots=MappingProxyType(job_roots(by_pid)),
+                        gone_group_leaders=gone_group_leaders)
 
 
 def run(history: History, snap: NodeSnapshot, config: DetectorConfig = CONFIG) -> NodeReport:
@@ -238,21 +240,27 @@ def test_without_history_a_ranked_worker_whose_group_leader_exited_is_an_orphan_
         ) -> None:
     env = MappingProxyType({"RANK": "0", "TORCHELASTIC_RUN_ID": "r2"})
     entrypoint = proc(60, 1, name="entrypoint-x", cmdline=("python", "/srv/entrypoint-x"))
-    adopted = proc(62, 60, gpu=GIB, pgid=61, launch_env=env, start=0.0, group_leader_gone=True)
-    report = run(History(), snapshot(100.0, entrypoint, adopted))
+    adopted = proc(62, 60, gpu=GIB, pgid=61, launch_env=env, start=0.0)
+    gone = frozenset({61})
+    report = run(History(), snapshot(100.0, entrypoint, adopted, gone_group_leaders=gone))
     assert kinds(report) == [("orphan", 62)]
     assert report.findings[0].reason.startswith(
         "reparented to 60 (entrypoint-x); the leader of its process group, 61, has exited; "
         "environment has RANK=0, TORCHELASTIC_RUN_ID")
     # The leader still runs; or the parent is in that group itself (a launcher daemonized by a
     # double fork: the process that made the group exited, the launcher did not).
-    alive = replace(adopted, group_leader_gone=False)
-    assert kinds(run(History(), snapshot(100.0, entrypoint, alive))) == []
+    assert kinds(run(History(), snapshot(100.0, entrypoint, adopted))) == []
     daemonized = replace(entrypoint, pgid=61)
-    assert kinds(run(History(), snapshot(100.0, daemonized, adopted))) == []
+    assert kinds(run(History(), snapshot(100.0, daemonized, adopted,
+                                         gone_group_leaders=gone))) == []
     # Ranks with no launcher's variable: a script's own, whoever started them.
     scripted = replace(adopted, launch_env=MappingProxyType({"RANK": "0", "WORLD_SIZE": "2"}))
-    assert kinds(run(History(), snapshot(100.0, entrypoint, scripted))) == []
+    assert kinds(run(History(), snapshot(100.0, entrypoint, scripted,
+                                         gone_group_leaders=gone))) == []
+    # A member holding no GPU memory is not judged by its group's leader.
+    idle = replace(adopted, gpu_usage=())
+    assert kinds(run(History(), snapshot(100.0, entrypoint, idle,
+                                         gone_group_leaders=gone))) == []
 
 
 def test_without_history_a_young_worker_waits_for_min_age_and_a_plain_service_never_counts(

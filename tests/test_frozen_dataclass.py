@@ -77,11 +77,10 @@ def test_the_model_and_the_config_compare_hash_and_show_as_before() -> None:
 def test_evolve_makes_what_replace_makes_and_leaves_the_original_as_it_was() -> None:
     p = HostProcess(pid=7, ppid=1, name="python", cmdline=("python", "train.py"),
                     job=Job("42", "slurm"))
-    evolved = evolve(p, group_leader_gone=True, rss_bytes=1 << 20)
-    assert evolved == dataclasses.replace(p, group_leader_gone=True, rss_bytes=1 << 20)
-    assert repr(evolved) == repr(dataclasses.replace(p, group_leader_gone=True,
-                                                     rss_bytes=1 << 20))
-    assert p.group_leader_gone is not True and p.rss_bytes is None
+    evolved = evolve(p, uss_bytes=4096, rss_bytes=1 << 20)
+    assert evolved == dataclasses.replace(p, uss_bytes=4096, rss_bytes=1 << 20)
+    assert repr(evolved) == repr(dataclasses.replace(p, uss_bytes=4096, rss_bytes=1 << 20))
+    assert p.uss_bytes is None and p.rss_bytes is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         evolved.pid = 8  # type: ignore[misc]
     with pytest.raises(TypeError, match="no field nope"):
@@ -92,14 +91,14 @@ def test_build_makes_what_init_makes_from_every_field_and_refuses_fewer_or_other
     values: dict[str, Any] = {f.name: getattr(HostProcess(pid=0), f.name)
                               for f in dataclasses.fields(HostProcess)}
     values.update(pid=7, ppid=1, name="python", cmdline=("python", "train.py"),
-                  job=Job("42", "slurm"), group_leader_gone=True)
+                  job=Job("42", "slurm"), uss_bytes=4096)
     built = build(HostProcess, dict(values))
     made = HostProcess(**values)
     assert built == made and repr(built) == repr(made)
     assert vars(built) == vars(made)
     with pytest.raises(dataclasses.FrozenInstanceError):
         built.pid = 8  # type: ignore[misc]
-    with pytest.raises(TypeError, match="not given: group_leader_gone"):
-        build(HostProcess, {k: v for k, v in values.items() if k != "group_leader_gone"})
+    with pytest.raises(TypeError, match="not given: uss_bytes"):
+        build(HostProcess, {k: v for k, v in values.items() if k != "uss_bytes"})
     with pytest.raises(TypeError, match="no such field: nope"):
         build(HostProcess, {**values, "nope": 1})

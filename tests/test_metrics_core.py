@@ -158,6 +158,10 @@ print(json.dumps(sorted(sys.modules)))
 #: What the daemon does not load: prometheus-client, and what its package brings along (an
 #: HTTP server, WSGI, e-mail); TLS only with a web config that asks for it.
 UNWANTED = ("prometheus_client", "http.server", "wsgiref", "email", "ssl", "_ssl")
+#: What a running daemon without basic auth never imports: each would stay in its memory for
+#: its whole life (bench/rss_plateau.py).
+UNWANTED_RUNNING = ("argparse", "difflib", "uuid", "queue", "base64", "encodings.idna",
+                    "stringprep")
 
 
 def test_importing_the_daemon_loads_no_prometheus_client_nor_tls() -> None:
@@ -192,6 +196,14 @@ def test_a_running_daemon_serves_its_metrics_without_prometheus_client_or_tls(
                     if line.startswith("import time:") and "|" in line]
     assert "gpuwatch.daemon" in imported and "gpuwatch.metrics" in imported
     assert [m for m in imported if m.split(".")[0] in UNWANTED] == []
+    # The daemon process's own imports: those after `gpuwatch daemon` exec'd it (each
+    # interpreter's list starts with a header line).
+    log = d.log_path.read_text()
+    own = log[log.rindex("import time: self [us]"):].splitlines()
+    daemon_imported = [line.rsplit("|", 1)[1].strip() for line in own
+                       if line.startswith("import time:") and "|" in line]
+    assert "gpuwatch.poll" in daemon_imported
+    assert [m for m in daemon_imported if m in UNWANTED_RUNNING] == []
 
 
 def test_a_name_is_escaped_once_however_many_samples_carry_it(

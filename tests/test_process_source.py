@@ -161,6 +161,51 @@ def test_identity_separates_a_reused_pid_from_the_old_process() -> None:
     assert first.identity == (child.pid, first.start_time) and first.start_time is not None
 
 
+def test_a_holder_whose_group_leader_exited_names_the_group_and_a_group_leader_none(
+        ) -> None:
+    """The group leader (a shell that started the holder in its own new group) is a zombie,
+    then gone; a holder that leads its own group names none."""
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; exit 0"], stdout=subprocess.PIPE,
+                              start_new_session=True)
+    alive = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert leader.stdout is not None
+        member = int(leader.stdout.readline())
+        usage = {member: (_usage(member),), alive.pid: (_usage(alive.pid),)}
+        source = ProcessSource()
+        _wait_zombie(leader.pid)
+        reading = source.read(usage, usage)
+        assert reading.processes[member].pgid == leader.pid
+        assert reading.gone_group_leaders == {leader.pid}
+        leader.wait()
+        assert source.read(usage, usage).gone_group_leaders == {leader.pid}
+        # A holder that leads its own group: nobody else's leader to ask about.
+        assert source.read([alive.pid], {alive.pid: (_usage(alive.pid),)}
+                           ).gone_group_leaders == frozenset()
+    finally:
+        alive.kill()
+        alive.wait()
+        with contextlib.suppress(ProcessLookupError, NameError):
+            os.kill(member, signal.SIGKILL)
+        leader.wait()
+
+
+def test_a_holder_whose_group_leader_runs_names_no_group() -> None:
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; read x"], stdout=subprocess.PIPE,
+                              stdin=subprocess.PIPE, start_new_session=True)
+    try:
+        assert leader.stdout is not None
+        member = int(leader.stdout.readline())
+        usage = {member: (_usage(member),)}
+        reading = ProcessSource().read(usage, usage)
+        assert reading.processes[member].pgid == leader.pid
+        assert reading.gone_group_leaders == frozenset()
+    finally:
+        with contextlib.suppress(ProcessLookupError, NameError):
+            os.kill(member, signal.SIGKILL)
+        leader.communicate(b"\n")
+
+
 def _wait_zombie(pid: int) -> None:
     wait_for(f"PID {pid} to become a zombie", lambda: True if state(pid) == "Z" else None, 10)
 

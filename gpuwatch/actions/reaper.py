@@ -19,7 +19,6 @@ import functools
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Callable, Optional
@@ -135,7 +134,7 @@ class Reaper:
         error is raised once the batch is done."""
         actions = list(actions)
         wait = self.config.reaper.grace if grace is None else grace
-        batch = uuid.uuid4().hex[:12]
+        batch = os.urandom(6).hex()
         ids = [f"{batch}.{i}" for i in range(len(actions))]
         self.audit.write([self.audit.entry(Result(a, ReapOutcome.PLANNED), PLANNED,
                                            action_id=ids[i]) for i, a in enumerate(actions)])

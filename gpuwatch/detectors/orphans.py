@@ -132,7 +132,7 @@ def _environment_reason(p: HostProcess, snapshot: NodeSnapshot, config: Detector
         return None
     # The parent first: at every poll, for every GPU holder, it is most often the live
     # launcher, which settles it without the environment's words.
-    adopter = _adopter(p, parent)
+    adopter = _adopter(p, parent, bool(p.gpu_usage) and p.pgid in snapshot.gone_group_leaders)
     if adopter is None:
         return None
     evidence = worker_evidence(p)
@@ -144,8 +144,10 @@ def _environment_reason(p: HostProcess, snapshot: NodeSnapshot, config: Detector
                     f"reparented to {adopter.summary}; environment has {markers}")
 
 
-def _adopter(p: HostProcess, parent: HostProcess) -> Evidence | None:
+def _adopter(p: HostProcess, parent: HostProcess, leader_gone: bool) -> Evidence | None:
     """The parent in words when it shows that it adopted `p` rather than started it, else None.
+    `leader_gone`: `p` holds GPU memory and its process group's leader, another process, has
+    exited (NodeSnapshot.gone_group_leaders).
 
     The kernel gives an orphan to the nearest child subreaper above it, else to PID 1 of its PID
     namespace. The subreaper flag is not shown in /proc, so a subreaper is known by its name
@@ -162,7 +164,7 @@ def _adopter(p: HostProcess, parent: HostProcess) -> Evidence | None:
         return None
     elif is_namespace_init(parent, p):
         adopter = Evidence.join(process_named(parent, parent.pid), ", PID 1 of its PID namespace")
-    elif p.group_leader_gone and p.pgid is not None and parent.pgid != p.pgid:
+    elif leader_gone and p.pgid is not None and parent.pgid != p.pgid:
         gone = f"; the leader of its process group, {p.pgid}, has exited"
         adopter = Evidence.join(process_named(parent, parent.pid), gone)
     else:

@@ -12,11 +12,10 @@ path needs it (401 before 404, so that paths tell nothing).
 
 from __future__ import annotations
 
-import base64
 import binascii
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 from urllib.parse import parse_qs, urlsplit
 
 from gpuwatch import __version__
@@ -28,6 +27,7 @@ from gpuwatch.serve.listener import (
     MAX_CONNECTIONS,
     REQUEST_TIMEOUT,
     RESPONSE_TIMEOUT,
+    Answer,
     Conn,
     Handler,
     Job,
@@ -85,6 +85,8 @@ def basic_credentials(header: Optional[str]) -> Optional[tuple[str, bytes]]:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "basic":
         return None
+    import base64  # basic auth only (daemon.web_config): not imported otherwise
+
     try:
         decoded = base64.b64decode(token.strip(), validate=True)
     except (binascii.Error, ValueError):
@@ -168,9 +170,12 @@ class MetricsHandler(Handler):
             gzipped = _accepts_gzip(req.headers.get("accept-encoding", ""))
             names = parse_qs(target.query).get("name[]")
 
-            def respond(body: bytes) -> bytes:
+            def respond(body: bytes) -> Answer:
                 extra = (("Content-Encoding", "gzip"),) if gzipped else ()
-                return self._response(200, body, content_type, extra=extra, head=head)
+                header = self._head(200, len(body), content_type, extra)
+                # The body is the render's own bytes, kept for the next scrape: written after
+                # the header, never copied onto it (a body is half a MiB at 1,024 processes).
+                return (header,) if head else (header, body)
 
             if self.rendered is not None and not names:
                 # Bytes rendered after the last poll are sent from here; only a render takes a
@@ -200,14 +205,19 @@ class MetricsHandler(Handler):
 
     def _response(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
                   extra: tuple[tuple[str, str], ...] = (), head: bool = False) -> bytes:
+        head_bytes = self._head(code, len(body), content_type, extra)
+        return head_bytes if head else head_bytes + body
+
+    def _head(self, code: int, length: int, content_type: str,
+              extra: tuple[tuple[str, str], ...]) -> bytes:
+        """The status line and headers of an answer (counted) whose body is `length` bytes."""
         self.stats.response(code)
         lines = [f"HTTP/1.1 {code} {_REASONS[code]}", f"Content-Type: {content_type}",
-                 f"Content-Length: {len(body)}", "Connection: close", *(
+                 f"Content-Length: {length}", "Connection: close", *(
                      f"{k}: {v}" for k, v in extra)]
         if self.web is not None:
             lines.extend(f"{k}: {v}" for k, v in self.web.config.headers)
-        head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        return head_bytes if head else head_bytes + body
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 def _peer_address(peer: object) -> str:
@@ -225,20 +235,26 @@ def _accepts_gzip(header: str) -> bool:
     return False
 
 
+def _host_arg(host: str) -> Union[str, bytes]:
+    """An ASCII host as bytes: the socket module encodes a str host with the IDNA codec, whose
+    import (with stringprep) a daemon would keep for its whole life."""
+    return host.encode("ascii") if host.isascii() else host
+
+
 def bind_tcp(host: str, port: int, backlog: int = 128) -> socket.socket:
     """A listening socket on HOST:PORT ('' or '0.0.0.0': every IPv4 interface; '::' every
     interface); raises OSError (EADDRINUSE, EACCES, EADDRNOTAVAIL) for the caller to explain."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     if host and ":" not in host:
         # A name resolves to its first address, as prometheus-client's server did.
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+        infos = socket.getaddrinfo(_host_arg(host), port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
         family = infos[0][0]
         host = str(infos[0][4][0])
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host or "0.0.0.0", port))
+        sock.bind((_host_arg(host or "0.0.0.0"), port))
         sock.listen(backlog)
     except BaseException:
         sock.close()

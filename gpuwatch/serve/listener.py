@@ -31,9 +31,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import heapq
 import itertools
 import logging
-import queue
 import selectors
 import socket
 import sys
@@ -75,9 +75,14 @@ _WRITING = "writing"
 _BUSY = (_WORKING, _WRITING)
 
 
+#: The bytes of an answer: whole, or in parts written one after the other (a header, then a body
+#: kept elsewhere for the next request, which is thus never copied onto the header).
+Answer = Union[bytes, tuple[bytes, ...]]
+
+
 @dataclass(frozen=True)
 class Job:
-    """Work for a pool: `run()` returns the answer's bytes, or another Job.
+    """Work for a pool: `run()` returns the answer, or another Job.
 
     `answering`: whether it takes one of the `max_answering` slots (a render holds a body in
     memory until it is written); a Job that does not (a password check) goes to its pool at
@@ -86,7 +91,7 @@ class Job:
     """
 
     pool: str
-    run: Callable[[], Union[bytes, Job]]
+    run: Callable[[], Union[Answer, Job]]
     answering: bool = True
     priority: int = 0
 
@@ -100,7 +105,7 @@ class Later:
     delay: float
 
 
-Outcome = Union[bytes, Job, Later]
+Outcome = Union[Answer, Job, Later]
 
 
 class Handler:
@@ -141,7 +146,8 @@ class Conn:
         self.deadline = deadline
         self.born = time.monotonic()
         self.buf = bytearray()
-        self.out: Optional[memoryview] = None
+        #: What is left to write, part by part; `off` bytes of the first are written.
+        self.out: Optional[list[memoryview]] = None
         self.off = 0
         self.events = 0
         self.release = 0.0
@@ -156,20 +162,32 @@ class _Pool:
     def __init__(self, name: str, done: Callable[[int, Any], None]) -> None:
         self._name = name
         self._done = done
-        self._queue: queue.PriorityQueue[tuple[int, int, int, Optional[Callable[[], Any]]]] = \
-            queue.PriorityQueue()
+        # A heap under a condition: all queue.PriorityQueue does here, without the module.
+        self._heap: list[tuple[int, int, int, Optional[Callable[[], Any]]]] = []
+        self._ready = threading.Condition(threading.Lock())
         self._seq = itertools.count()
         self._thread: Optional[threading.Thread] = None
+
+    def _put(self, item: tuple[int, int, int, Optional[Callable[[], Any]]]) -> None:
+        with self._ready:
+            heapq.heappush(self._heap, item)
+            self._ready.notify()
+
+    def _get(self) -> tuple[int, int, int, Optional[Callable[[], Any]]]:
+        with self._ready:
+            while not self._heap:
+                self._ready.wait()
+            return heapq.heappop(self._heap)
 
     def submit(self, cid: int, fn: Callable[[], Any], priority: int = 0) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
             self._thread.start()
-        self._queue.put((max(priority, 0), next(self._seq), cid, fn))
+        self._put((max(priority, 0), next(self._seq), cid, fn))
 
     def _work(self) -> None:
         while True:
-            _, _, cid, fn = self._queue.get()
+            _, _, cid, fn = self._get()
             if fn is None:
                 return
             try:
@@ -180,7 +198,7 @@ class _Pool:
 
     def stop(self) -> None:
         if self._thread is not None:
-            self._queue.put((self._STOP, next(self._seq), 0, None))
+            self._put((self._STOP, next(self._seq), 0, None))
             self._thread.join(5)
 
 
@@ -427,7 +445,7 @@ class Listener:
     def _proceed(self, conn: Conn, outcome: Outcome) -> None:
         if isinstance(outcome, Later):
             self._set_state(conn, _HELD)
-            conn.out = memoryview(outcome.answer)
+            conn.out = [memoryview(outcome.answer)]
             conn.release = time.monotonic() + outcome.delay
             conn.deadline = max(conn.deadline, conn.release + self.response_timeout)
             self._next_expiry = min(self._next_expiry, conn.release)
@@ -444,22 +462,27 @@ class Listener:
                 self._waiting.append((conn.id, outcome))
             return
         self._set_state(conn, _WRITING)
-        conn.out = memoryview(outcome)
+        conn.out = ([memoryview(part) for part in outcome] if isinstance(outcome, tuple)
+                    else [memoryview(outcome)])
         conn.off = 0
         self._write(conn)
 
     def _write(self, conn: Conn) -> None:
         out = conn.out
         assert out is not None
-        while conn.off < len(out):
-            try:
-                conn.off += conn.sock.send(out[conn.off:conn.off + _SEND_CHUNK])
-            except self._would_block as exc:
-                self._want(conn, _waits_for(exc, selectors.EVENT_WRITE))
-                return
-            except OSError as exc:  # the client reset or went away before the end
-                self._end(conn, "failed", exc)
-                return
+        while out:
+            part = out[0]
+            while conn.off < len(part):
+                try:
+                    conn.off += conn.sock.send(part[conn.off:conn.off + _SEND_CHUNK])
+                except self._would_block as exc:
+                    self._want(conn, _waits_for(exc, selectors.EVENT_WRITE))
+                    return
+                except OSError as exc:  # the client reset or went away before the end
+                    self._end(conn, "failed", exc)
+                    return
+            del out[0]
+            conn.off = 0
         self._end(conn, "answered")
 
     # -- pools -------------------------------------------------------------------------------

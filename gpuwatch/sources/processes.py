@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import NamedTuple, Optional, TypeVar, Union
 
-from gpuwatch.frozen import build, evolve
+from gpuwatch.frozen import build
 from gpuwatch.jobs.tree import descendants
 from gpuwatch.launch_env import WORKER_MARKER_KEYS
 from gpuwatch.model import (
@@ -96,8 +96,6 @@ class ProcessSource:
         #: Each process's last stat line and GPU usage, with the record made of them: the same
         #: line (most processes, asleep between two polls) gives the same record, unparsed.
         self._lines: dict[int, tuple[bytes, tuple[GpuProcessUsage, ...], HostProcess]] = {}
-        #: A GPU holder's record with group_leader_gone, by the record it was made from.
-        self._holders: dict[int, tuple[HostProcess, Optional[bool], HostProcess]] = {}
         #: Open /proc/PID/stat descriptors of the processes read at the last poll. Kept only
         #: once a caller forgets what it no longer reads (forget_others), which closes them.
         self._fds: dict[int, int] = {}
@@ -140,22 +138,16 @@ class ProcessSource:
                 found[current] = proc
                 depth += 1
                 current = proc.ppid if depth < _MAX_DEPTH else None
-        holders = self._holders
         # A job's ranks share one group and so one leader: looked at once.
         leaders_gone: dict[int, bool] = {}
         for pid in usage.keys() - (known or {}).keys():
             proc = found.get(pid)
-            if proc is not None and proc.in_procfs and proc.pgid and proc.pgid != pid:
-                gone = leaders_gone.get(proc.pgid)
-                if gone is None:
-                    gone = leaders_gone[proc.pgid] = self._gone(proc.pgid, found)
-                kept = holders.get(pid)
-                if kept is not None and kept[0] is proc and kept[1] == gone:
-                    found[pid] = kept[2]
-                    continue
-                found[pid] = evolve(proc, group_leader_gone=gone)
-                holders[pid] = (proc, gone, found[pid])
-        return ProcessReading(processes=MappingProxyType(found), errors=tuple(errors))
+            if proc is not None and proc.in_procfs and proc.pgid and proc.pgid != pid \
+                    and proc.pgid not in leaders_gone:
+                leaders_gone[proc.pgid] = self._gone(proc.pgid, found)
+        return ProcessReading(processes=MappingProxyType(found), errors=tuple(errors),
+                              gone_group_leaders=frozenset(
+                                  pgid for pgid, gone in leaders_gone.items() if gone))
 
     def _gone(self, pid: int, found: Mapping[int, HostProcess]) -> bool:
         """Whether `pid` no longer runs: absent from /proc, or a zombie. Its number cannot have
@@ -173,7 +165,7 @@ class ProcessSource:
         for key in self._static.keys() - keep:
             del self._static[key]
         pids = {pid for pid, _ in keep}
-        for cache in (self._records, self._holders, self._lines):
+        for cache in (self._records, self._lines):
             for pid in cache.keys() - pids:
                 del cache[pid]
         for pid in self._fds.keys() - pids:
@@ -307,7 +299,6 @@ class ProcessSource:
             "read_errors": static.read_errors,
             "wchan": wchan,
             "kernel_stack": stack,
-            "group_leader_gone": None,
             "uss_bytes": None,
             "pss_bytes": None,
         })

@@ -161,7 +161,7 @@ UNWANTED = ("prometheus_client", "http.server", "wsgiref", "email", "ssl", "_ssl
 #: What a running daemon without basic auth never imports: each would stay in its memory for
 #: its whole life (bench/rss_plateau.py).
 UNWANTED_RUNNING = ("argparse", "difflib", "uuid", "queue", "base64", "encodings.idna",
-                    "stringprep")
+                    "stringprep", "platform")
 
 
 def test_importing_the_daemon_loads_no_prometheus_client_nor_tls() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Callable, Optional
@@ -61,6 +61,9 @@ EXPORTER_SECTIONS = ("build", "agent_reports", "agent_memory", "node", "gpus", "
 # alert rules copy `pod_namespace` into the alert's `namespace` for Alertmanager's routes.
 PROCESS_LABELS = ("pid", "name", "user", "job_id", "job_source", "pod_namespace", "pod_name",
                   "pod_container")
+
+#: platform.python_version() without the platform module (kept for the daemon's life).
+_PYTHON_VERSION = sys.version.split()[0]
 
 
 _GPU_LABELS = ("gpu", "uuid", "name")
@@ -325,7 +328,7 @@ class ReportCollector(Collector):
                                  "PID of the daemon serving it (as daemon.json names it).")
         # `pid` tells whose /metrics a port serves: `gpuwatch doctor` matches it against the
         # daemon.json of the runtime directory it checks.
-        build.add_metric([], {"version": __version__, "python": platform.python_version(),
+        build.add_metric([], {"version": __version__, "python": _PYTHON_VERSION,
                               "pid": str(os.getpid())})
         yield build
 

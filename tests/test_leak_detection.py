@@ -172,6 +172,26 @@ def test_steady_workers_with_sawtooth_gc_noise_and_a_cow_plateau_raise_nothing_i
             assert leaks(report) == [], (name, step, report.findings)
 
 
+@pytest.mark.parametrize("burst_at", [(36, 40), (40, 44), (44, 48), (40, 44, 48)])
+def test_a_burst_of_memory_held_a_step_after_a_warm_up_ratchet_is_no_leak_but_a_leak_under_it_is(
+        burst_at: tuple[int, ...]) -> None:
+    """A process stepping four times a poll (one RSS point every 4 steps): the allocator's
+    warm-up raises RSS 1.2 MiB a step for 28 steps, then it is flat, and two or three points in
+    a row land on steps that hold 80 MiB of garbage (a seeded healthy program did this). The
+    block medians rise block after block; the blocks' lowest points do not. The same burst over
+    a leak of 8 MiB a step still makes a leak, at the step it does without the burst (44)."""
+    healthy, leaking, plain = Run(), Run(), Run()
+    for step in range(0, 73, 4):
+        burst = 80 * MIB if step in burst_at else 0
+        ratchet = 3 * GIB + min(step, 28) * 1229 * 1024
+        assert leaks(healthy.step(step, ratchet + burst)) == [], step
+        leaking.step(step, 3 * GIB + step * 8 * MIB + burst)
+        plain.step(step, 3 * GIB + step * 8 * MIB)
+    first = [next(i * 4 for i, r in enumerate(run.reports) if leaks(r))
+             for run in (leaking, plain)]
+    assert first == [44, 44], first
+
+
 def test_growth_that_levels_off_after_warm_up_is_no_longer_called_a_leak() -> None:
     run = Run()
     for step in range(120):

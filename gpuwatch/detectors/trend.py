@@ -45,6 +45,10 @@ class Growth:
     first_x: float
     last_x: float
     last_y: float
+    #: Slowest rise from one block's lowest point to the next block's, per unit of x: a leak
+    #: raises the floor under its noise, a burst of memory held for a step or two (large
+    #: batches, garbage a GC frees) raises a block's median, not its floor.
+    floor_slope: float = math.inf
 
 
 def may_grow(xs: Sequence[float], ys: Sequence[float], window: int, min_slope: float) -> bool:
@@ -85,6 +89,7 @@ def growth(xs: Sequence[float], ys: Sequence[float], after_x: float, window: int
     (x_first, y_first), (x_last, y_last) = medians[0], medians[-1]
     if not rises or x_last <= x_first:
         return None
+    floors = [(x, min(y for _, y in chunk)) for chunk, (x, _) in zip(chunks, medians)]
     return Growth(
         slope=(y_last - y_first) / (x_last - x_first),
         consistency=sum(r > 0 for r in rises) / len(rises),
@@ -95,12 +100,16 @@ def growth(xs: Sequence[float], ys: Sequence[float], after_x: float, window: int
         first_x=pts[0][0],
         last_x=pts[-1][0],
         last_y=pts[-1][1],
+        floor_slope=min(((y1 - y0) / (x1 - x0) if x1 > x0 else -math.inf)
+                        for (x0, y0), (x1, y1) in zip(floors, floors[1:])),
     )
 
 
 def is_growing(g: Optional[Growth], min_slope: float, min_relative: float) -> bool:
     """Growth above both thresholds (absolute, and relative to the current size), every block
-    above the one before by more than noise explains, and not levelling off.
+    above the one before by more than noise explains, each block's lowest point above the one
+    before's at half the least slope that matters (what a burst of memory held for a step or
+    two cannot fake, unless it fills a whole block), and not levelling off.
 
     For a steady trend each rise is about four times the spread within blocks; for noise alone
     about equal to it: twice the spread separates them, three times while blocks are small.
@@ -110,5 +119,6 @@ def is_growing(g: Optional[Growth], min_slope: float, min_relative: float) -> bo
     return (g.slope >= min_slope
             and g.slope >= min_relative * max(g.last_y, 0.0)
             and g.consistency == 1.0
+            and g.floor_slope >= 0.5 * min_slope
             and g.min_rise > (2 if g.points >= 16 else 2.5) * g.spread
             and g.recent_slope >= 0.5 * g.slope)

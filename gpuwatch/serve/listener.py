@@ -31,8 +31,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import heapq
-import itertools
 import logging
 import selectors
 import socket
@@ -43,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from gpuwatch.serve.connections import ConnectionStats
+from gpuwatch.serve.work_pool import WorkPool
 
 if TYPE_CHECKING:
     import ssl
@@ -153,58 +152,6 @@ class Conn:
         self.release = 0.0
 
 
-class _Pool:
-    """One worker thread fed by a priority queue (lowest first, then first come); started when
-    first used."""
-
-    _STOP = -1  # ahead of any work
-
-    def __init__(self, name: str, done: Callable[[int, Any], None]) -> None:
-        self._name = name
-        self._done = done
-        # A heap under a condition: all queue.PriorityQueue does here, without the module.
-        self._heap: list[tuple[int, int, int, Optional[Callable[[], Any]]]] = []
-        self._ready = threading.Condition(threading.Lock())
-        self._seq = itertools.count()
-        self._thread: Optional[threading.Thread] = None
-
-    def _put(self, item: tuple[int, int, int, Optional[Callable[[], Any]]]) -> None:
-        with self._ready:
-            heapq.heappush(self._heap, item)
-            self._ready.notify()
-
-    def _get(self) -> tuple[int, int, int, Optional[Callable[[], Any]]]:
-        with self._ready:
-            while not self._heap:
-                self._ready.wait()
-            return heapq.heappop(self._heap)
-
-    def submit(self, cid: int, fn: Callable[[], Any], priority: int = 0) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-            self._thread.start()
-        self._put((max(priority, 0), next(self._seq), cid, fn))
-
-    def _work(self) -> None:
-        while True:
-            _, _, cid, fn = self._get()
-            if fn is None:
-                return
-            try:
-                result: Any = fn()
-            except BaseException as exc:
-                result = exc
-            self._done(cid, result)
-            # Not kept alive while this thread waits for the next job: an answer holds a body
-            # (half a MiB at 1,024 processes) that is the connection's alone from here.
-            del fn, result
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._put((self._STOP, next(self._seq), 0, None))
-            self._thread.join(5)
-
-
 class Listener:
     """Serves `sock` (bound and listening) with `handler` from one thread; see the module."""
 
@@ -235,7 +182,7 @@ class Listener:
         self._waiting: collections.deque[tuple[int, Job]] = collections.deque()
         self._busy = 0
         self._next_id = 0
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, WorkPool] = {}
         self._results: collections.deque[tuple[int, Any]] = collections.deque()
         self._stopping = False
         self._accept_paused_until: Optional[float] = None
@@ -495,10 +442,10 @@ class Listener:
         self._end(conn, "answered")
 
     # -- pools -------------------------------------------------------------------------------
-    def _pool(self, name: str) -> _Pool:
+    def _pool(self, name: str) -> WorkPool:
         pool = self._pools.get(name)
         if pool is None:
-            pool = self._pools[name] = _Pool(f"{self.name}-{name}", self._done)
+            pool = self._pools[name] = WorkPool(f"{self.name}-{name}", self._done)
         return pool
 
     def _done(self, cid: int, result: Any) -> None:  # on a pool's thread

@@ -534,6 +534,33 @@ def test_root_without_cap_kill_refuses_another_users_orphan_and_records_it_once(
         assert (refused["actor"], refused["result"], sent(refused)) == ("cli", "refused", [])
 
 
+def test_a_refusal_is_recorded_once_even_when_a_poll_in_between_plans_none(
+        tmp_path: Path) -> None:
+    """A daemon started again knows the refusals the log records; a poll that plans no
+    refusal (the finding not old enough yet, a poll that missed it) makes it forget none. A
+    new process on the same PID is another refusal."""
+    from gpuwatch.actions.reap_audit import AuditFollower, AuditWriter
+    from gpuwatch.actions.reap_plan import REFUSE, Action
+    from gpuwatch.vocabulary import ReapOutcome
+
+    path = tmp_path / "reap.jsonl"
+    writer = AuditWriter(path, "daemon", os.geteuid())
+
+    def refused(pid: int, start: float) -> Action:
+        return Action(kind="orphan", action=REFUSE, reason="r", pid=pid, start_time=start,
+                      refused="another user's process (nobody): signalling it needs CAP_KILL")
+
+    old, other = refused(4001, 100.25), refused(4002, 100.5)
+    writer.write([writer.entry(Result(old, ReapOutcome.PLANNED), "planned")])
+    follower = AuditFollower(path, writer)  # a daemon started after that line
+    follower.poll()
+    assert follower.refusals_to_audit([]) == []  # its first poll plans none
+    assert follower.refusals_to_audit([old, other]) == [other]
+    assert follower.refusals_to_audit([]) == []
+    assert follower.refusals_to_audit([old, other]) == []
+    assert follower.refusals_to_audit([old, refused(4001, 300.0)]) == [refused(4001, 300.0)]
+
+
 def test_a_process_the_log_records_as_ended_is_not_planned_again(tmp_path: Path) -> None:
     """An exited orphan stays a finding until its new parent collects it, and a daemon started
     again after a reap recovered its actions: neither ends the process a second time, nor counts

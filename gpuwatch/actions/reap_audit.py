@@ -241,8 +241,9 @@ class AuditFollower:
         self.offset = 0
         #: Planned actions carried out with no result yet, by id.
         self._pending: dict[str, dict[str, Any]] = {}
-        #: (pid, start_time, action, refused) of the refused auto-reap plans recorded.
-        self._refusals: set[tuple[Any, ...]] = set()
+        #: (pid, start_time, action, refused) of the refused auto-reap plans recorded, oldest
+        #: first.
+        self._refusals: dict[tuple[Any, ...], None] = {}
         #: (pid, start_time) of the processes the log records as ended, newest last.
         self._ended: dict[tuple[Any, Any], None] = {}
         self._started = False
@@ -287,11 +288,22 @@ class AuditFollower:
 
     def refusals_to_audit(self, refused: list[Action]) -> list[Action]:
         """Of the refused auto-reap plans of this poll, those not recorded yet: each refusal is
-        recorded once per process and reason (for as long as it stays refused), not per poll."""
-        keys = {self._refusal_key(a): a for a in refused}
-        new = [a for key, a in keys.items() if key not in self._refusals]
-        self._refusals = set(keys)
+        recorded once per process and reason, not per poll. A poll that plans none (the finding
+        not old enough yet in a daemon just started, a poll that missed it) forgets none: the
+        process's identity (PID and start time) is in the key, so a new process on the PID is
+        recorded afresh."""
+        new = []
+        for a in refused:
+            key = self._refusal_key(a)
+            if key not in self._refusals:
+                self._remember_refusal(key)
+                new.append(a)
         return new
+
+    def _remember_refusal(self, key: tuple[Any, ...]) -> None:
+        self._refusals[key] = None
+        while len(self._refusals) > 10_000:  # bounded whatever a log holds
+            self._refusals.pop(next(iter(self._refusals)))
 
     def not_ended_yet(self, actions: list[Action]) -> list[Action]:
         """`actions` less those about a process the log already records as ended: an exited
@@ -368,7 +380,7 @@ class AuditFollower:
                     while len(self._pending) > 10_000:  # bounded whatever a log holds
                         self._pending.pop(next(iter(self._pending)))
                 elif entry.get("actor") == "daemon" and entry.get("action") in NOT_SIGNALLED:
-                    self._refusals.add(self._refusal_key(entry))
+                    self._remember_refusal(self._refusal_key(entry))
         return news
 
     def _recover(self, entries: list[dict[str, Any]], news: AuditNews) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import pytest
 
-from gpuwatch.simulate.demo import wait_for
+from gpuwatch.simulate.demo import DemoError, wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
 from tests.daemonproc import running_daemon, status_now, value
 from tests.realprocs import GIB, MIB, gpuwatch, killed_after, progress_step, status_json
@@ -194,9 +194,17 @@ def test_a_trainer_that_says_it_finished_leaves_its_helper_a_leftover_while_it_l
             trainer_pid = next(pid for cmd, pid in pids.items() if "trainer" in cmd)
             helper_pid = next(pid for cmd, pid in pids.items() if "--helper" in cmd)
             fake_node.hold(trainer_pid, device=0, used=2 * GIB)
-            wait_for("the helper as a leftover", lambda: (
-                d if finding_of(d := status_now(cli_env), "leftover", helper_pid) else None),
-                30, alive=daemon.proc)
+            try:
+                wait_for("the helper as a leftover", lambda: (
+                    d if finding_of(d := status_now(cli_env), "leftover", helper_pid) else None),
+                    30, alive=daemon.proc)
+            except DemoError as exc:
+                # What the daemon made of the two, for the failure to say why.
+                seen = status_now(cli_env)
+                view = {pid: (next((p for p in seen["processes"] if p["pid"] == pid), None),
+                              [f for f in seen["findings"] if f["pid"] == pid])
+                        for pid in (trainer_pid, helper_pid)}
+                raise AssertionError(f"{exc}; the daemon's view: {view}") from None
             doc = daemon_doc(cli_env)  # as `gpuwatch status --json` shows it
             assert process_of(doc, trainer_pid)["agent"]["finished_at"] is not None
             assert f"its trainer {trainer_pid} (" in finding_of(doc, "leftover",

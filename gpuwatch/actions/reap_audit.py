@@ -222,6 +222,17 @@ def _identity(entry: dict[str, Any]) -> Optional[tuple[int, Optional[float]]]:
     return reaper["pid"], reaper.get("start_time")
 
 
+#: The most entries each of AuditFollower's memories keeps, whatever a log holds.
+_KEPT = 10_000
+
+
+def _keep(memory: dict[Any, Any], key: Any, value: Any) -> None:
+    """`memory[key] = value`, the oldest entries dropped beyond _KEPT."""
+    memory[key] = value
+    while len(memory) > _KEPT:
+        memory.pop(next(iter(memory)))
+
+
 class AuditFollower:
     """The daemon's reading of the audit log, whoever writes it (`gpuwatch reap`, `top`, its own
     auto-reap), a poll at a time: it counts the results, skips and counts torn lines, remembers
@@ -301,9 +312,7 @@ class AuditFollower:
         return new
 
     def _remember_refusal(self, key: tuple[Any, ...]) -> None:
-        self._refusals[key] = None
-        while len(self._refusals) > 10_000:  # bounded whatever a log holds
-            self._refusals.pop(next(iter(self._refusals)))
+        _keep(self._refusals, key, None)
 
     def not_ended_yet(self, actions: list[Action]) -> list[Action]:
         """`actions` less those about a process the log already records as ended: an exited
@@ -313,9 +322,7 @@ class AuditFollower:
 
     def _note_ended(self, entry: dict[str, Any]) -> None:
         if entry.get("result") in FREED:
-            self._ended[(entry.get("pid"), entry.get("start_time"))] = None
-            while len(self._ended) > 10_000:  # bounded whatever a log holds
-                self._ended.pop(next(iter(self._ended)))
+            _keep(self._ended, (entry.get("pid"), entry.get("start_time")), None)
 
     @staticmethod
     def _refusal_key(a: Any) -> tuple[Any, ...]:
@@ -376,9 +383,7 @@ class AuditFollower:
                     self._pending.pop(action_id, None)
             elif phase == PLANNED and not entry.get("dry_run"):
                 if action_id is not None and entry.get("action") in (TERMINATE, VIA_PARENT):
-                    self._pending[action_id] = entry
-                    while len(self._pending) > 10_000:  # bounded whatever a log holds
-                        self._pending.pop(next(iter(self._pending)))
+                    _keep(self._pending, action_id, entry)
                 elif entry.get("actor") == "daemon" and entry.get("action") in NOT_SIGNALLED:
                     self._remember_refusal(self._refusal_key(entry))
         return news

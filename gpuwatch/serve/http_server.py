@@ -118,7 +118,7 @@ class MetricsHandler(Handler):
     def after_handshake(self, sock: object) -> Optional[str]:
         return self.web.refuse_peer(sock) if self.web is not None else None  # type: ignore[arg-type]
 
-    def failure(self) -> bytes:
+    def failure(self) -> Answer:
         return self._simple(500)
 
     def dispatch(self, request: Optional[bytes], conn: Conn) -> Outcome:
@@ -172,10 +172,7 @@ class MetricsHandler(Handler):
 
             def respond(body: bytes) -> Answer:
                 extra = (("Content-Encoding", "gzip"),) if gzipped else ()
-                header = self._head(200, len(body), content_type, extra)
-                # The body is the render's own bytes, kept for the next scrape: written after
-                # the header, never copied onto it (a body is half a MiB at 1,024 processes).
-                return (header,) if head else (header, body)
+                return self._response(200, body, content_type, extra=extra, head=head)
 
             if self.rendered is not None and not names:
                 # Bytes rendered after the last poll are sent from here; only a render takes a
@@ -192,32 +189,30 @@ class MetricsHandler(Handler):
         return self._response(404, b"Not found: metrics are at /metrics.\n", head=head)
 
     @staticmethod
-    def _refuse(web: WebSettings, peer: str, answer: bytes) -> Outcome:
+    def _refuse(web: WebSettings, peer: str, answer: Answer) -> Outcome:
         """A refusal, held back (TARPIT) when the peer failed lately."""
         return Later(answer, TARPIT) if web.suspect(peer) else answer
 
-    def _unauthorized(self) -> bytes:
+    def _unauthorized(self) -> Answer:
         return self._response(401, b"Unauthorized\n",
                               extra=(("WWW-Authenticate", 'Basic realm="gpuwatch"'),))
 
-    def _simple(self, code: int, extra: tuple[tuple[str, str], ...] = ()) -> bytes:
+    def _simple(self, code: int, extra: tuple[tuple[str, str], ...] = ()) -> Answer:
         return self._response(code, f"{_REASONS[code]}\n".encode(), extra=extra)
 
     def _response(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
-                  extra: tuple[tuple[str, str], ...] = (), head: bool = False) -> bytes:
-        head_bytes = self._head(code, len(body), content_type, extra)
-        return head_bytes if head else head_bytes + body
-
-    def _head(self, code: int, length: int, content_type: str,
-              extra: tuple[tuple[str, str], ...]) -> bytes:
-        """The status line and headers of an answer (counted) whose body is `length` bytes."""
+                  extra: tuple[tuple[str, str], ...] = (), head: bool = False) -> Answer:
+        """The answer (counted): its header, then its body as it is. A /metrics body is the
+        render's own bytes, kept for the next scrape: written after the header, never copied
+        onto it (half a MiB at 1,024 processes)."""
         self.stats.response(code)
         lines = [f"HTTP/1.1 {code} {_REASONS[code]}", f"Content-Type: {content_type}",
-                 f"Content-Length: {length}", "Connection: close", *(
+                 f"Content-Length: {len(body)}", "Connection: close", *(
                      f"{k}: {v}" for k, v in extra)]
         if self.web is not None:
             lines.extend(f"{k}: {v}" for k, v in self.web.config.headers)
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        return (head_bytes,) if head else (head_bytes, body)
 
 
 def _peer_address(peer: object) -> str:

@@ -100,7 +100,7 @@ class Later:
     """An answer held back `delay` seconds (a tarpit): the connection waits, holding no slot
     and no thread, and is the first to be evicted when connections run short."""
 
-    answer: bytes
+    answer: Answer
     delay: float
 
 
@@ -123,7 +123,7 @@ class Handler:
         """The answer to `request` (None: it was larger than `max_request`)."""
         raise NotImplementedError
 
-    def failure(self) -> bytes:
+    def failure(self) -> Answer:
         """The answer when preparing one raised."""
         raise NotImplementedError
 
@@ -401,7 +401,7 @@ class Listener:
     def _proceed(self, conn: Conn, outcome: Outcome) -> None:
         if isinstance(outcome, Later):
             self._set_state(conn, _HELD)
-            conn.out = [memoryview(outcome.answer)]
+            conn.out = _parts(outcome.answer)
             conn.release = time.monotonic() + outcome.delay
             conn.deadline = max(conn.deadline, conn.release + self.response_timeout)
             self._next_expiry = min(self._next_expiry, conn.release)
@@ -418,8 +418,7 @@ class Listener:
                 self._waiting.append((conn.id, outcome))
             return
         self._set_state(conn, _WRITING)
-        conn.out = ([memoryview(part) for part in outcome] if isinstance(outcome, tuple)
-                    else [memoryview(outcome)])
+        conn.out = _parts(outcome)
         conn.off = 0
         self._write(conn)
 
@@ -532,6 +531,12 @@ class Listener:
         with contextlib.suppress(OSError):
             conn.sock.close()
         conn.out = None
+
+
+def _parts(answer: Answer) -> list[memoryview]:
+    """An answer's parts, to write one after the other."""
+    return [memoryview(part) for part in answer] if isinstance(answer, tuple) \
+        else [memoryview(answer)]
 
 
 def _phase(conn: Conn) -> str:

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +60,14 @@ def test_processes_exiting_during_polls_never_break_a_poll() -> None:
     # Every one of them has exited: once a poll ends without them, nothing of theirs is cached.
     source.forget_others(source.read([os.getpid()]).processes.values())
     assert all(pid not in {p.pid for p in batch} for pid, _ in source._static)
+
+
+def _stat_line_settled(pid: int) -> bool:
+    """The process sleeps, and its stat line read twice 50 ms apart is the same."""
+    path = Path(f"/proc/{pid}/stat")
+    before = path.read_bytes()
+    time.sleep(0.05)
+    return before == path.read_bytes() and state(pid) == "S"
 
 
 def _arguments_in_place(pid: int) -> bool:
@@ -561,6 +570,9 @@ def test_a_process_whose_stat_line_did_not_change_keeps_its_record_unparsed(
     child = subprocess.Popen(["sleep", "60"])
     try:
         wait_for("the child's arguments", lambda: _arguments_in_place(child.pid) or None, 10)
+        # Until sleep's loader has finished, its page faults and resident size still move.
+        wait_for("the child asleep with a stat line that stays put",
+                 lambda: _stat_line_settled(child.pid) or None, 10)
         source = ProcessSource()
         first = source.read([child.pid]).processes[child.pid]
         parsed: list[bytes] = []

@@ -189,8 +189,9 @@ def test_a_trainer_that_says_it_finished_leaves_its_helper_a_leftover_while_it_l
                          f"{sys.executable} -m gpuwatch.simulate.job --helper redis & wait"],
             env=cli_env)
         try:
-            children = wait_for("both children", lambda: _children(launcher.pid, 2), 20)
-            pids = {_cmd(pid): pid for pid in children}
+            # Until a child has exec'd, its command line is the shell's, naming both programs.
+            pids = wait_for("both children, each running its program",
+                            lambda: _programs(launcher.pid), 20)
             trainer_pid = next(pid for cmd, pid in pids.items() if "trainer" in cmd)
             helper_pid = next(pid for cmd, pid in pids.items() if "--helper" in cmd)
             fake_node.hold(trainer_pid, device=0, used=2 * GIB)
@@ -311,6 +312,18 @@ def _children(pid: int, at_least: int) -> Optional[list[int]]:
     except OSError:
         return None
     return kids if len(kids) >= at_least else None
+
+
+def _programs(pid: int) -> Optional[dict[str, int]]:
+    """The command line of each child of `pid`, once two have exec'd Python (not a copy of the
+    shell that forked them, nor one whose exec has yet to set its arguments)."""
+    try:
+        pids = {_cmd(kid): kid for kid in _children(pid, 2) or []}
+    except OSError:
+        return None
+    if len(pids) < 2 or not all(cmd.startswith(sys.executable) for cmd in pids):
+        return None
+    return pids
 
 
 def _cmd(pid: int) -> str:

@@ -570,6 +570,10 @@ def _soak(opts: SoakOptions, result: SoakResult, rng: random.Random, work: Path,
             worker.wait(30)
     feed.join(10)
     result.datagrams = read_json(datagram_report) or {}
+    if not result.datagrams:
+        result.problems.append(
+            f"the raw sender wrote no report of what it sent (exit code {sender.poll()}, None: "
+            "still running 30 s after SIGTERM)")
     result.storm = read_json(storm_report) or {}
     result.storm_pids = feed.pids
 
@@ -938,6 +942,8 @@ def _datagrams_main(path: str, rate: float, malformed_share: float, seed: int,
     pacer = Pacer(rate, stopping)
     while not stopping.is_set():
         for _ in range(pacer.due()):
+            if stopping.is_set():
+                break  # a daemon slow to drain can hold each send: SIGTERM is heard between
             seq += 1
             if rng.random() < malformed_share:
                 reason = rng.choice(MALFORMED_REASONS)

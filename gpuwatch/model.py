@@ -364,6 +364,16 @@ class BufferSize:
     bytes: Optional[int]
 
 
+@_frozen
+class DiscoveredSize(BufferSize):
+    """A container the agent discovered growing: its size, and the training step the agent
+    counted it at (a discovery pass spans steps, and its report goes with a later one); None
+    where the report did not say, and the report's own step stands for it."""
+
+    __slots__ = ("step",)
+    step: Optional[int]
+
+
 #: `StepPoint.discovered` of a report that carried no discovery pass. A pass that found nothing
 #: growing gives a different, empty mapping: it says that what earlier passes named stopped.
 NO_DISCOVERY: Mapping[str, BufferSize] = MappingProxyType({})

@@ -18,7 +18,9 @@ from typing import Any, Callable
 
 import pytest
 
+from gpuwatch.agent import _ranking
 from gpuwatch.agent._discovery import MAX_NAME, Scanner, is_library
+from gpuwatch.agent._walk import CHECK_EVERY
 
 FETCH = "areal.infra.rpc.rtensor._fetch_buffer"
 ENTRY_BYTES = 1 << 16
@@ -131,8 +133,8 @@ def test_held_by_a_singleton_or_a_class() -> None:
     growers = after(scanner, range(8), train)
     assert list(growers) == ["mymod._client._fetch_buffer", "mymod._client._rpc._fetch_buffer",
                              "mymod.Registry.entries", "mymod.Registry.manager.pending"]
-    assert growers["mymod._client._fetch_buffer"] == {"items": 8, "bytes": 8 * 4096}
-    assert growers["mymod.Registry.entries"] == {"items": 8, "bytes": 8 * 512}
+    assert growers["mymod._client._fetch_buffer"] == {"items": 8, "bytes": 8 * 4096, "step": 7}
+    assert growers["mymod.Registry.entries"] == {"items": 8, "bytes": 8 * 512, "step": 7}
 
 
 def test_three_levels_down_is_not_looked_into() -> None:
@@ -202,8 +204,8 @@ def test_growers_rank_by_bytes_per_step_then_items_and_stop_at_top() -> None:
 
     growers = after(scanner, range(6), train)
     assert list(growers) == ["m.few_big", "m.many_small", "m.unknown"]
-    assert growers["m.few_big"] == {"items": 6, "bytes": 6 << 16}
-    assert growers["m.unknown"] == {"items": 6000}
+    assert growers["m.few_big"] == {"items": 6, "bytes": 6 << 16, "step": 5}
+    assert growers["m.unknown"] == {"items": 6000, "step": 5}
 
 
 def test_a_name_gone_from_a_pass_is_forgotten() -> None:
@@ -451,6 +453,31 @@ def test_namespaces_changing_during_a_pass() -> None:
     assert completed >= 2
 
 
+def test_a_pass_over_many_steps_reports_the_step_each_figure_was_taken_at(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass in slices spans steps, and its growers go out with a later step's report: each
+    carries the step its figure was taken at, so that the daemon puts it there. Unsized (no
+    sizer here), a grower's figure is its length when the walk met it."""
+    monkeypatch.setattr(_ranking, "_measure", None)
+    monkeypatch.setattr(_ranking, "_sizer", lambda: None)
+    grown: list[int] = []
+    # The grower first, then enough names that a pass takes a slice of one piece at a time.
+    filler = module("z", **{f"n{i}": i for i in range(20 * CHECK_EVERY)})
+    scanner = Scanner({"a": module("a", grown=grown), "z": filler}, budget=1e-9)
+    completed: list[int] = []
+    for step in range(2000):
+        grown.append(step)
+        if scanner.slice(step):
+            completed.append(step)
+            if scanner.growers():
+                break
+    entry = scanner.growers()["a.grown"]
+    assert len(completed) >= 4 and completed[-1] - completed[-2] >= 5, completed
+    # Met at the pass's first slice, right after the one before it completed.
+    assert entry["step"] == completed[-2] + 1, (entry, completed)
+    assert entry["items"] == entry["step"] + 1, entry
+
+
 def test_a_failure_abandons_the_pass_only(monkeypatch: pytest.MonkeyPatch) -> None:
     failures: list[BaseException] = [RuntimeError("unforeseen"), KeyboardInterrupt()]
     rank = Scanner._rank
@@ -471,7 +498,7 @@ def test_a_failure_abandons_the_pass_only(monkeypatch: pytest.MonkeyPatch) -> No
     for step in range(2, 6):
         grown.append(step)
         assert scanner.slice(step)
-    assert scanner.growers() == {"m.grown": {"items": 5}}
+    assert scanner.growers() == {"m.grown": {"items": 5, "step": 5}}
     assert scanner.stats["passes"] == 4
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from gpuwatch.model import NO_DISCOVERY, TraceReport, TraceSite
+from gpuwatch.model import NO_DISCOVERY, DiscoveredSize, TraceReport, TraceSite
 from gpuwatch.protocol import MAX_FIGURE
 from gpuwatch.simulate.demo import wait_for as poll_until
 from gpuwatch.sources.agent_socket import (
@@ -309,7 +309,8 @@ def test_cuda_allocator_figures_and_discovered_containers_are_stored_on_the_poin
     pid = send(sock_path, report(
         step=9, cuda={"allocated": 3 << 30, "reserved": 5 << 30, "active": (3 << 30) + 4096,
                       "allocations": 812},
-        discovered={"areal.infra.rpc.rtensor._fetch_buffer": {"items": 36, "bytes": 72 << 20},
+        discovered={"areal.infra.rpc.rtensor._fetch_buffer": {"items": 36, "bytes": 72 << 20,
+                                                              "step": 7},
                     "mymod.Registry.entries": {"items": 5},
                     "mymod.<locals>.cache:v2/x-y": {}}))
     wait_handled(receiver, 1)
@@ -317,9 +318,9 @@ def test_cuda_allocator_figures_and_discovered_containers_are_stored_on_the_poin
     assert (point.cuda_allocated_bytes, point.cuda_reserved_bytes, point.cuda_active_bytes,
             point.cuda_allocations) == (3 << 30, 5 << 30, (3 << 30) + 4096, 812)
     assert dict(point.discovered) == {
-        "areal.infra.rpc.rtensor._fetch_buffer": BufferSize(36, 72 << 20),
-        "mymod.Registry.entries": BufferSize(5, None),
-        "mymod.<locals>.cache:v2/x-y": BufferSize(None, None)}
+        "areal.infra.rpc.rtensor._fetch_buffer": DiscoveredSize(36, 72 << 20, 7),
+        "mymod.Registry.entries": DiscoveredSize(5, None, None),
+        "mymod.<locals>.cache:v2/x-y": DiscoveredSize(None, None, None)}
     assert point.buffers == {}
     with pytest.raises(TypeError):
         point.discovered["new"] = BufferSize(1, 1)  # type: ignore[index]

@@ -13,6 +13,7 @@ from gpuwatch.ledger import FindingsLedger
 from gpuwatch.model import (
     NO_DISCOVERY,
     BufferSize,
+    DiscoveredSize,
     Finding,
     GpuProcessUsage,
     HostProcess,
@@ -187,6 +188,24 @@ def test_discovered_series_follow_the_newest_pass_and_are_capped_least_recent_fi
     steps.add(_point(52, {}))  # a pass that found nothing growing
     assert steps.discovered_latest == frozenset()
     assert len(steps.discovered_items) == MAX_DISCOVERED  # the series stay, nothing is named
+
+
+def test_a_discovered_figure_stands_at_the_step_the_agent_counted_it_at() -> None:
+    """A pass spans steps and its report goes with a later one: the figure is placed at the
+    step it says, where that lies after the series' last point and not after the report's
+    step; elsewhere (no step, one ahead of the report, one behind the last point) at the
+    report's step."""
+    steps = StepSeries(STEP_POINTS)
+    steps.add(_point(10, {"m.a": DiscoveredSize(4, None, 6), "m.b": BufferSize(4, None)}))
+    steps.add(_point(20, {"m.a": DiscoveredSize(8, None, 25), "m.b": DiscoveredSize(8, None, 14)}))
+    steps.add(_point(30, {"m.a": DiscoveredSize(9, None, 19), "m.b": DiscoveredSize(9, None, 12)}))
+    assert list(steps.discovered_items["m.a"].xs) == [6.0, 20.0, 30.0]
+    assert list(steps.discovered_items["m.b"].xs) == [10.0, 14.0, 30.0]
+    assert list(steps.discovered_items["m.a"].ys) == [4.0, 8.0, 9.0]
+    # A process that has not stepped keeps its figures by the time received.
+    ticking = StepSeries(STEP_POINTS)
+    ticking.add(_point(0, {"m.a": DiscoveredSize(1, None, 0)})._replace(ticked=True))
+    assert list(ticking.discovered_items["m.a"].xs) == [1000.0]
 
 
 def _labels(*procs: HostProcess) -> dict[int, Optional[str]]:

@@ -62,6 +62,7 @@ from typing import Any, Callable, Optional
 from gpuwatch.agent._ranking import rank
 from gpuwatch.agent._walk import (
     CHECK_EVERY,
+    Grower,
     _Kind,
     _module_dict,
     _Walk,
@@ -189,8 +190,8 @@ class Scanner:
         self._own_names: list[str] = []
         #: The module names of the last pass that sorted them (None: none yet, or abandoned).
         self._names: Optional[list[str]] = None
-        self._own_candidates: list[tuple[float, str, tuple[str, ...], int, str]] = []
-        self._library_done: list[tuple[float, str, tuple[str, ...], int, str]] = []
+        self._own_candidates: list[Grower] = []
+        self._library_done: list[Grower] = []
         self._growers: dict[str, dict[str, int]] = {}
         #: Per tensor holding an autograd graph, by qualified name: its root's sequence number,
         #: the graph's nodes counted, and the pass it was last met in (integers only).
@@ -261,7 +262,8 @@ class Scanner:
 
     def growers(self) -> dict[str, dict[str, int]]:
         """The growers found by the last completed pass, biggest first: qualified name ->
-        {"items": n, "bytes": b}, bytes only where the container was sized in that pass."""
+        {"items": n, "bytes": b, "step": s}, bytes only where the container was sized in that
+        pass, and s the training step its figures were taken at (a pass spans steps)."""
         return {name: dict(entry) for name, entry in self._growers.items()}
 
     @property

@@ -17,6 +17,7 @@ from gpuwatch.agent._walk import (
     _BYTES_ITEMS,
     _CONTAINER,
     _NO_RECORDS,
+    Grower,
     ScannerState,
     _classify,
     _namespace,
@@ -52,7 +53,7 @@ def rank(sc: ScannerState) -> Generator[None, None, None]:
     """Size the growers gaining items fastest, then rank them all by bytes per step: those
     of this pass over the program's own modules, of the library round under way, and of the
     last completed one (where the round under way has not been yet)."""
-    merged: dict[tuple[str, ...], tuple[float, str, tuple[str, ...], int, str]] = {}
+    merged: dict[tuple[str, ...], Grower] = {}
     current = sc._library_walk
     for group in (sc._library_done, current.candidates if current is not None else [],
                   sc._own_candidates):
@@ -64,42 +65,49 @@ def rank(sc: ScannerState) -> Generator[None, None, None]:
     sized: dict[tuple[str, ...], dict[str, int]] = {}
     measure = _sizer() if candidates else None
     if measure is not None:
-        for _, _, path, _, relative in candidates[:MAX_SIZINGS]:
+        for _, _, path, _, relative, _ in candidates[:MAX_SIZINGS]:
             if relative.endswith(AUTOGRAD_SUFFIX):
                 continue  # a tensor's graph: its nodes are its size
             yield  # each sizing is a piece of work of its own
             size = size_grower(sc, path, measure)
             if size is None:
                 continue
+            size["step"] = sc._step  # sized now: perhaps steps after it was counted
             sized[path] = size
             here, held = records.get(path[0], _NO_RECORDS)
             r = here.get(relative)
             if r is not None and "bytes" in size and size.get("items", 0) > 0:
                 held[r + _BYTES] = size["bytes"]
                 held[r + _BYTES_ITEMS] = size["items"]
-    ranked: list[tuple[tuple[int, float], str, tuple[str, ...], int]] = []
-    for rate, name, path, n, relative in candidates:
+    ranked: list[tuple[tuple[int, float], str, tuple[str, ...], int, int]] = []
+    for rate, name, path, n, relative, step in candidates:
         here, held = records.get(path[0], _NO_RECORDS)
         r = here.get(relative)
         if name.endswith(AUTOGRAD_SUFFIX):
             # A growing autograd history is a leak whatever its size: reported first.
-            ranked.append(((2, rate), name, path, n))
+            ranked.append(((2, rate), name, path, n, step))
         elif r is not None and held[r + _BYTES] >= 0 and held[r + _BYTES_ITEMS] > 0:
             # Bytes per step outrank items per step: the daemon weighs growth in bytes.
             ranked.append(((1, held[r + _BYTES] / held[r + _BYTES_ITEMS] * rate), name,
-                           path, n))
+                           path, n, step))
         else:
-            ranked.append(((0, rate), name, path, n))
+            ranked.append(((0, rate), name, path, n, step))
     ranked.sort(key=lambda r: r[0], reverse=True)
     growers: dict[str, dict[str, int]] = {}
-    for _, name, path, n in ranked:
+    for _, name, path, n, step in ranked:
         if len(growers) >= sc._top:
             break
         if name in growers:
             continue  # one name in two modules ("a.b" + "c", "a" + "b.c"): the bigger
-        size = sized.get(path, {})
-        growers[name] = {"items": size.get("items", n),
-                         **({"bytes": size["bytes"]} if "bytes" in size else {})}
+        size = sized.get(path)
+        if size is not None and "items" in size:
+            growers[name] = size  # its items, bytes and step, as sized
+        else:
+            # The step each figure was taken at: a pass spans steps, and the daemon puts the
+            # figure at this step, not at the one of the report that carries it.
+            growers[name] = {"items": n, **({"bytes": size["bytes"]}
+                                            if size is not None and "bytes" in size else {}),
+                             "step": step}
     sc._growers = growers
 
 

@@ -144,6 +144,11 @@ def _namespace(obj: Any) -> Optional[Mapping[str, Any]]:
     return None
 
 
+#: A growing container met by a walk: (items per step, qualified name, path to find it again,
+#: length, name in its module, the training step it was counted at): paths, never containers.
+Grower = tuple[float, str, tuple[str, ...], int, str, int]
+
+
 class _Walk:
     """One walk over a list of modules (the program's own, or the library's), and the module it
     is in: that module's records and its visit number, and the ring slots that visit uses."""
@@ -151,9 +156,7 @@ class _Walk:
     __slots__ = ("candidates", "held", "here", "ids", "modules", "objects", "ring", "seen")
 
     def __init__(self) -> None:
-        # (items per step, qualified name, path to find it again, length, name in its module):
-        # paths, never containers.
-        self.candidates: list[tuple[float, str, tuple[str, ...], int, str]] = []
+        self.candidates: list[Grower] = []
         self.ids: set[int] = set()
         self.modules = self.objects = 0
         self.here: dict[str, int] = {}
@@ -182,8 +185,8 @@ class ScannerState(Protocol):
     _modules: Optional[Mapping[str, types.ModuleType]]
     _growers: dict[str, dict[str, int]]
     _library_walk: Optional[_Walk]
-    _library_done: list[tuple[float, str, tuple[str, ...], int, str]]
-    _own_candidates: list[tuple[float, str, tuple[str, ...], int, str]]
+    _library_done: list[Grower]
+    _own_candidates: list[Grower]
 
     def _module_dicts(self) -> Mapping[str, Any]: ...
 
@@ -348,7 +351,7 @@ def walk_namespace(sc: ScannerState, walk: _Walk, ns: Mapping[str, Any], owner: 
                             n > held[r + old]):
                         grows(sc, walk, (n - held[r + old])
                               / max(1, step - held[r + step_old]),
-                              (*path, key), name, n)
+                              (*path, key), name, n, step)
                     continue
                 if what == _CLASS:
                     inner = _type_dict(value)
@@ -385,12 +388,13 @@ def track_new(sc: ScannerState, walk: _Walk, name: str, n: int, offset: Optional
     sc._tracked += 1
 
 
-def grows(sc: ScannerState, walk: _Walk, rate: float, path: tuple[str, ...], name: str, n: int
-          ) -> None:
-    """A grower, gaining `rate` items per step: kept if among the fastest of this walk."""
+def grows(sc: ScannerState, walk: _Walk, rate: float, path: tuple[str, ...], name: str, n: int,
+          step: int) -> None:
+    """A grower, gaining `rate` items per step, `n` long at training step `step`: kept if among
+    the fastest of this walk."""
     qualified = _BAD_CHARS.sub("_", f"{path[0]}.{name}")
     # The tail names the container; the module path in front matters less.
-    entry = (rate, qualified[-MAX_NAME:], path, n, name)
+    entry: Grower = (rate, qualified[-MAX_NAME:], path, n, name, step)
     candidates = walk.candidates
     if len(candidates) < _MAX_CANDIDATES:
         heapq.heappush(candidates, entry)

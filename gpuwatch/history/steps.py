@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Optional
 
 from gpuwatch.agent_budget import AgentBudget
-from gpuwatch.model import NO_DISCOVERY, BufferSize, StepPoint
+from gpuwatch.model import NO_DISCOVERY, BufferSize, DiscoveredSize, StepPoint
 from gpuwatch.protocol import MAX_BUFFERS  # buffer names followed per process
 
 _NAN = math.nan
@@ -166,9 +166,14 @@ class StepSeries:
             item_series.add(step, size.items)
             sizes[name].add(step, size.bytes)
         if point.discovered is not NO_DISCOVERY:
-            self._add_discovered(step, point.discovered)
+            self._add_discovered(step, point.discovered, not point.ticked)
 
-    def _add_discovered(self, step: float, discovered: Mapping[str, BufferSize]) -> None:
+    def _add_discovered(self, step: float, discovered: Mapping[str, BufferSize],
+                        stepped: bool) -> None:
+        """Each container at the step the agent counted it at, where it said (a stepping
+        process's) and that step lies after the container's last point and at most at the
+        report's: a pass spans steps, and the report that carries it comes at a later one.
+        Otherwise at the report's step."""
         self.discovered_latest = frozenset(discovered)
         items, sizes = self.discovered_items, self.discovered_bytes
         for name, size in discovered.items():
@@ -180,8 +185,13 @@ class StepSeries:
                 sizes[name] = Series(self.series_points)
             else:
                 continue
-            items[name].add(step, size.items)
-            sizes[name].add(step, size.bytes)
+            series = items[name]
+            at = step
+            if stepped and type(size) is DiscoveredSize and size.step is not None and (
+                    size.step <= step and (not len(series) or size.step > series.xs[-1])):
+                at = float(size.step)
+            series.add(at, size.items)
+            sizes[name].add(at, size.bytes)
         while len(items) > MAX_DISCOVERED:
             items.popitem(last=False)
             sizes.popitem(last=False)

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, Optional
 
-from gpuwatch.model import BufferSize, TraceSite
+from gpuwatch.model import BufferSize, DiscoveredSize, TraceSite
 from gpuwatch.protocol import (
     BUFFER_NAME_PATTERN,
     DISCOVERED_NAME_PATTERN,
@@ -129,7 +129,7 @@ def parse_report(payload: bytes, truncated: bool = False,
     discovered = None
     if raw_discovered is not None:
         discovered = _sizes(raw_discovered, MAX_DISCOVERED_PER_REPORT, known_discovered,
-                            _DISCOVERED_NAME, max_bytes)
+                            _DISCOVERED_NAME, max_bytes, counted_at=True)
     exit_report = trace = None
     if kind != "step":
         if kind == "exit":
@@ -157,9 +157,10 @@ def _optional_int(value: Any, limit: int = MAX_FIGURE) -> Optional[int]:
 
 
 def _sizes(value: Any, limit: int, known: Mapping[str, str], pattern: re.Pattern[str],
-           max_bytes: int) -> dict[str, BufferSize]:
+           max_bytes: int, counted_at: bool = False) -> dict[str, BufferSize]:
     """At most `limit` name -> {"items", "bytes"}, each name either `known` (accepted before)
-    or matching `pattern`, each figure at most `max_bytes`."""
+    or matching `pattern`, each figure at most `max_bytes`; with `counted_at`, each also with
+    the optional "step" it was counted at (DiscoveredSize)."""
     if type(value) is not dict:
         raise Rejected("bad_type")
     if len(value) > limit:
@@ -170,8 +171,10 @@ def _sizes(value: Any, limit: int, known: Mapping[str, str], pattern: re.Pattern
             raise Rejected("bad_name")
         if type(size) is not dict:
             raise Rejected("bad_type")
-        sizes[name] = BufferSize(_optional_int(size.get("items"), max_bytes),
-                                 _optional_int(size.get("bytes"), max_bytes))
+        items = _optional_int(size.get("items"), max_bytes)
+        figure = _optional_int(size.get("bytes"), max_bytes)
+        sizes[name] = (DiscoveredSize(items, figure, _optional_int(size.get("step")))
+                       if counted_at else BufferSize(items, figure))
     return sizes
 
 

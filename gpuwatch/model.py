@@ -160,8 +160,7 @@ class Job:
     """The job a process belongs to, and where that was learnt."""
 
     id: str
-    #: "slurm" | "run" | "torchelastic" | "torchrun" | "ray" | "kubernetes" | "container" |
-    #: "systemd"
+    #: "slurm", "run", "torchelastic", "torchrun", "ray", "kubernetes", "container" or "systemd".
     source: str
     #: A Kubernetes pod's namespace, name and the process's container name, where the node says
     #: (gpuwatch.sources.pods): the names a person and an alert route go by. They arrive a poll
@@ -228,11 +227,9 @@ class Pod:
     #: True when the kubelet's last answer listed it; False when its last two answers did not
     #: (it is gone from the node's pods); None when the kubelet did not answer.
     listed: Optional[bool] = None
-    #: When the kubelet was first seen answering without it (steady clock), while `listed` is
-    #: False.
+    #: When the kubelet was first seen answering without it (steady clock), while not `listed`.
     gone_since: Optional[float] = None
-    #: Where the names came from: "kubelet" (PodResources and the pod log directories),
-    #: "pod-logs", "containerd", "cri-o".
+    #: Names from "kubelet" (PodResources, pod log directories), "pod-logs", "containerd", "cri-o".
     source: str = "kubelet"
     #: Whether a container of it was given devices by Dynamic Resource Allocation, which the
     #: kubelet names by claim, not by GPU: its GPUs are then not known from `allocated`.
@@ -366,10 +363,8 @@ class BufferSize:
 
 @_frozen
 class DiscoveredSize(BufferSize):
-    """A container the agent discovered growing: its size, and the training step the agent
-    counted it at (a discovery pass spans steps, and its report goes with a later one); None
-    where the report did not say, and the report's own step stands for it."""
-
+    """A discovered container's size, and the training step the agent counted it at (a pass
+    spans steps; None: the step of the report that carries it)."""
     __slots__ = ("step",)
     step: Optional[int]
 

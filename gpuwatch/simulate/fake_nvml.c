@@ -55,6 +55,11 @@
  * process lists and the used-memory figure.  A zombie whose other threads still run keeps its
  * memory (the leader exited, e.g. via pthread_exit, but a helper thread such as an NCCL heartbeat
  * lives on); ghost=1 keeps an entry listed although the PID does not exist at all.
+ * A real driver knows which of its clients live without reading /proc in the caller; this one
+ * reads /proc/PID/stat, so it reads it at most once per LIVENESS_NS for each listed process
+ * (one poll's calls for every device share one reading, rather than charging the caller a /proc
+ * read per process per call): an exit shows within that time, a rewrite of the state file
+ * forgets every reading.
  *
  * Build: cc -O2 -Wall -Wextra -shared -fPIC -pthread -Wl,-soname,libnvidia-ml.so.1 \
  *           -o libnvidia-ml.so.1 fake_nvml.c
@@ -70,8 +75,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
 
 #define FAKE_API __attribute__((visibility("default")))
 
@@ -234,6 +242,11 @@ static int g_loaded;   /* a state file has been read at least once */
 static int g_refcount; /* nvmlInit* successes minus nvmlShutdown successes */
 static struct nvmlDevice_st g_slots[MAX_DEVICES];
 static unsigned int g_matched[MAX_PROCESSES]; /* scratch for process queries, used under g_lock */
+/* Per process record of g_state, under g_lock: when its liveness was last read (CLOCK_MONOTONIC
+ * ns, 0: never since the state was loaded) and what it read. */
+static unsigned long long g_alive_at[MAX_PROCESSES];
+static unsigned char g_alive[MAX_PROCESSES];
+#define LIVENESS_NS 20000000ULL /* 20 ms */
 
 /* ---- parsing -------------------------------------------------------------------------------- */
 
@@ -660,6 +673,7 @@ static int refresh_locked(void)
     fclose(f);
     carry_fail_counts(&g_state, &g_scratch);
     memcpy(&g_state, &g_scratch, sizeof g_state);
+    memset(g_alive_at, 0, sizeof g_alive_at);
     g_seen.valid = 1;
     g_seen.dev = st.st_dev;
     g_seen.ino = st.st_ino;
@@ -676,11 +690,14 @@ static int refresh_locked(void)
 static int task_alive(const char *stat_path)
 {
     char buf[512];
-    FILE *f = fopen(stat_path, "r");
-    if (!f)
+    /* open, one read, close: a stat line is one read, and stdio would add two system calls */
+    int fd = open(stat_path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
         return -1;
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
     buf[n] = '\0';
     /* The command name may itself contain ')' or spaces; the state follows the last ')'. */
     char *p = strrchr(buf, ')');
@@ -717,9 +734,25 @@ static int pid_holds_memory(unsigned int pid)
     return held;
 }
 
+static unsigned long long monotonic_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+}
+
+/* Called with g_lock held; `p` is a record of g_state. */
 static int process_listed(const struct fake_process *p)
 {
-    return p->ghost || pid_holds_memory(p->pid);
+    if (p->ghost)
+        return 1;
+    size_t i = (size_t)(p - g_state.processes);
+    unsigned long long now = monotonic_ns();
+    if (g_alive_at[i] == 0 || now - g_alive_at[i] >= LIVENESS_NS) {
+        g_alive[i] = (unsigned char)pid_holds_memory(p->pid);
+        g_alive_at[i] = now ? now : 1;
+    }
+    return g_alive[i];
 }
 
 /* ---- entry protocol ------------------------------------------------------------------------- */

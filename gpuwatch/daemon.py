@@ -21,7 +21,7 @@ from gpuwatch import __version__, systemd_notify
 from gpuwatch.actions.reap_plan import OUTCOMES, REAPABLE_KINDS
 from gpuwatch.actions.trace_requests import RESULTS as TRACE_REQUEST_RESULTS
 from gpuwatch.actions.trace_requests import SEARCH_RESULTS, TraceRequests
-from gpuwatch.agent_budget import AgentBudget, limit_malloc_arenas, malloc_trim
+from gpuwatch.agent_budget import AgentBudget, PollTrim, limit_malloc_arenas
 from gpuwatch.app.reaping import DaemonReaping
 from gpuwatch.config import (
     EXIT_CONFIG,
@@ -117,7 +117,7 @@ class Daemon:
         self._reload_thread: Optional[threading.Thread] = None
         self._reload_result: Optional[tuple[Optional[Config], Optional[ConfigError]]] = None
         self._nvml_was_up: Optional[bool] = None
-        self._trim = malloc_trim()
+        self._trim = PollTrim()
 
         # No `_created` series (gpuwatch.metrics writes none): they would double every counter
         # for no use on a node exporter.
@@ -310,13 +310,10 @@ class Daemon:
             self._render_for_scrapes()
 
     def _give_back_free_memory(self) -> None:
-        """Hand the C allocator's free pages back after a poll and its renders. What they
-        allocate for a moment (the snapshot being built, the bodies and the document being
-        joined: about 4 MiB at 1,024 GPU processes) is freed into the allocator, which keeps it
-        resident until told otherwise: a poll's peak, not its need, would be the daemon's RSS.
-        About 1 ms a poll (docs/design-notes.md, "The daemon's metrics core")."""
-        if self._trim is not None:
-            self._trim(0)
+        """Hand the C allocator's free pages back after a poll and its renders, where they
+        have grown the daemon's RSS by more than a slack (agent_budget.PollTrim;
+        docs/design-notes.md, "A trim after a poll only where it gives memory back")."""
+        self._trim()
 
     def _render_for_scrapes(self) -> None:
         try:

@@ -26,7 +26,7 @@ import pytest
 import gpuwatch.agent
 import gpuwatch.agent._discovery
 import gpuwatch.agent._tracing
-from gpuwatch.agent_budget import AgentBudget
+from gpuwatch.agent_budget import AgentBudget, PollTrim
 from gpuwatch.history import PAIR_BYTES, STEP_BYTES, History, StepSeries
 from gpuwatch.model import (
     AgentReading,
@@ -142,6 +142,36 @@ def test_the_allocator_gives_pages_back_after_a_large_release_only() -> None:
     budget.release(A, "history", 10 << 20)  # 18 MiB below the high-water mark
     assert budget.give_pages_back()
     assert not budget.give_pages_back()
+
+
+def test_a_poll_trims_only_once_resident_memory_grew_the_slack_since_the_last_trim(
+        tmp_path: Path) -> None:
+    """The first call trims; later ones only when the resident figure (statm's second field,
+    in pages) is the slack over what it was right after the last trim; an unreadable figure
+    trims, as before there was a slack."""
+    statm = tmp_path / "statm"
+    page = os.sysconf("SC_PAGE_SIZE")
+    trims: list[int] = []
+
+    def resident(pages: int) -> None:
+        statm.write_text(f"9999 {pages} 0 0 0 0 0\n")
+
+    def trim(pad: int) -> int:
+        trims.append(pad)
+        resident(1000)  # what the trim gave back
+        return 1
+
+    resident(1200)
+    poll_trim = PollTrim(trim, slack=100 * page, statm=str(statm))
+    assert poll_trim() and trims == [0]
+    resident(1099)  # a poll's passing allocations, under the slack
+    assert not poll_trim()
+    resident(1100)
+    assert poll_trim() and len(trims) == 2
+    statm.write_text("garbled")
+    assert poll_trim() and len(trims) == 3
+    without_statm = PollTrim(trim, statm=str(tmp_path / "none"))
+    assert without_statm() and without_statm() and len(trims) == 5
 
 
 _THREAD_MALLOC = """

@@ -307,12 +307,9 @@ class AuditFollower:
         for a in refused:
             key = self._refusal_key(a)
             if key not in self._refusals:
-                self._remember_refusal(key)
+                _keep(self._refusals, key, None)
                 new.append(a)
         return new
-
-    def _remember_refusal(self, key: tuple[Any, ...]) -> None:
-        _keep(self._refusals, key, None)
 
     def not_ended_yet(self, actions: list[Action]) -> list[Action]:
         """`actions` less those about a process the log already records as ended: an exited
@@ -385,7 +382,7 @@ class AuditFollower:
                 if action_id is not None and entry.get("action") in (TERMINATE, VIA_PARENT):
                     _keep(self._pending, action_id, entry)
                 elif entry.get("actor") == "daemon" and entry.get("action") in NOT_SIGNALLED:
-                    self._remember_refusal(self._refusal_key(entry))
+                    _keep(self._refusals, self._refusal_key(entry), None)
         return news
 
     def _recover(self, entries: list[dict[str, Any]], news: AuditNews) -> None:

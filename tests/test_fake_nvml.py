@@ -444,6 +444,80 @@ def test_a_zombie_leader_with_live_threads_keeps_its_memory(
         child.wait()
 
 
+def test_exits_show_alike_through_pidfds_and_through_proc_when_descriptors_run_short(
+    fake_node: FakeNode,
+) -> None:
+    """The driver asks a pidfd per listed process, but takes at most a quarter of the caller's
+    descriptor limit: the rest are read from /proc. Both ways see an exit."""
+    script = PRELUDE + textwrap.dedent(
+        """
+        import os, resource
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+
+        def pidfds():
+            n = 0
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    n += "pidfd" in os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    pass
+            return n
+
+        N.nvmlInit()
+        for _ in sys.stdin:
+            h = N.nvmlDeviceGetHandleByIndex(0)
+            answer = {"pids": sorted(p.pid for p in N.nvmlDeviceGetComputeRunningProcesses(h)),
+                      "used": N.nvmlDeviceGetMemoryInfo(h).used, "pidfds": pidfds()}
+            print(json.dumps(answer), flush=True)
+        """
+    )
+    holders = [subprocess.Popen(["sleep", "600"]) for _ in range(30)]
+    try:
+        for p in holders:
+            fake_node.hold(p.pid, 0, MiB)
+        pids = sorted(p.pid for p in holders)
+        with asking_client(script, fake_node) as ask:
+            first = ask()
+            assert first["pids"] == pids and first["used"] == 30 * MiB
+            assert 0 < first["pidfds"] <= 64 // 4  # the rest read from /proc
+            # Every other holder exits: some asked by pidfd, some by /proc.
+            gone = holders[::2]
+            for p in gone:
+                p.kill()
+                p.wait()
+            left = sorted(p.pid for p in holders[1::2])
+            wait_for(lambda: ask()["pids"] == left, "the exited holders to drop out")
+            assert ask()["used"] == 15 * MiB
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait()
+
+
+def test_shutting_the_library_down_closes_its_pidfds(fake_node: FakeNode) -> None:
+    with sleeper() as holder:
+        fake_node.hold(holder.pid, 0, GiB)
+        out = probe(fake_node, """
+            import os
+            def pidfds():
+                n = 0
+                for fd in os.listdir("/proc/self/fd"):
+                    try:
+                        n += "pidfd" in os.readlink(f"/proc/self/fd/{fd}")
+                    except OSError:
+                        pass
+                return n
+            N.nvmlInit()
+            out["pids"] = [p.pid for p in N.nvmlDeviceGetComputeRunningProcesses(
+                N.nvmlDeviceGetHandleByIndex(0))]
+            out["held"] = pidfds()
+            N.nvmlShutdown()
+            out["after"] = pidfds()
+        """)
+        assert out == {"pids": [holder.pid], "held": 1, "after": 0}
+
+
 # ---- changes while a client runs -----------------------------------------------------------------
 
 

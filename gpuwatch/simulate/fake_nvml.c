@@ -55,11 +55,14 @@
  * process lists and the used-memory figure.  A zombie whose other threads still run keeps its
  * memory (the leader exited, e.g. via pthread_exit, but a helper thread such as an NCCL heartbeat
  * lives on); ghost=1 keeps an entry listed although the PID does not exist at all.
- * A real driver knows which of its clients live without reading /proc in the caller; this one
- * reads /proc/PID/stat, so it reads it at most once per LIVENESS_NS for each listed process
- * (one poll's calls for every device share one reading, rather than charging the caller a /proc
- * read per process per call): an exit shows within that time, a rewrite of the state file
- * forgets every reading.
+ * A real driver knows which of its clients live without reading /proc in the caller. This one
+ * holds a pidfd on each listed process (opened at its first query, closed when the state file
+ * is read again or the library shut down) and asks all of them at once with one poll(), at most
+ * once per LIVENESS_NS: a pidfd turns readable only once the whole thread group has exited.
+ * Where it has no pidfd (an old kernel, a PID that is not a process's, a /proc of another PID
+ * namespace, a quarter of the caller's descriptor limit taken) it reads /proc/PID/stat instead,
+ * once per LIVENESS_NS for that process. Either way an exit shows within that time, and a
+ * rewrite of the state file forgets every reading.
  *
  * Build: cc -O2 -Wall -Wextra -shared -fPIC -pthread -Wl,-soname,libnvidia-ml.so.1 \
  *           -o libnvidia-ml.so.1 fake_nvml.c
@@ -76,7 +79,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
+#include <poll.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -247,6 +253,15 @@ static unsigned int g_matched[MAX_PROCESSES]; /* scratch for process queries, us
 static unsigned long long g_alive_at[MAX_PROCESSES];
 static unsigned char g_alive[MAX_PROCESSES];
 #define LIVENESS_NS 20000000ULL /* 20 ms */
+/* Per process record: a pidfd on its process (PIDFD_OPEN), none tried yet (PIDFD_UNTRIED), or
+ * none to be had (PIDFD_NONE: /proc is read instead), and the descriptor. */
+enum { PIDFD_UNTRIED = 0, PIDFD_OPEN = 1, PIDFD_NONE = 2 };
+static unsigned char g_pidfd_state[MAX_PROCESSES];
+static int g_pidfd[MAX_PROCESSES];
+static struct pollfd g_pollfds[MAX_PROCESSES]; /* scratch for a sweep, used under g_lock */
+static unsigned int g_polled[MAX_PROCESSES];   /* the record of each entry of g_pollfds */
+static unsigned long long g_swept_at;          /* the last sweep of every pidfd, 0: none */
+static unsigned int g_pidfds_open;
 
 /* ---- parsing -------------------------------------------------------------------------------- */
 
@@ -651,6 +666,18 @@ static void carry_fail_counts(const struct fake_state *old, struct fake_state *n
     }
 }
 
+/* Forgets every record's pidfd: a new state's PID may name another process. */
+static void close_pidfds(void)
+{
+    for (unsigned int i = 0; i < MAX_PROCESSES; i++) {
+        if (g_pidfd_state[i] == PIDFD_OPEN)
+            close(g_pidfd[i]);
+        g_pidfd_state[i] = PIDFD_UNTRIED;
+    }
+    g_pidfds_open = 0;
+    g_swept_at = 0;
+}
+
 /* Re-reads the state file if it changed.  Returns whether a state file is there now.
  * Called with g_lock held. */
 static int refresh_locked(void)
@@ -674,6 +701,7 @@ static int refresh_locked(void)
     carry_fail_counts(&g_state, &g_scratch);
     memcpy(&g_state, &g_scratch, sizeof g_state);
     memset(g_alive_at, 0, sizeof g_alive_at);
+    close_pidfds();
     g_seen.valid = 1;
     g_seen.dev = st.st_dev;
     g_seen.ino = st.st_ino;
@@ -741,6 +769,90 @@ static unsigned long long monotonic_ns(void)
     return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
 }
 
+/* The PID /proc gives the process of a pidfd (the "Pid:" line of its fdinfo), -1 if none. The
+ * two can disagree where /proc was mounted for another PID namespace than the caller's. */
+static long pidfd_proc_pid(int fd)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/self/fdinfo/%d", fd);
+    int info = open(path, O_RDONLY | O_CLOEXEC);
+    if (info < 0)
+        return -1;
+    ssize_t n = read(info, buf, sizeof buf - 1);
+    close(info);
+    if (n <= 0)
+        return -1;
+    buf[n] = '\0';
+    char *line = strstr(buf, "\nPid:");
+    return line ? strtol(line + 5, NULL, 10) : -1;
+}
+
+/* A pidfd on record i's process, kept while the state lasts; PIDFD_NONE where there is none to
+ * be had (no pidfd_open before Linux 5.3, no such process, a PID that is not a process's, a
+ * /proc that names the process otherwise) or where it would take more than a quarter of the
+ * caller's descriptors: /proc is read for that record instead. */
+static void open_pidfd(unsigned int i, unsigned int pid)
+{
+    g_pidfd_state[i] = PIDFD_NONE;
+#ifdef SYS_pidfd_open
+    struct rlimit limit;
+    if (getrlimit(RLIMIT_NOFILE, &limit) != 0 ||
+        (limit.rlim_cur != RLIM_INFINITY && g_pidfds_open >= limit.rlim_cur / 4))
+        return;
+    int fd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
+    if (fd < 0)
+        return;
+    if (pidfd_proc_pid(fd) != (long)pid) {
+        close(fd);
+        return;
+    }
+    g_pidfd[i] = fd;
+    g_pidfd_state[i] = PIDFD_OPEN;
+    g_pidfds_open++;
+#else
+    (void)pid;
+#endif
+}
+
+/* Reads the liveness of every record that has (or can now have) a pidfd, in one poll(): a
+ * pidfd turns readable once its whole thread group has exited, so a zombie leader whose other
+ * threads run still holds memory, as with the real driver. */
+static void sweep_pidfds(unsigned long long now)
+{
+    unsigned int n = 0;
+    for (unsigned int i = 0; i < g_state.n_processes; i++) {
+        const struct fake_process *p = &g_state.processes[i];
+        if (p->ghost)
+            continue;
+        if (g_pidfd_state[i] == PIDFD_UNTRIED)
+            open_pidfd(i, p->pid);
+        if (g_pidfd_state[i] != PIDFD_OPEN)
+            continue;
+        g_pollfds[n].fd = g_pidfd[i];
+        g_pollfds[n].events = POLLIN;
+        g_pollfds[n].revents = 0;
+        g_polled[n++] = i;
+    }
+    g_swept_at = now;
+    if (n == 0)
+        return;
+    int ready;
+    do
+        ready = poll(g_pollfds, n, 0);
+    while (ready < 0 && errno == EINTR);
+    for (unsigned int k = 0; k < n; k++) {
+        unsigned int i = g_polled[k];
+        if (ready < 0) { /* cannot happen with valid descriptors; /proc answers instead */
+            close(g_pidfd[i]);
+            g_pidfds_open--;
+            g_pidfd_state[i] = PIDFD_NONE;
+            continue;
+        }
+        g_alive[i] = (g_pollfds[k].revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL)) == 0;
+        g_alive_at[i] = now;
+    }
+}
+
 /* Called with g_lock held; `p` is a record of g_state. */
 static int process_listed(const struct fake_process *p)
 {
@@ -748,10 +860,15 @@ static int process_listed(const struct fake_process *p)
         return 1;
     size_t i = (size_t)(p - g_state.processes);
     unsigned long long now = monotonic_ns();
-    if (g_alive_at[i] == 0 || now - g_alive_at[i] >= LIVENESS_NS) {
-        g_alive[i] = (unsigned char)pid_holds_memory(p->pid);
-        g_alive_at[i] = now ? now : 1;
+    if (g_alive_at[i] != 0 && now - g_alive_at[i] < LIVENESS_NS)
+        return g_alive[i];
+    if (g_pidfd_state[i] != PIDFD_NONE && (g_swept_at == 0 || now - g_swept_at >= LIVENESS_NS)) {
+        sweep_pidfds(now ? now : 1);
+        if (g_pidfd_state[i] == PIDFD_OPEN)
+            return g_alive[i];
     }
+    g_alive[i] = (unsigned char)pid_holds_memory(p->pid);
+    g_alive_at[i] = now ? now : 1;
     return g_alive[i];
 }
 
@@ -874,6 +991,10 @@ FAKE_API nvmlReturn_t nvmlShutdown(void)
     if (r != NVML_SUCCESS)
         return r;
     g_refcount--;
+    if (g_refcount == 0) { /* the real library closes its descriptors too */
+        close_pidfds();
+        memset(g_alive_at, 0, sizeof g_alive_at);
+    }
     return leave(NVML_SUCCESS);
 }
 

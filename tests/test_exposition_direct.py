@@ -18,7 +18,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from gpuwatch.metrics import choose_encoder
-from gpuwatch.model import NodeReport
+from gpuwatch.model import Job, NodeReport
 from gpuwatch.serve.exposition import RenderedMetrics
 from gpuwatch.sinks.document import DocumentWriter, bounded_json, status_document
 from gpuwatch.sinks.exporter import ReportCollector
@@ -72,6 +72,33 @@ def test_the_exposition_written_directly_is_prometheus_clients_byte_for_byte() -
         **report.snapshot.processes, 799: replace(report.snapshot.processes[799],
                                                   rss_bytes=7 * GIB)})))
     assert b"7.516192768e+09" in _same_as_prometheus_client(registry, writer)
+
+
+def test_a_kept_process_is_written_again_when_its_pod_is_named_or_the_clock_steps() -> None:
+    """The collector keeps a process's rows while its record is the same object; the pod's
+    names (the job's, arriving a poll later) and the wall clock's correction are not in the
+    record, and each still changes that process's lines."""
+    report = _hostile_report()
+    registry = CollectorRegistry()
+    registry.register(ReportCollector(lambda: report))
+    writer = LineWriter()
+    _same_as_prometheus_client(registry, writer)
+    formatted = writer.formatted
+    _same_as_prometheus_client(registry, writer)
+    assert writer.formatted == formatted  # nothing changed: every line kept
+    p = report.snapshot.processes[799]
+    pod = Job("uid-1", "kubernetes", namespace="team-a", pod="trainer-0", container="main")
+    report = replace(report, jobs=MappingProxyType({**report.jobs, 799: pod}))
+    assert report.snapshot.processes[799] is p
+    body = _same_as_prometheus_client(registry, writer)
+    assert b'pod_name="trainer-0"' in body and b'pod_namespace="team-a"' in body
+    assert p.start_time is not None
+    start = report.snapshot.wall(p.start_time)
+    report = replace(report, snapshot=replace(report.snapshot, clock_step=3600.0))
+    body = _same_as_prometheus_client(registry, writer)
+    moved = [line for line in body.splitlines()
+             if line.startswith(b"gpuwatch_process_start_time_seconds{") and b'pid="799"' in line]
+    assert len(moved) == 1 and float(moved[0].split()[-1]) == round(start + 3600.0, 2)
 
 
 # Runs on the fake node: a daemon object's real poll of a real job, rendered both ways.

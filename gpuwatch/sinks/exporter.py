@@ -19,7 +19,6 @@ import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from itertools import islice
 from typing import Callable, Optional
 
 from gpuwatch import __version__
@@ -34,17 +33,22 @@ from gpuwatch.agent_budget import (
 from gpuwatch.evidence import CopyOnWrite, Culprit, LeakEvidence
 from gpuwatch.metrics import Collector, CounterMetricFamily, InfoMetricFamily, Metric
 from gpuwatch.model import (
-    COMM_CHARS,
     KINDS,
     Finding,
     GpuDevice,
     HostProcess,
-    Job,
     Kind,
     NodeReport,
     NodeSnapshot,
 )
-from gpuwatch.sinks.exposition_text import Family
+from gpuwatch.sinks.exposition_text import Family, Row
+from gpuwatch.sinks.process_rows import (
+    BUFFER_LABELS,
+    GPU_PROCESS_LABELS,
+    PROCESS_LABELS,
+    ProcessRows,
+    process_labels,
+)
 from gpuwatch.vocabulary import FoundBy, Series
 
 log = logging.getLogger(__name__)
@@ -53,14 +57,6 @@ log = logging.getLogger(__name__)
 EXPORTER_SECTIONS = ("build", "agent_reports", "agent_memory", "node", "gpus", "processes",
                      "findings", "leaks")
 
-# Label names for a process. `job_id`, not `job`: Prometheus owns `job` (the scrape job) and
-# would rename ours to `exported_job` (docs/design-notes.md).
-# A Kubernetes pod's names are `pod_namespace`, `pod_name`, `pod_container`, not `namespace`,
-# `pod`, `container`: the Prometheus Operator gives every series of a scrape those of the
-# scraped pod (gpuwatch's own), and would rename ours to `exported_namespace` and the like. The
-# alert rules copy `pod_namespace` into the alert's `namespace` for Alertmanager's routes.
-PROCESS_LABELS = ("pid", "name", "user", "job_id", "job_source", "pod_namespace", "pod_name",
-                  "pod_container")
 
 #: platform.python_version() without the platform module (kept for the daemon's life).
 _PYTHON_VERSION = sys.version.split()[0]
@@ -85,24 +81,6 @@ _GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuDevice], Optional[float]]], ...]
      "Share of the last sample period in which a kernel ran on the GPU (0-1).",
      lambda g: None if g.utilization_gpu_percent is None else g.utilization_gpu_percent / 100.0),
 )
-
-
-def process_labels(pid: Optional[int], name: Optional[str], user: Optional[str],
-                   job: Optional[Job]) -> list[str]:
-    """pid, name, user, job_id, job_source, and a pod's namespace, name and container (empty
-    off Kubernetes, or until the node names the pod). The name is the kernel's (`comm`, 15
-    characters), as `ps` shows it to anyone: psutil's longer one goes on with argv[0], a command
-    line's."""
-    return [
-        str(pid) if pid is not None else "",
-        (name or "")[:COMM_CHARS],
-        user or "",
-        job.id if job else "",
-        job.source if job else "",
-        (job.namespace or "") if job else "",
-        (job.pod or "") if job else "",
-        (job.container or "") if job else "",
-    ]
 
 
 #: The longest culprit label value. A culprit is a watched buffer's name or a discovered
@@ -253,6 +231,9 @@ class ReportCollector(Collector):
                                        tuple[list[HostProcess], dict[str, int]]]] = None
         #: Sections whose last render failed: logged once until they render again.
         self._failing: set[str] = set()
+        #: Each exported process's rows at the last render, by PID: made again only when what
+        #: they are made of changed (most processes' between two polls do not). Replaced whole.
+        self._process_rows: dict[int, ProcessRows] = {}
 
     def exported(self, report: NodeReport) -> tuple[list[HostProcess], dict[str, int]]:
         """exported_processes of `report` under max_process_series, worked out once a report."""
@@ -378,57 +359,49 @@ class ReportCollector(Collector):
         yield _gauge("gpuwatch_agent_processes", "Processes with an agent slot at the last "
                      "poll (at most agent.max_processes).", [],
                      [([], float(len(report.snapshot.agents)))])
-        gpu_labels = [*PROCESS_LABELS, "gpu", "uuid"]
-        gpu_mem, rss, start, steps, step_at, items, sizes = [], [], [], [], [], [], []
-        agents = report.snapshot.agents
+        snapshot = report.snapshot
+        agents, wall = snapshot.agents, snapshot.wall
         allowed, _ = agent_series_cap(report, exported, self.max_agent_series)
         flagged = {f.pid for f in report.findings if f.pid is not None}
+        kept = self._process_rows
+        made: dict[int, ProcessRows] = {}
         for p in exported:
-            base = process_labels(p.pid, p.name, p.user, report.job_of(p))
             agent = agents.get(p.pid)
             fit = allowed.get(p.pid, 0)
             if fit < 0:  # over its user's cap: only what it has as a GPU holder or finding
                 agent = None
                 if not (p.holds_gpu or p.pid in flagged):
                     continue
-            if agent is not None and agent.step is not None:
-                steps.append((base, float(agent.step)))
-                if agent.step_changed_at is not None:
-                    step_at.append((base, report.snapshot.wall(agent.step_changed_at)))
-            if agent is not None and agent.latest is not None:
-                for name, size in islice(agent.latest.buffers.items(), fit):
-                    if size.items is not None:
-                        items.append(([*base, name], float(size.items)))
-                    if size.bytes is not None:
-                        sizes.append(([*base, name], float(size.bytes)))
-            for u in p.gpu_usage:
-                if u.memory_bytes is not None:
-                    gpu_mem.append(([*base, str(u.gpu_index), u.gpu_uuid or ""],
-                                    float(u.memory_bytes)))
-            if p.rss_bytes is not None:
-                rss.append((base, float(p.rss_bytes)))
-            if p.start_time is not None:
-                # To the kernel's tick, the figure's resolution: the wall clock's correction
-                # moves by microseconds from poll to poll, and the series stays put.
-                start.append((base, round(report.snapshot.wall(p.start_time), 2)))
-        yield _gauge("gpuwatch_process_gpu_memory_bytes",
+            job = report.job_of(p)
+            # To the kernel's tick, the figure's resolution: the wall clock's correction
+            # moves by microseconds from poll to poll, and the series stays put.
+            started = round(wall(p.start_time), 2) if p.start_time is not None else None
+            stepped = (wall(agent.step_changed_at) if agent is not None and agent.step is not None
+                       and agent.step_changed_at is not None else None)
+            rows = kept.get(p.pid)
+            if rows is None or not rows.same(p, job, agent, fit, started, stepped):
+                rows = ProcessRows(p, job, agent, fit, started, stepped)
+            made[p.pid] = rows
+        self._process_rows = made
+        gpu_mem, rss, start, steps, step_at, items, sizes = (
+            [r for rows in made.values() for r in rows.families[i]] for i in range(7))
+        yield _family("gpuwatch_process_gpu_memory_bytes",
                      "GPU memory a process holds on one GPU, as NVML reports it.",
-                     gpu_labels, gpu_mem)
-        yield _gauge("gpuwatch_process_resident_memory_bytes",
+                     GPU_PROCESS_LABELS, gpu_mem)
+        yield _family("gpuwatch_process_resident_memory_bytes",
                      "Resident host memory (RSS) of a process that matters.", PROCESS_LABELS, rss)
-        yield _gauge("gpuwatch_process_start_time_seconds",
+        yield _family("gpuwatch_process_start_time_seconds",
                      "Start time of a process that matters; with pid it identifies the process.",
                      PROCESS_LABELS, start)
-        yield _gauge("gpuwatch_agent_step", "Newest training step an instrumented process "
+        yield _family("gpuwatch_agent_step", "Newest training step an instrumented process "
                      "reported.", PROCESS_LABELS, steps)
-        yield _gauge("gpuwatch_agent_step_timestamp_seconds",
+        yield _family("gpuwatch_agent_step_timestamp_seconds",
                      "When an instrumented process's step last advanced.", PROCESS_LABELS,
                      step_at)
-        buffer_labels = [*PROCESS_LABELS, "buffer"]
-        yield _gauge("gpuwatch_agent_buffer_items", "Items in a buffer an instrumented process "
-                     "watches (agent.watch).", buffer_labels, items)
-        yield _gauge("gpuwatch_agent_buffer_bytes", "Bytes in a buffer an instrumented process "
-                     "watches, where the agent can size them.", buffer_labels, sizes)
+        yield _family("gpuwatch_agent_buffer_items", "Items in a buffer an instrumented process "
+                     "watches (agent.watch).", BUFFER_LABELS, items)
+        yield _family("gpuwatch_agent_buffer_bytes", "Bytes in a buffer an instrumented process "
+                     "watches, where the agent can size them.", BUFFER_LABELS, sizes)
 
     def _agent_totals(self, accepted: int, rejected: Mapping[str, int]) -> Iterator[Metric]:
         ok = CounterMetricFamily("gpuwatch_agent_reports", "Agent reports accepted.")
@@ -589,4 +562,11 @@ def _gauge(name: str, doc: str, labels: list[str] | tuple[str, ...],
     family = Family(name, doc, labels)
     for values, value in samples:
         family.add(values, value)
+    return family
+
+
+def _family(name: str, doc: str, labels: tuple[str, ...], rows: list[Row]) -> Family:
+    """A gauge family of rows made by exposition_text.row."""
+    family = Family(name, doc, labels)
+    family.extend(rows)
     return family

@@ -37,6 +37,17 @@ def _escape_value(value: str) -> str:
     return value
 
 
+#: One series of a Family: its label values, in the family's label order, and its value.
+Row = tuple[tuple[str, ...], float]
+
+
+def row(values: Sequence[str], value: float) -> Row:
+    """A Family's row, checked: a label value is text (a str enumeration's value, escaped as
+    text) and the value a number; anything else raises here, inside the collector that makes
+    it, not in the middle of a body."""
+    return tuple(map(str.__str__, values)), float(value)
+
+
 class Family(Metric):
     """A family of series with the same label names: rows of (label values, value).
 
@@ -47,7 +58,7 @@ class Family(Metric):
                  typ: str = "gauge") -> None:
         super().__init__(name, documentation, typ)
         self.labels = tuple(labels)
-        self.rows: list[tuple[tuple[str, ...], float]] = []
+        self.rows: list[Row] = []
         # Label names in the order the formats write them (sorted), with where each value is.
         order = sorted(range(len(self.labels)), key=self.labels.__getitem__)
         self.sorted_labels = tuple((self.labels[i], i) for i in order)
@@ -56,9 +67,13 @@ class Family(Metric):
         if len(values) != len(self.labels):
             raise ValueError(f"{self.name}: {len(values)} label values for "
                              f"{len(self.labels)} labels")
-        # A label value is text (a str enumeration's value, escaped as text);
-        # anything else raises here.
-        self.rows.append((tuple(map(str.__str__, values)), float(value)))
+        self.rows.append(row(values, value))
+
+    def extend(self, rows: Sequence[Row]) -> None:
+        """Rows made by `row()` (checked there), each with as many values as this family has
+        labels: a collector that keeps its rows from one render to the next adds them again
+        without checking them again, and LineWriter finds their lines by the rows' identity."""
+        self.rows.extend(rows)
 
     # Metric sets and reads `samples`: made from the rows when read, unless
     # something (a name[] selection) set them.
@@ -107,12 +122,19 @@ _EOF = b"# EOF\n"
 class LineWriter:
     """Writes bodies, keeping each Family line until its value changes.
 
-    The lines kept are those of the last body written: a series gone from the report is gone
-    from the cache at the next render. Renders on several threads at once (two formats asked
-    for together) each write a whole body; the cache is replaced whole, never changed in place."""
+    A line is found again two ways: by its row, where a collector hands in the very row object
+    of the last body (it keeps a process's rows while the process is unchanged: no key to build,
+    nothing to compare), else by the family's name and the row's label values, written again
+    where the value changed. The lines kept are those of the last body written: a series gone
+    from the report is gone from the cache at the next render. Renders on several threads at
+    once (two formats asked for together) each write a whole body; the caches are replaced
+    whole, never changed in place."""
 
     def __init__(self) -> None:
         self._lines: dict[tuple[str, tuple[str, ...]], tuple[float, str]] = {}
+        #: By family name, by id() of a row kept from the last body: (the row, its line). The
+        #: row is held, so its id is not another object's while it is here.
+        self._by_row: dict[str, dict[int, tuple[Row, str]]] = {}
         self._headers: dict[tuple[str, str, bool], str] = {}
         self._lock = threading.Lock()
         #: Lines written from their values / kept from an earlier body (for tests and benches).
@@ -126,13 +148,18 @@ class LineWriter:
             return encoder(registry)
         out: list[str] = []
         chunks: list[bytes] = []
-        old = self._lines
+        old, old_by_row = self._lines, self._by_row
         new: dict[tuple[str, tuple[str, ...]], tuple[float, str]] = {}
+        new_by_row: dict[str, dict[int, tuple[Row, str]]] = {}
         formatted = kept = 0
         for metric in registry.collect():
             if isinstance(metric, Family) and metric.written_whole:
                 out.append(self._header(metric, form))
-                formatted_here, kept_here = self._rows(metric, old, new, out)
+                by_row: dict[int, tuple[Row, str]] = {}
+                formatted_here, kept_here = self._rows(
+                    metric, old, new, old_by_row.get(metric.name, _NONE), by_row, out)
+                if by_row:
+                    new_by_row[metric.name] = by_row
                 formatted += formatted_here
                 kept += kept_here
                 continue
@@ -149,6 +176,7 @@ class LineWriter:
             chunks.append(_EOF)
         with self._lock:
             self._lines = new
+            self._by_row = new_by_row
             self.formatted += formatted
             self.kept += kept
         return b"".join(chunks)
@@ -169,10 +197,21 @@ class LineWriter:
     @staticmethod
     def _rows(family: Family, old: dict[tuple[str, tuple[str, ...]], tuple[float, str]],
               new: dict[tuple[str, tuple[str, ...]], tuple[float, str]],
+              old_by_row: dict[int, tuple[Row, str]], new_by_row: dict[int, tuple[Row, str]],
               out: list[str]) -> tuple[int, int]:
+        """Appends the family's lines to `out`. A row found by identity is kept in `new_by_row`
+        alone: while its collector hands it in again it needs no other key; once the collector
+        makes it anew (something else of its process changed), its line is written again."""
         name, sorted_labels = family.name, family.sorted_labels
         formatted = kept = 0
-        for values, value in family.rows:
+        for r in family.rows:
+            held = old_by_row.get(id(r))
+            if held is not None and held[0] is r:
+                new_by_row[id(r)] = held
+                out.append(held[1])
+                kept += 1
+                continue
+            values, value = r
             key = (name, values)
             entry = old.get(key)
             # 0.0 == -0.0, but they are written apart (a clock step of -0.0 is "-0.0").
@@ -189,5 +228,9 @@ class LineWriter:
             else:
                 kept += 1
             new[key] = entry
+            new_by_row[id(r)] = (r, entry[1])
             out.append(entry[1])
         return formatted, kept
+
+
+_NONE: dict[int, tuple[Row, str]] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -148,6 +149,24 @@ def test_the_process_metrics_are_prometheus_clients() -> None:
         assert mine[name].samples == their[name].samples
     assert [s.name for m in mine.values() for s in m.samples] == [
         s.name for m in their.values() for s in m.samples]
+
+
+def test_open_fds_counts_the_descriptors_open_whichever_way_the_kernel_answers() -> None:
+    """One stat() where Linux gives /proc/PID/fd a size, a listing elsewhere: both count what is
+    open (the listing also sees its own descriptor, as prometheus-client's does)."""
+    def open_fds() -> float:
+        (family,) = [m for m in ours.ProcessCollector().collect() if m.name == "process_open_fds"]
+        return family.samples[0].value
+
+    before = open_fds()
+    extra = [os.open("/dev/null", os.O_RDONLY) for _ in range(5)]
+    try:
+        listed = len(os.listdir("/proc/self/fd"))
+        assert open_fds() == before + 5
+        assert open_fds() in (listed - 1, listed)  # a size (6.2 and later) or a listing
+    finally:
+        for fd in extra:
+            os.close(fd)
 
 
 _IMPORTS = r"""

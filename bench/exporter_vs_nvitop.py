@@ -155,11 +155,12 @@ def main() -> None:
                   f"{f['gzip_bytes']:>12}{f['series']:>12}")
         print(f"gpuwatch daemon, a scrape a second ({args.paced}, bare socket, median): "
               f"{gw['paced_scrape_ms']:.2f} ms")
-        print(f"ratio gpuwatch/nvitop-exporter: CPU {gw['cpu_ms'] / nv['cpu_ms']:.2f}x, "
+        print(f"ratio gpuwatch/nvitop-exporter: CPU {gw['cpu_ms'] / nv['cpu_ms']:.3f}x, "
               f"RSS {gw['rss_mib'] / nv['rss_mib']:.2f}x, "
-              f"scrape {gw['scrape_ms'] / nv['scrape_ms']:.2f}x (goal: CPU <= 0.33x, RSS <= 1x)\n",
-              flush=True)
+              f"scrape {gw['scrape_ms'] / nv['scrape_ms']:.2f}x "
+              "(goal: CPU <= 0.1x at 64 and 1,024, RSS <= 1x)\n", flush=True)
     write_figures(args.figures, {"interval": args.interval, "window": args.window,
+                                 "scraped": args.scraped,
                                  "by_gpu_procs": {str(r["gpu_procs"]): r for r in results}})
 
 

@@ -26,9 +26,10 @@
 A poll here is what the daemon does each interval: read NVML and /proc, update the history, run
 every detector. Polls here run back to back, with the CPU's caches warm; the daemon's, one an
 interval, cost more for waking to cold caches (bench/daemon_poll.py measures both). Each size is
-measured in a fresh child process. The fake NVML driver checks /proc/PID/stat of every process
-it lists inside each call, which a real driver (asking the kernel module) does not; its share of
-a poll is therefore reported on its own, and the floors make the same calls.
+measured in a fresh child process. The fake NVML driver asks whether each process it lists
+still runs (a pidfd each, all in one poll() at most once per 20 ms), which a real driver
+(asking the kernel module) does not; its share of a poll is therefore reported on its own, and
+the floors make the same calls.
 
     python bench/poll_cost.py [--polls 300] [--gpu-procs 8,64,512] [--host-procs 200,2000,10000]
         [--ratio-procs 64,512] [--rounds 300] [--churn-rounds 4] [--against DIR]

@@ -386,22 +386,22 @@ class ReportCollector(Collector):
         gpu_mem, rss, start, steps, step_at, items, sizes = (
             [r for rows in made.values() for r in rows.families[i]] for i in range(7))
         yield _family("gpuwatch_process_gpu_memory_bytes",
-                     "GPU memory a process holds on one GPU, as NVML reports it.",
-                     GPU_PROCESS_LABELS, gpu_mem)
+                      "GPU memory a process holds on one GPU, as NVML reports it.",
+                      GPU_PROCESS_LABELS, gpu_mem)
         yield _family("gpuwatch_process_resident_memory_bytes",
-                     "Resident host memory (RSS) of a process that matters.", PROCESS_LABELS, rss)
+                      "Resident host memory (RSS) of a process that matters.", PROCESS_LABELS, rss)
         yield _family("gpuwatch_process_start_time_seconds",
-                     "Start time of a process that matters; with pid it identifies the process.",
-                     PROCESS_LABELS, start)
+                      "Start time of a process that matters; with pid it identifies the process.",
+                      PROCESS_LABELS, start)
         yield _family("gpuwatch_agent_step", "Newest training step an instrumented process "
-                     "reported.", PROCESS_LABELS, steps)
+                      "reported.", PROCESS_LABELS, steps)
         yield _family("gpuwatch_agent_step_timestamp_seconds",
-                     "When an instrumented process's step last advanced.", PROCESS_LABELS,
-                     step_at)
+                      "When an instrumented process's step last advanced.", PROCESS_LABELS,
+                      step_at)
         yield _family("gpuwatch_agent_buffer_items", "Items in a buffer an instrumented process "
-                     "watches (agent.watch).", BUFFER_LABELS, items)
+                      "watches (agent.watch).", BUFFER_LABELS, items)
         yield _family("gpuwatch_agent_buffer_bytes", "Bytes in a buffer an instrumented process "
-                     "watches, where the agent can size them.", BUFFER_LABELS, sizes)
+                      "watches, where the agent can size them.", BUFFER_LABELS, sizes)
 
     def _agent_totals(self, accepted: int, rejected: Mapping[str, int]) -> Iterator[Metric]:
         ok = CounterMetricFamily("gpuwatch_agent_reports", "Agent reports accepted.")

@@ -441,3 +441,27 @@ def test_a_document_reads_back_into_the_models_types_and_renders_again_byte_for_
         assert back.source == "daemon" and back.snapshot.clock_step == 0.0
         assert [f.kind for f in back.findings] == [f.kind for f in report.findings]
         assert all(isinstance(f.kind, Kind) for f in back.findings)
+
+
+def test_the_json_exit_code_read_off_the_document_is_the_reports() -> None:
+    """`status --json` prints the document as it came and reads its exit code off it, without
+    reading it into the model: the code is the one the report gives."""
+    from gpuwatch.commands.status import document_exit_code, exit_code
+    from gpuwatch.model import GpuDevice, NvmlCallError
+
+    report = leakreports.leak_report()
+    snapshot = replace(report.snapshot, gpus=(GpuDevice(index=0), GpuDevice(index=1)))
+    report = replace(report, snapshot=snapshot)
+    broken = GpuDevice(index=1, errors=(NvmlCallError("nvmlDeviceGetMemoryInfo", 15,
+                                                      "GPU is lost"),))
+    variants = [
+        report,
+        replace(report, snapshot=replace(snapshot, gpus=(snapshot.gpus[0], broken))),
+        replace(report, snapshot=replace(snapshot, nvml=replace(snapshot.nvml,
+                                                                available=False))),
+    ]
+    codes = [exit_code(r) for r in variants]
+    assert codes == [EXIT_OK, EXIT_PARTIAL, EXIT_NVML_UNAVAILABLE]
+    for r, code in zip(variants, codes):
+        doc = json.loads(json.dumps(status_document(r)))
+        assert document_exit_code(doc) == code == exit_code(from_json(doc))

@@ -20,6 +20,7 @@ from gpuwatch.commands.options import (
 
 if TYPE_CHECKING:
     from gpuwatch.config import Config
+    from gpuwatch.document_types import StatusDocument
     from gpuwatch.model import NodeReport
 
 EXIT_CODES = f"""\b
@@ -59,9 +60,12 @@ def status(as_json: bool, poll: bool, verbose: bool, watch: bool, interval: floa
     at_least_100ms(interval, "--interval")
     if watch:
         return _watch(cfg, as_json, verbose, poll, interval)
+    doc = status_document(cfg, ask_daemon=not poll)
+    if as_json:  # the document as it came: no report to read it into (nor the model to import)
+        _print(doc, None, as_json, verbose)
+        return document_exit_code(doc)
     from gpuwatch.sinks.document import from_json
 
-    doc = status_document(cfg, ask_daemon=not poll)
     report = from_json(doc)
     _print(doc, report, as_json, verbose)
     return exit_code(report)
@@ -75,6 +79,16 @@ def exit_code(report: NodeReport) -> ExitCode:
     return ExitCode.OK
 
 
+def document_exit_code(doc: StatusDocument) -> ExitCode:
+    """exit_code of the report `doc` was rendered from, read off the document itself: what
+    `status --json` needs of it, without reading the whole into the model's types."""
+    if not doc["nvml"]["available"]:
+        return ExitCode.NVML_UNAVAILABLE
+    if any(g["errors"] for g in doc["gpus"]):
+        return ExitCode.PARTIAL
+    return ExitCode.OK
+
+
 def status_document(cfg: Config, ask_daemon: bool) -> dict[str, Any]:
     """The running daemon's document, or (not `ask_daemon`, or none answers) one poll's."""
     from gpuwatch.app.status import StatusSource
@@ -83,8 +97,8 @@ def status_document(cfg: Config, ask_daemon: bool) -> dict[str, Any]:
         return source()
 
 
-def _print(doc: dict[str, Any], report: NodeReport, as_json: bool, verbose: bool, *,
-           watching: bool = False) -> None:
+def _print(doc: dict[str, Any], report: Optional[NodeReport], as_json: bool, verbose: bool,
+           *, watching: bool = False) -> None:
     """`doc` as JSON, as the daemon (or the command's own poll) wrote it, or the text view of
     `report`, the same document read once (gpuwatch.sinks.document.from_json)."""
     import json
@@ -94,6 +108,7 @@ def _print(doc: dict[str, Any], report: NodeReport, as_json: bool, verbose: bool
         # Indented for one document; when watching, one per line, for line-reading consumers.
         text = json.dumps(doc, indent=None if watching else 2) + "\n"
     else:
+        assert report is not None, "the text view renders the report"
         import shutil
 
         from gpuwatch.sinks.colour import wants_colour
@@ -128,7 +143,8 @@ def _watch(cfg: Config, as_json: bool, verbose: bool, poll: bool, interval: floa
             while True:
                 started = time.monotonic()
                 doc = source()
-                _print(doc, from_json(doc), as_json, verbose, watching=True)
+                _print(doc, None if as_json else from_json(doc), as_json, verbose,
+                       watching=True)
                 time.sleep(max(0.0, interval - (time.monotonic() - started)))
     except KeyboardInterrupt:
         return ExitCode.OK

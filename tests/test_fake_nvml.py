@@ -444,25 +444,31 @@ def test_a_zombie_leader_with_live_threads_keeps_its_memory(
         child.wait()
 
 
+# For a probe: how many pidfds the probe's process holds.
+PIDFDS = """
+import os
+
+def pidfds():
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "pidfd" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+"""
+
+
 def test_exits_show_alike_through_pidfds_and_through_proc_when_descriptors_run_short(
     fake_node: FakeNode,
 ) -> None:
     """The driver asks a pidfd per listed process, but takes at most a quarter of the caller's
     descriptor limit: the rest are read from /proc. Both ways see an exit."""
-    script = PRELUDE + textwrap.dedent(
+    script = PRELUDE + PIDFDS + textwrap.dedent(
         """
-        import os, resource
+        import resource
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
-
-        def pidfds():
-            n = 0
-            for fd in os.listdir("/proc/self/fd"):
-                try:
-                    n += "pidfd" in os.readlink(f"/proc/self/fd/{fd}")
-                except OSError:
-                    pass
-            return n
 
         N.nvmlInit()
         for _ in sys.stdin:
@@ -498,23 +504,14 @@ def test_exits_show_alike_through_pidfds_and_through_proc_when_descriptors_run_s
 def test_shutting_the_library_down_closes_its_pidfds(fake_node: FakeNode) -> None:
     with sleeper() as holder:
         fake_node.hold(holder.pid, 0, GiB)
-        out = probe(fake_node, """
-            import os
-            def pidfds():
-                n = 0
-                for fd in os.listdir("/proc/self/fd"):
-                    try:
-                        n += "pidfd" in os.readlink(f"/proc/self/fd/{fd}")
-                    except OSError:
-                        pass
-                return n
+        out = probe(fake_node, PIDFDS + textwrap.dedent("""
             N.nvmlInit()
             out["pids"] = [p.pid for p in N.nvmlDeviceGetComputeRunningProcesses(
                 N.nvmlDeviceGetHandleByIndex(0))]
             out["held"] = pidfds()
             N.nvmlShutdown()
             out["after"] = pidfds()
-        """)
+        """))
         assert out == {"pids": [holder.pid], "held": 1, "after": 0}
 
 

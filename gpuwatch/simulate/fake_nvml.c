@@ -714,19 +714,27 @@ static int refresh_locked(void)
 
 /* ---- process liveness ----------------------------------------------------------------------- */
 
-/* 1: the task runs (any state but zombie/dead), 0: zombie or dead, -1: no such task. */
-static int task_alive(const char *stat_path)
+/* Reads a small /proc file whole into buf, NUL-terminated: its length, or -1. Open, one read,
+ * close: such a file is one read, and stdio would add two system calls. */
+static ssize_t read_small(const char *path, char *buf, size_t size)
 {
-    char buf[512];
-    /* open, one read, close: a stat line is one read, and stdio would add two system calls */
-    int fd = open(stat_path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return -1;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
+    ssize_t n = read(fd, buf, size - 1);
     close(fd);
     if (n <= 0)
         return -1;
     buf[n] = '\0';
+    return n;
+}
+
+/* 1: the task runs (any state but zombie/dead), 0: zombie or dead, -1: no such task. */
+static int task_alive(const char *stat_path)
+{
+    char buf[512];
+    if (read_small(stat_path, buf, sizeof buf) < 0)
+        return -1;
     /* The command name may itself contain ')' or spaces; the state follows the last ')'. */
     char *p = strrchr(buf, ')');
     if (!p || p[1] != ' ' || !p[2])
@@ -775,14 +783,8 @@ static long pidfd_proc_pid(int fd)
 {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/self/fdinfo/%d", fd);
-    int info = open(path, O_RDONLY | O_CLOEXEC);
-    if (info < 0)
+    if (read_small(path, buf, sizeof buf) < 0)
         return -1;
-    ssize_t n = read(info, buf, sizeof buf - 1);
-    close(info);
-    if (n <= 0)
-        return -1;
-    buf[n] = '\0';
     char *line = strstr(buf, "\nPid:");
     return line ? strtol(line + 5, NULL, 10) : -1;
 }

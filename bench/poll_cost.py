@@ -251,6 +251,10 @@ def last_pid():
     with open("/proc/loadavg") as f:
         return int(f.read().split()[-1])
 
+with open("/proc/sys/kernel/pid_max") as f:
+    # PIDs handed out between two readings: past pid_max the kernel starts again at 300.
+    PID_CYCLE = int(f.read()) - 300
+
 def poll():
     c0 = time.process_time()
     assess(poller.poll(watch=history.watch_pids()), history, config)
@@ -270,7 +274,7 @@ for _ in range(rounds):
         for _ in range(block):
             time.sleep(interval)
             found[mode].append(poll())
-        pids[mode] += last_pid() - first
+        pids[mode] += (last_pid() - first) % PID_CYCLE
 os.kill(churner, signal.SIGCONT)
 print(json.dumps({**found, "pids": pids, "seconds": rounds * block * interval}))
 """

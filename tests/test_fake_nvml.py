@@ -501,6 +501,33 @@ def test_exits_show_alike_through_pidfds_and_through_proc_when_descriptors_run_s
             p.wait()
 
 
+def test_a_pidfd_the_caller_closed_and_reused_does_not_hide_a_live_holder(
+    fake_node: FakeNode,
+) -> None:
+    """A caller that closes the library's descriptor and opens a file on the same number (always
+    readable, as an exited process's pidfd is): /proc, asked to confirm the exit, keeps the
+    holder listed."""
+    with sleeper() as holder:
+        fake_node.hold(holder.pid, 0, GiB)
+        out = probe(fake_node, PIDFDS + textwrap.dedent("""
+            import time
+            N.nvmlInit()
+            h = N.nvmlDeviceGetHandleByIndex(0)
+            out["before"] = [p.pid for p in N.nvmlDeviceGetComputeRunningProcesses(h)]
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if "pidfd" in os.readlink(f"/proc/self/fd/{fd}"):
+                        os.close(int(fd))
+                        assert os.open("/dev/null", os.O_RDONLY) == int(fd)
+                except OSError:
+                    pass
+            time.sleep(0.05)  # past the driver's 20 ms
+            out["after"] = [p.pid for p in N.nvmlDeviceGetComputeRunningProcesses(h)]
+            out["used"] = N.nvmlDeviceGetMemoryInfo(h).used
+        """))
+        assert out == {"before": [holder.pid], "after": [holder.pid], "used": GiB}
+
+
 def test_shutting_the_library_down_closes_its_pidfds(fake_node: FakeNode) -> None:
     with sleeper() as holder:
         fake_node.hold(holder.pid, 0, GiB)

@@ -59,6 +59,9 @@
  * holds a pidfd on each listed process (opened at its first query, closed when the state file
  * is read again or the library shut down) and asks all of them at once with one poll(), at most
  * once per LIVENESS_NS: a pidfd turns readable only once the whole thread group has exited.
+ * An exit a pidfd reports is confirmed in /proc, which has the last word: a descriptor the
+ * caller closed under the library, or a PID that names another process now, does not make a
+ * live process vanish from the lists.
  * Where it has no pidfd (an old kernel, a PID that is not a process's, a /proc of another PID
  * namespace, a quarter of the caller's descriptor limit taken) it reads /proc/PID/stat instead,
  * once per LIVENESS_NS for that process. Either way an exit shows within that time, and a
@@ -850,7 +853,18 @@ static void sweep_pidfds(unsigned long long now)
             g_pidfd_state[i] = PIDFD_NONE;
             continue;
         }
-        g_alive[i] = (g_pollfds[k].revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL)) == 0;
+        int exited = (g_pollfds[k].revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL)) != 0;
+        if (exited && pid_holds_memory(g_state.processes[i].pid)) {
+            /* /proc says it runs: the descriptor is not this process's pidfd any more (the
+             * caller closed it, and the number went to a file of its own) or the PID names
+             * another process now. Either way /proc answers for the record from now on, as it
+             * did before pidfds; the descriptor is left to whoever holds it. */
+            g_pidfds_open--;
+            g_pidfd_state[i] = PIDFD_NONE;
+            g_alive[i] = 1;
+        } else {
+            g_alive[i] = (unsigned char)!exited;
+        }
         g_alive_at[i] = now;
     }
 }

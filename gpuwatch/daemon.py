@@ -117,7 +117,8 @@ class Daemon:
         self._reload_thread: Optional[threading.Thread] = None
         self._reload_result: Optional[tuple[Optional[Config], Optional[ConfigError]]] = None
         self._nvml_was_up: Optional[bool] = None
-        self._trim = PollTrim()
+        #: Hands the allocator's free pages back after a poll (agent_budget.PollTrim).
+        self._give_back_free_memory = PollTrim()
 
         # No `_created` series (gpuwatch.metrics writes none): they would double every counter
         # for no use on a node exporter.
@@ -289,6 +290,9 @@ class Daemon:
                 self._render_for_scrapes()  # the reload's outcome, counted, shows at once
             if now >= next_poll:
                 self.poll_once()
+                # The allocator's free pages back, where the poll and its renders grew the RSS
+                # by more than a slack (docs/design-notes.md, "A trim after a poll only where
+                # it gives memory back").
                 self._give_back_free_memory()
                 # Catch up by skipping, not by polling back to back after a slow poll.
                 next_poll = max(next_poll + self.config.daemon.interval, time.monotonic())
@@ -308,12 +312,6 @@ class Daemon:
             self._poll()
         finally:
             self._render_for_scrapes()
-
-    def _give_back_free_memory(self) -> None:
-        """Hand the C allocator's free pages back after a poll and its renders, where they
-        have grown the daemon's RSS by more than a slack (agent_budget.PollTrim;
-        docs/design-notes.md, "A trim after a poll only where it gives memory back")."""
-        self._trim()
 
     def _render_for_scrapes(self) -> None:
         try:

@@ -45,9 +45,11 @@ from gpuwatch.sinks.exposition_text import Family, Row
 from gpuwatch.sinks.process_rows import (
     BUFFER_LABELS,
     GPU_PROCESS_LABELS,
+    PROCESS_FAMILIES,
     PROCESS_LABELS,
-    ProcessRows,
+    ProcessFamilies,
     process_labels,
+    process_rows,
 )
 from gpuwatch.vocabulary import FoundBy, Series
 
@@ -233,7 +235,7 @@ class ReportCollector(Collector):
         self._failing: set[str] = set()
         #: Each exported process's rows at the last render, by PID: made again only when what
         #: they are made of changed (most processes' between two polls do not). Replaced whole.
-        self._process_rows: dict[int, ProcessRows] = {}
+        self._process_rows: dict[int, tuple[tuple[object, ...], ProcessFamilies]] = {}
 
     def exported(self, report: NodeReport) -> tuple[list[HostProcess], dict[str, int]]:
         """exported_processes of `report` under max_process_series, worked out once a report."""
@@ -364,7 +366,7 @@ class ReportCollector(Collector):
         allowed, _ = agent_series_cap(report, exported, self.max_agent_series)
         flagged = {f.pid for f in report.findings if f.pid is not None}
         kept = self._process_rows
-        made: dict[int, ProcessRows] = {}
+        made: dict[int, tuple[tuple[object, ...], ProcessFamilies]] = {}
         for p in exported:
             agent = agents.get(p.pid)
             fit = allowed.get(p.pid, 0)
@@ -378,13 +380,16 @@ class ReportCollector(Collector):
             started = round(wall(p.start_time), 2) if p.start_time is not None else None
             stepped = (wall(agent.step_changed_at) if agent is not None and agent.step is not None
                        and agent.step_changed_at is not None else None)
-            rows = kept.get(p.pid)
-            if rows is None or not rows.same(p, job, agent, fit, started, stepped):
-                rows = ProcessRows(p, job, agent, fit, started, stepped)
-            made[p.pid] = rows
+            # Everything the rows are made of (as DocumentWriter keys a process's JSON).
+            key = (p, job, agent, fit, started, stepped)
+            entry = kept.get(p.pid)
+            if entry is None or entry[0] != key:
+                entry = (key, process_rows(p, job, agent, fit, started, stepped))
+            made[p.pid] = entry
         self._process_rows = made
         gpu_mem, rss, start, steps, step_at, items, sizes = (
-            [r for rows in made.values() for r in rows.families[i]] for i in range(7))
+            [r for _, families in made.values() for r in families[i]]
+            for i in range(PROCESS_FAMILIES))
         yield _family("gpuwatch_process_gpu_memory_bytes",
                       "GPU memory a process holds on one GPU, as NVML reports it.",
                       GPU_PROCESS_LABELS, gpu_mem)

@@ -3,8 +3,9 @@ process is unchanged.
 
 Most of a node's processes show the same figures from one poll to the next; their records (and
 their agents' readings) are then the same immutable objects. ReportCollector keeps each
-exported process's rows while what they are made of is the same, and exposition_text.LineWriter
-keeps those rows' lines by identity: a render writes again only the processes that changed.
+exported process's rows while what they are made of is equal (as DocumentWriter keeps each
+process's JSON), and exposition_text.LineWriter keeps those rows' lines by identity: a render
+writes again only the processes that changed.
 """
 
 from __future__ import annotations
@@ -47,42 +48,37 @@ GPU_PROCESS_LABELS = (*PROCESS_LABELS, "gpu", "uuid")
 BUFFER_LABELS = (*PROCESS_LABELS, "buffer")
 
 
-class ProcessRows:
-    """One exported process's rows for the per-process families (GPU memory, RSS, start time,
-    step, step time, buffer items, buffer bytes, in the order ReportCollector._processes yields
-    them), and what they were made of: the record, its job, its agent's reading (records and
-    readings are immutable, replaced when anything in them changes), how many buffers its user's
-    share lets it export, and its two times on the wall clock."""
+#: One exported process's rows for the per-process families, in the order
+#: ReportCollector._processes yields them: GPU memory, RSS, start time, step, step time, buffer
+#: items, buffer bytes.
+ProcessFamilies = tuple[list[Row], list[Row], list[Row], list[Row], list[Row], list[Row],
+                        list[Row]]
+PROCESS_FAMILIES = 7
 
-    __slots__ = ("agent", "families", "fit", "job", "process", "started", "stepped")
 
-    def __init__(self, p: HostProcess, job: Optional[Job], agent: Optional[AgentReading],
-                 fit: int, started: Optional[float], stepped: Optional[float]) -> None:
-        self.process, self.job, self.agent, self.fit = p, job, agent, fit
-        self.started, self.stepped = started, stepped
-        base = process_labels(p.pid, p.name, p.user, job)
-        gpu_mem = [row([*base, str(u.gpu_index), u.gpu_uuid or ""], float(u.memory_bytes))
-                   for u in p.gpu_usage if u.memory_bytes is not None]
-        rss = [row(base, float(p.rss_bytes))] if p.rss_bytes is not None else []
-        start = [row(base, started)] if started is not None else []
-        steps: list[Row] = []
-        step_at: list[Row] = []
-        items: list[Row] = []
-        sizes: list[Row] = []
-        if agent is not None and agent.step is not None:
-            steps.append(row(base, float(agent.step)))
-            if stepped is not None:
-                step_at.append(row(base, stepped))
-        if agent is not None and agent.latest is not None:
-            for name, size in islice(agent.latest.buffers.items(), fit):
-                if size.items is not None:
-                    items.append(row([*base, name], float(size.items)))
-                if size.bytes is not None:
-                    sizes.append(row([*base, name], float(size.bytes)))
-        self.families = (gpu_mem, rss, start, steps, step_at, items, sizes)
-
-    def same(self, p: HostProcess, job: Optional[Job], agent: Optional[AgentReading], fit: int,
-             started: Optional[float], stepped: Optional[float]) -> bool:
-        """Whether rows made of these would be these rows."""
-        return (self.process is p and (self.job is job or self.job == job) and self.agent is agent
-                and self.fit == fit and self.started == started and self.stepped == stepped)
+def process_rows(p: HostProcess, job: Optional[Job], agent: Optional[AgentReading], fit: int,
+                 started: Optional[float], stepped: Optional[float]) -> ProcessFamilies:
+    """A process's rows, made of its record, its job, its agent's reading, how many buffers its
+    user's share lets it export (`fit`) and its two times on the wall clock: nothing else, so
+    a collector keeps them while those are equal (records and readings are immutable, replaced
+    when anything in them changes)."""
+    base = process_labels(p.pid, p.name, p.user, job)
+    gpu_mem = [row([*base, str(u.gpu_index), u.gpu_uuid or ""], float(u.memory_bytes))
+               for u in p.gpu_usage if u.memory_bytes is not None]
+    rss = [row(base, float(p.rss_bytes))] if p.rss_bytes is not None else []
+    start = [row(base, started)] if started is not None else []
+    steps: list[Row] = []
+    step_at: list[Row] = []
+    items: list[Row] = []
+    sizes: list[Row] = []
+    if agent is not None and agent.step is not None:
+        steps.append(row(base, float(agent.step)))
+        if stepped is not None:
+            step_at.append(row(base, stepped))
+    if agent is not None and agent.latest is not None:
+        for name, size in islice(agent.latest.buffers.items(), fit):
+            if size.items is not None:
+                items.append(row([*base, name], float(size.items)))
+            if size.bytes is not None:
+                sizes.append(row([*base, name], float(size.bytes)))
+    return gpu_mem, rss, start, steps, step_at, items, sizes

@@ -37,8 +37,16 @@ def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
 
 @dataclass_transform(frozen_default=True)
 def frozen_dataclass(cls: type[T]) -> type[T]:
+    # dataclass gives a class without a docstring its signature as one, through
+    # inspect.signature (0.45 ms of gpuwatch.config's 3.4 ms import, which every command
+    # pays); the fields' names say as much.
+    undocumented = not cls.__doc__
+    if undocumented:
+        cls.__doc__ = cls.__name__
     cls = dataclass(frozen=True, repr=False, eq=False)(cls)
     fs = fields(cls)  # type: ignore[arg-type]
+    if undocumented:
+        cls.__doc__ = f"{cls.__name__}({', '.join(f.name for f in fs if f.init)})"
     shown = tuple(f.name for f in fs if f.repr)
     compared = tuple(f.name for f in fs if f.compare)
     hashed = tuple(f.name for f in fs if (f.compare if f.hash is None else f.hash))

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import logging
 import os
 import stat
 import time
@@ -371,6 +370,8 @@ def lock_runtime_dir(directory: TrustedDir) -> int:
             if not holders or any(uid is None or uid in honoured for _, uid in holders):
                 raise AlreadyRunning(_held_by(directory)) from None
             # Held by someone who runs no daemon here: their lock, not this directory's.
+            import logging  # here: `status` and the other clients of the directory never log
+
             logging.getLogger("gpuwatch.daemon").warning(
                 "%s was locked by %s, which is not a daemon of this directory: replaced",
                 path, ", ".join(f"PID {pid} ({user_named(uid or 0)})" for pid, uid in holders))

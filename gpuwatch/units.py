@@ -3,7 +3,6 @@ counts with their nouns."""
 
 from __future__ import annotations
 
-import datetime as _dt
 import re
 from collections.abc import Sequence
 from typing import Optional
@@ -50,6 +49,8 @@ def parse_duration(text: str) -> float:
 
 def clock_time(epoch: float) -> str:
     """'09:14:03Z': a moment that stays the same on every poll, unlike '14 s ago'."""
+    import datetime as _dt  # here: most commands never show a clock time
+
     return _dt.datetime.fromtimestamp(epoch, tz=_dt.timezone.utc).strftime("%H:%M:%SZ")
 
 

@@ -374,6 +374,65 @@ def test_run_reads_its_command_line_as_click_does_without_click(argv: list[str])
     assert parse_fast(argv) == RunArgs(**ctx.params)
 
 
+_MODULES_AT_EXIT = ("import atexit, sys\n"
+                    "atexit.register(lambda: sys.stderr.write('MODULES ' + ' '.join(sorted(\n"
+                    "    m for m in sys.modules if m.split('.')[0] in ('click', 'gpuwatch')))))\n"
+                    "sys.argv[0] = 'gpuwatch'\n"
+                    "from gpuwatch.entry import main\n"
+                    "main()\n")
+
+
+def _entry(argv: Sequence[str], env: Mapping[str, str]) -> tuple[subprocess.CompletedProcess[str],
+                                                                 set[str]]:
+    """`gpuwatch ARGV` through the entry point, and the click and gpuwatch modules it imported."""
+    result = subprocess.run([sys.executable, "-c", _MODULES_AT_EXIT, *argv], env=dict(env),
+                            capture_output=True, text=True, timeout=60)
+    _, _, modules = result.stderr.rpartition("MODULES ")
+    return result, set(modules.split())
+
+
+@pytest.mark.parametrize("argv", [["--json"], ["--json", "--poll"], ["--poll", "--json"]])
+def test_status_json_is_answered_without_click_as_click_answers_it(
+        argv: list[str], cli_env: dict[str, str]) -> None:
+    """Scripts run `gpuwatch status --json` every few seconds: it starts without click and the
+    other commands, and prints what click's `status --json` prints, with its exit code."""
+    fast, modules = _entry(["status", *argv], cli_env)
+    assert "click" not in modules and "gpuwatch.cli" not in modules, sorted(modules)
+    assert "gpuwatch.commands.status_json" in modules
+    slow = gpuwatch(["status", "--json", "--verbose", *argv[1:]], cli_env)  # click's path
+    assert fast.returncode == slow.returncode == 0, (fast.stderr, slow.stderr)
+    ours, theirs = json.loads(fast.stdout), json.loads(slow.stdout)
+    assert fast.stdout.startswith('{\n  "') and fast.stdout.endswith("}\n")
+    assert ours.keys() == theirs.keys() and ours["source"] == theirs["source"] == "poll"
+    assert [g["index"] for g in ours["gpus"]] == [g["index"] for g in theirs["gpus"]]
+
+
+@pytest.mark.parametrize("argv", [["-h"], ["--json", "-v"], ["--json", "--watch"], ["--poll"],
+                                  ["--json", "--runtime-dir", "/nonexistent"], ["--jsn"],
+                                  ["--json", "--json=1"]])
+def test_status_hands_every_other_command_line_to_click(argv: list[str],
+                                                        cli_env: dict[str, str]) -> None:
+    from gpuwatch.commands.status_json import main as status_json
+
+    assert status_json(argv) is None
+    if argv == ["--json", "--watch"]:
+        return  # it would not end; that click reads it is what is pinned
+    result, modules = _entry(["status", *argv], cli_env)
+    assert "click" in modules, sorted(modules)
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_bad_configuration_under_status_json_is_said_as_click_says_it(
+        tmp_path: Path, cli_env: dict[str, str]) -> None:
+    bad = tmp_path / "gpuwatch.toml"
+    bad.write_text("[daemon]\ninterval = -1\n")
+    env = {**cli_env, "GPUWATCH_CONFIG": str(bad)}
+    result, modules = _entry(["status", "--json"], env)
+    assert result.returncode == 78 and "click" in modules
+    assert result.stderr.startswith("gpuwatch: bad configuration: daemon.interval"), result.stderr
+    assert result.stdout == ""
+
+
 @pytest.mark.parametrize("argv", [[], ["-h"], ["--grace"], ["--grace", "soon", "true"],
                                   ["--job-name", "a b", "true"], ["--gracee", "1", "true"],
                                   ["--keep-helpers=yes", "true"]])

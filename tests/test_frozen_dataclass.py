@@ -48,6 +48,17 @@ def test_repr_eq_and_hash_are_dataclass_s(specs: tuple[tuple[str, Any], ...]) ->
         assert dataclasses.replace(o1, a=7).a == 7
 
 
+def test_a_class_without_a_docstring_is_named_with_its_fields_and_one_with_keeps_its_own() -> None:
+    """dataclass would describe an undocumented class by its signature, through
+    inspect.signature (0.45 ms of importing gpuwatch.config); its fields' names say as much."""
+    ours = frozen_dataclass(type("C", (), {"__annotations__": {"a": "int", "b": "str"}}))
+    assert ours.__doc__ == "C(a, b)"
+    documented = frozen_dataclass(type("D", (), {"__doc__": "What D is.",
+                                                 "__annotations__": {"a": "int"}}))
+    assert documented.__doc__ == "What D is."
+    assert ours(1, "x") == ours(a=1, b="x") and documented(a=1).a == 1
+
+
 def test_a_recursive_repr_does_not_recurse_forever() -> None:
     _, ours = _pair(("a", None))
     box: list[Any] = []

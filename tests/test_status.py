@@ -446,7 +446,8 @@ def test_a_document_reads_back_into_the_models_types_and_renders_again_byte_for_
 def test_the_json_exit_code_read_off_the_document_is_the_reports() -> None:
     """`status --json` prints the document as it came and reads its exit code off it, without
     reading it into the model: the code is the one the report gives."""
-    from gpuwatch.commands.status import document_exit_code, exit_code
+    from gpuwatch.commands.status import exit_code
+    from gpuwatch.commands.status_json import document_exit_code
     from gpuwatch.model import GpuDevice, NvmlCallError
 
     report = leakreports.leak_report()

@@ -82,7 +82,7 @@ def reap(dry_run: bool, yes: bool, job: Optional[str], pod: Optional[str],
     from gpuwatch.actions.reap_audit import AuditRefused, audit_refusal
     from gpuwatch.actions.reap_plan import REFUSED_SERVICE, Filters
     from gpuwatch.app.reaping import Reap
-    from gpuwatch.commands.status import status_document
+    from gpuwatch.commands.status_json import status_document
     from gpuwatch.model import KINDS, REAPABLE_KINDS
     from gpuwatch.runtime_dir import daemon_info
     from gpuwatch.sinks.document import from_json

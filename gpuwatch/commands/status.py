@@ -17,10 +17,10 @@ from gpuwatch.commands.options import (
     refresh_option,
     runtime_option,
 )
+from gpuwatch.commands.status_json import document_exit_code, print_json, status_document
 
 if TYPE_CHECKING:
     from gpuwatch.config import Config
-    from gpuwatch.document_types import StatusDocument
     from gpuwatch.model import NodeReport
 
 EXIT_CODES = f"""\b
@@ -79,49 +79,28 @@ def exit_code(report: NodeReport) -> ExitCode:
     return ExitCode.OK
 
 
-def document_exit_code(doc: StatusDocument) -> ExitCode:
-    """exit_code of the report `doc` was rendered from, read off the document itself: what
-    `status --json` needs of it, without reading the whole into the model's types."""
-    if not doc["nvml"]["available"]:
-        return ExitCode.NVML_UNAVAILABLE
-    if any(g["errors"] for g in doc["gpus"]):
-        return ExitCode.PARTIAL
-    return ExitCode.OK
-
-
-def status_document(cfg: Config, ask_daemon: bool) -> dict[str, Any]:
-    """The running daemon's document, or (not `ask_daemon`, or none answers) one poll's."""
-    from gpuwatch.app.status import StatusSource
-
-    with StatusSource(cfg, force_poll=not ask_daemon, one_shot=True) as source:
-        return source()
-
-
 def _print(doc: dict[str, Any], report: Optional[NodeReport], as_json: bool, verbose: bool,
            *, watching: bool = False) -> None:
     """`doc` as JSON, as the daemon (or the command's own poll) wrote it, or the text view of
     `report`, the same document read once (gpuwatch.sinks.document.from_json)."""
-    import json
+    if as_json:
+        print_json(doc, watching)
+        return
+    assert report is not None, "the text view renders the report"
+    import shutil
+
+    from gpuwatch.sinks.colour import wants_colour
+    from gpuwatch.sinks.status_view import render_status
+    from gpuwatch.sinks.text import glyphs_for
 
     tty = sys.stdout.isatty()
-    if as_json:
-        # Indented for one document; when watching, one per line, for line-reading consumers.
-        text = json.dumps(doc, indent=None if watching else 2) + "\n"
-    else:
-        assert report is not None, "the text view renders the report"
-        import shutil
-
-        from gpuwatch.sinks.colour import wants_colour
-        from gpuwatch.sinks.status_view import render_status
-        from gpuwatch.sinks.text import glyphs_for
-
-        text = render_status(report, width=shutil.get_terminal_size().columns if tty else 0,
-                             verbose=verbose, colour=wants_colour(sys.stdout),
-                             glyphs=glyphs_for(sys.stdout.encoding))
-        if watching:
-            # On a terminal, home and clear before drawing, as `watch` does; piped, each view
-            # after a blank line.
-            text = "\033[H\033[2J" + text if tty else text + "\n"
+    text = render_status(report, width=shutil.get_terminal_size().columns if tty else 0,
+                         verbose=verbose, colour=wants_colour(sys.stdout),
+                         glyphs=glyphs_for(sys.stdout.encoding))
+    if watching:
+        # On a terminal, home and clear before drawing, as `watch` does; piped, each view
+        # after a blank line.
+        text = "\033[H\033[2J" + text if tty else text + "\n"
     sys.stdout.write(text)
     sys.stdout.flush()
 

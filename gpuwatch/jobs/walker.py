@@ -129,36 +129,30 @@ class JobWalker:
         if last_pid < walk.last_pid:
             return None  # PIDs wrapped around
         # What a walk costs, in stat lines of live new processes: more of those, and walking is
-        # cheaper. New PIDs whose process exited already (churn) cost a failed open each.
+        # cheaper. New PIDs whose process exited already (churn) cost a kill(pid, 0) each.
         budget = max(MAX_NEW_PIDS, len(walk.members))
         if last_pid - walk.last_pid > DEAD_PIDS_PER_LIVE * budget + WALK_SLACK:
             return None  # a busy host: a walk costs less than looking at every new PID
-        live = 0
-        # (A stand-in source without `exists` has each PID's stat line read.)
-        exists = getattr(self._processes, "exists", None)
         tree = walk.shape.keys()
-        born: set[int] = set()
-        listed: dict[int, set[int]] = {}
-        unseen = []
         # In order: a child's PID follows its parent's, so a new child of a new member is found
         # (the PIDs looked at again are older than the new ones).
-        for pid in sorted({*range(walk.last_pid + 1, last_pid + 1), *walk.unseen}):
-            if pid in tree:
-                continue  # found before (a PID reused since shows in the shape)
+        new = range(walk.last_pid + 1, last_pid + 1)
+        looked = [pid for pid in (*sorted(walk.unseen), *new)
+                  if pid not in tree]  # (one found before: a PID reused since shows in the shape)
+        # (A stand-in source without `live` has each PID's stat line read.)
+        live = getattr(self._processes, "live", None)
+        born: set[int] = set()
+        read: set[int] = set()
+        listed: dict[int, set[int]] = {}
+        for pid in looked if live is None else live(looked):
             try:
-                stat = (self._processes.stat(pid) if exists is None or exists(pid)
-                        else None)
+                stat = self._processes.stat(pid)
             except (OSError, ValueError, IndexError):
                 return None
             if stat is None:
-                # Exited already, or, among the newest, not in /proc yet: a fork that is not
-                # complete. Those are looked at once more at the next poll, by when a fork has
-                # long completed (an older one had its PID before the newest forks began).
-                if pid > last_pid - WALK_SLACK and pid not in walk.unseen:
-                    unseen.append(pid)
-                continue
-            live += 1
-            if live > budget + WALK_SLACK:
+                continue  # exited since
+            read.add(pid)
+            if len(read) > budget + WALK_SLACK:
                 return None  # as many live new processes as a walk reads: walk
             if stat.ppid in tree or stat.ppid in born:
                 # A child as a walk finds it, in its parent's children file: not a thread (its
@@ -168,6 +162,10 @@ class JobWalker:
                     kids = listed[stat.ppid] = set(self._processes.children(stat.ppid))
                 if pid in kids:
                     born.add(pid)
+        # Gone already, or, among the newest, not in /proc yet: a fork that is not complete.
+        # Those are looked at once more at the next poll, by when a fork has long completed (an
+        # older one had its PID before the newest forks began).
+        unseen = [pid for pid in new[-WALK_SLACK:] if pid not in read and pid not in tree]
         return born, frozenset(unseen)
 
     @staticmethod
@@ -191,10 +189,22 @@ class JobWalker:
             if p is None or not p.in_procfs or walk.shape.get(root) != (p.start_time, p.ppid):
                 return None
         shape = walk.shape
-        if not born and all(
-                (p := processes.get(pid)) is not None and p.in_procfs
-                and shape.get(pid) == (p.start_time, p.ppid) for pid in walk.members):
+        changed = [pid for pid in walk.members
+                   if not ((p := processes.get(pid)) is not None and p.in_procfs
+                           and shape.get(pid) == (p.start_time, p.ppid))]
+        if not changed and not born:
             return walk.members  # most polls: nothing changed
+        gone = {pid for pid in changed
+                if (p := processes.get(pid)) is None or not p.in_procfs}
+        alive = {pid: p.ppid for pid in born
+                 if (p := processes.get(pid)) is not None and p.in_procfs}
+        if (len(gone) == len(changed) and None not in alive.values()
+                and gone.isdisjoint(alive.values())
+                and not any(shape[pid][1] in gone for pid in walk.members if pid not in gone)):
+            # Under churn, most polls: processes born under the trees since (each found in its
+            # parent's children file) and members gone with no member under them: no parent
+            # to follow.
+            return (walk.members - gone) | alive.keys()
         # Whether each process is under a root, worked out once per process.
         under: dict[int, bool] = dict.fromkeys(walk.roots, True)
         for pid in walk.members | born:

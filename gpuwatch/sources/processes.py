@@ -384,17 +384,23 @@ class ProcessSource:
         except (OSError, ValueError):
             return None
 
-    def exists(self, pid: int) -> bool:
-        """Whether a process or thread `pid` exists now: kill(pid, 0), a tenth of what a failed
-        open of its /proc files costs. For PIDs of this process's namespace: the walker asks
-        only where last_pid answers, that is where /proc is this namespace's."""
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            return True  # another user's (EPERM): it exists
-        return True
+    def live(self, pids: Iterable[int]) -> list[int]:
+        """Those of `pids` that are a process or thread now, in their order: kill(pid, 0) each,
+        a tenth of what a failed open of its /proc files costs, in one loop (churn hands the
+        walker hundreds of PIDs a poll, most gone already). For PIDs of this process's
+        namespace: the walker asks only where last_pid answers, that is where /proc is this
+        namespace's."""
+        found = []
+        kill = os.kill
+        for pid in pids:
+            try:
+                kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            except OSError:
+                pass  # another user's (EPERM): it exists
+            found.append(pid)
+        return found
 
     def last_pid(self) -> Optional[int]:
         """The PID most recently handed out in this process's PID namespace (the last field of

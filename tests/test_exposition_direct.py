@@ -74,6 +74,38 @@ def test_the_exposition_written_directly_is_prometheus_clients_byte_for_byte() -
     assert b"7.516192768e+09" in _same_as_prometheus_client(registry, writer)
 
 
+def test_a_family_written_whole_is_kept_while_its_samples_are_and_written_again_once_not(
+) -> None:
+    """The daemon's own counters, histograms and gauges go through the general encoder, one
+    family at a time; what it wrote is kept while the family's samples are the same, and a
+    moved counter, a new label, an observation or a -0.0 (written by its sign) is written
+    again."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+    polls = Counter("polls", "Polls.", registry=registry)
+    errors = Counter("errors", "Errors by kind.", ["kind"], registry=registry)
+    took = Histogram("took_seconds", "Poll time.", buckets=(0.01, 0.1), registry=registry)
+    clock = Gauge("clock_step_seconds", "Clock step.", registry=registry)
+    writer = LineWriter()
+    _same_as_prometheus_client(registry, writer)
+    kept = writer.whole_kept
+    _same_as_prometheus_client(registry, writer)
+    assert writer.whole_kept - kept == 3 * 4  # each family, in each of the three writes
+    for change in (polls.inc, lambda: errors.labels("nvml").inc(), lambda: took.observe(0.05)):
+        change()
+        kept = writer.whole_kept
+        _same_as_prometheus_client(registry, writer)
+        # The other three each time; the changed one too at the last write, which is in the
+        # format of the first.
+        assert writer.whole_kept - kept == 3 + 3 + 4
+    clock.set(-0.0)
+    kept = writer.whole_kept
+    _same_as_prometheus_client(registry, writer)
+    assert writer.whole_kept - kept == 3 + 3 + 3  # -0.0 is never kept: 0.0 equals it
+    assert b"clock_step_seconds -0.0\n" in writer.write(TEXT, registry)
+
+
 def test_a_kept_process_is_written_again_when_its_pod_is_named_or_the_clock_steps() -> None:
     """The collector keeps a process's rows while its record is the same object; the pod's
     names (the job's, arriving a poll later) and the wall clock's correction are not in the

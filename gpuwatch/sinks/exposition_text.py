@@ -8,7 +8,9 @@ time, though most of a node's processes show the same figures from one poll to t
 `LineWriter` writes a Family's lines itself and keeps each line until its value or labels
 change: a render after a poll formats only the series that changed. Every other family (the
 daemon's counters, its process metrics, info families) is written by the general encoder, one
-family at a time, so the body is what that encoder would have written whole.
+family at a time, so the body is what that encoder would have written whole; what it wrote is
+kept while the family's samples are the same (most of the daemon's own counters do not move
+from one poll to the next).
 
 A Family is a `Metric` all the same: its samples are made when something asks
 for them (a `name[]` selection, an encoder this module does not write, a test).
@@ -119,6 +121,23 @@ class _One:
 _EOF = b"# EOF\n"
 
 
+#: A family written whole, as a key: its header fields and every sample (name, labels in their
+#: order, value, timestamp). None where a sample is written by its sign as well as its value
+#: (-0.0) or carries what the encoders refuse (an exemplar).
+WholeKey = tuple[Any, ...]
+
+
+def whole_key(metric: Metric) -> Optional[WholeKey]:
+    samples = []
+    for s in metric.samples:
+        value = s.value
+        if s.exemplar is not None or s.native_histogram is not None or (
+                value == 0.0 and copysign(1.0, value) < 0):
+            return None
+        samples.append((s.name, tuple(s.labels.items()), value, s.timestamp))
+    return (metric.name, metric.type, metric.documentation, metric.unit, tuple(samples))
+
+
 class LineWriter:
     """Writes bodies, keeping each Family line until its value changes.
 
@@ -136,10 +155,16 @@ class LineWriter:
         #: row is held, so its id is not another object's while it is here.
         self._by_row: dict[str, dict[int, tuple[Row, str]]] = {}
         self._headers: dict[tuple[str, str, bool], str] = {}
+        #: By output (OpenMetrics or not, the escaping of names: four at most, whatever
+        #: versions scrapers ask for), each family of its last body written whole, by its key
+        #: (whole_key). Scrapers asking for different formats do not undo each other's.
+        self._whole: dict[tuple[bool, str], dict[WholeKey, bytes]] = {}
         self._lock = threading.Lock()
         #: Lines written from their values / kept from an earlier body (for tests and benches).
         self.formatted = 0
         self.kept = 0
+        #: Families written whole that were kept from an earlier body (for tests and benches).
+        self.whole_kept = 0
 
     def write(self, encoder: Encoder, registry: Any) -> bytes:
         """What `encoder(registry)` returns, written faster where it can be."""
@@ -148,10 +173,14 @@ class LineWriter:
             return encoder(registry)
         out: list[str] = []
         chunks: list[bytes] = []
+        assert isinstance(encoder, Format)  # encoder_form said so
+        output = (form, encoder.escaping)
         old, old_by_row = self._lines, self._by_row
+        old_whole = self._whole.get(output, {})
         new: dict[tuple[str, tuple[str, ...]], tuple[float, str]] = {}
         new_by_row: dict[str, dict[int, tuple[Row, str]]] = {}
-        formatted = kept = 0
+        new_whole: dict[WholeKey, bytes] = {}
+        formatted = kept = whole_kept = 0
         for metric in registry.collect():
             if isinstance(metric, Family) and metric.written_whole:
                 out.append(self._header(metric, form))
@@ -163,9 +192,16 @@ class LineWriter:
                 formatted += formatted_here
                 kept += kept_here
                 continue
-            body = encoder(_One(metric))
-            if form and body.endswith(_EOF):
-                body = body[:-len(_EOF)]
+            key = whole_key(metric)
+            body = old_whole.get(key) if key is not None else None
+            if body is None:
+                body = encoder(_One(metric))
+                if form and body.endswith(_EOF):
+                    body = body[:-len(_EOF)]
+            else:
+                whole_kept += 1
+            if key is not None:
+                new_whole[key] = body
             if out:
                 chunks.append("".join(out).encode("utf-8"))
                 out = []
@@ -177,8 +213,10 @@ class LineWriter:
         with self._lock:
             self._lines = new
             self._by_row = new_by_row
+            self._whole = {**self._whole, output: new_whole}
             self.formatted += formatted
             self.kept += kept
+            self.whole_kept += whole_kept
         return b"".join(chunks)
 
     def _header(self, family: Family, openmetrics: bool) -> str:

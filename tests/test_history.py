@@ -342,6 +342,16 @@ def test_figures_in_pages_or_mib_are_kept_exactly_in_half_a_double() -> None:
     assert math.isnan(ring.values()[-1])
 
 
+def test_every_nth_figure_is_values_every_nth_filling_full_and_wrapped_at_every_stride() -> None:
+    for capacity in (1, 2, 7, 30):
+        ring = FigureRing(capacity)
+        for n in range(3 * capacity + 2):
+            for stride in range(1, capacity + 2):
+                assert list(ring.every(stride)) == list(ring.values()[::stride]), (
+                    capacity, n, stride)
+            ring.append(float(n * 4096))
+
+
 def test_a_figure_a_32_bit_float_would_round_turns_the_ring_into_exact_doubles() -> None:
     ring = FigureRing(4)
     for value in (5 * 4096, (1 << 36) + 4096, 2**62 + 4096, float(2**64), 1e300):

@@ -280,9 +280,9 @@ def _growing_by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
     # newest leak_window of them could cover half the samples, and less than the span.)
     stride = max(1, -(-len(taken) // config.leak_window))
     times = taken[::stride]
-    for series, ys, limit_of in ((Series.RSS, h.rss, host_limit),
-                                 (Series.GPU_MEMORY, h.gpu_memory, None)):
-        sampled = ys[::stride]
+    for series, every, limit_of in ((Series.RSS, h.rss_every, host_limit),
+                                    (Series.GPU_MEMORY, h.gpu_memory_every, None)):
+        sampled = every(stride)
         if not may_grow(times, sampled, config.leak_window, config.leak_min_bytes_per_second):
             continue
         g = growth(times, sampled, after, config.leak_window, config.leak_min_points)

@@ -65,6 +65,16 @@ class Ring:
             return self._data[:self._size]
         return self._data[self._start:] + self._data[:self._start]
 
+    def every(self, stride: int) -> array[float]:
+        """values()[::stride], copying only the figures chosen: the time-based leak test reads
+        a window's worth spread over every sample, each poll, for every process."""
+        data, start, size = self._data, self._start, self._size
+        if start == 0:
+            return data[:size:stride]
+        # Full, and wrapped: the oldest figures run from `start` to the end, then from 0.
+        first = data[start::stride]
+        return first + data[len(first) * stride - (len(data) - start):start:stride]
+
     def resize(self, capacity: int) -> None:
         kept = self.values()[-max(1, capacity):]
         self._data = array(self._data.typecode, [_NAN]) * max(1, capacity)
@@ -216,6 +226,14 @@ class ProcessHistory:
     @property
     def gpu_memory(self) -> array[float]:
         return self._gpu_memory.values()
+
+    def rss_every(self, stride: int) -> array[float]:
+        """rss[::stride], without copying the rest."""
+        return self._rss.every(stride)
+
+    def gpu_memory_every(self, stride: int) -> array[float]:
+        """gpu_memory[::stride], without copying the rest."""
+        return self._gpu_memory.every(stride)
 
     @property
     def uss(self) -> Optional[array[float]]:

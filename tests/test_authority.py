@@ -16,7 +16,7 @@ import pytest
 
 from gpuwatch.model import Executable
 from gpuwatch.simulate.demo import wait_for
-from gpuwatch.sources.authority import system_unit
+from gpuwatch.sources.authority import RootDirectories, system_unit
 from gpuwatch.sources.processes import ProcessSource
 from tests.localusers import LocalUser, local_user
 from tests.protected import exe_setter, roots_own_program, users_directory
@@ -64,6 +64,27 @@ def test_a_program_only_root_could_have_put_there_is_roots_and_the_same_file_in_
     loose.chmod(0o755)
     with started([str(loose), "600"], str(loose)) as pid:
         assert exe_of(pid) == Executable(str(loose), owner_uid=0, root_controlled=False)
+
+
+def test_a_directorys_verdict_is_kept_a_second_and_made_again_once_it_changed() -> None:
+    """The processes a poll sees first share a few directories: each is looked at once a
+    poll. A directory a root made writable by others is judged again within the second, and
+    what is below it with it."""
+    now = [0.0]
+    directories = RootDirectories(ttl=1.0, clock=lambda: now[0])
+    with roots_own_program("gpu-agent") as program:
+        directory, inner = os.fsencode(program.parent), os.fsencode(program.parent / "lib")
+        os.mkdir(inner, 0o755)
+        assert directories.root_only(inner) and directories.root_only(directory)
+        os.chmod(directory, 0o777)
+        assert directories.root_only(inner), "kept for a second"
+        now[0] = 1.0
+        assert not directories.root_only(inner) and not directories.root_only(directory)
+        os.chmod(directory, 0o755)
+        assert not directories.root_only(directory), "kept for a second, that way too"
+        now[0] = 2.5
+        assert directories.root_only(inner) and directories.root_only(b"/")
+    assert not RootDirectories().root_only(b"/tmp")  # writable by all, however sticky
 
 
 def test_a_link_set_by_prctl_in_a_user_namespace_is_not_roots_even_for_a_root_process(

@@ -15,7 +15,8 @@ import os
 import re
 import stat
 import sys
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 from gpuwatch.model import Executable
 
@@ -29,7 +30,53 @@ _DELETED_SUFFIX = " (deleted)"
 EXE_NOT_READABLE = "executable not readable (another user's process; needs CAP_SYS_PTRACE)"
 
 
-def read_executable(procfs: str, pid: int) -> tuple[Optional[Executable], Optional[str]]:
+class RootDirectories:
+    """Whether a directory and every one above it is root's alone (owned by root, writable by
+    neither group nor others), each verdict kept for `ttl` seconds.
+
+    The processes a poll sees first mostly run files of a few directories (a job's ranks, its
+    workers: one Python), and each directory up to / costs an lstat and a dirname: a poll asks
+    each directory once. Only root can change what is said of a directory root owns, and a
+    process's executable is judged once, at its first sight (gpuwatch.sources.proc_static), so
+    a second's memory adds nothing a root could not do anyway."""
+
+    def __init__(self, ttl: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 limit: int = 1024) -> None:
+        self._ttl = ttl
+        self._clock = clock
+        self._limit = limit
+        self._verdicts: dict[bytes, tuple[float, bool]] = {}
+
+    def root_only(self, directory: bytes) -> bool:
+        now = self._clock()
+        visited: list[bytes] = []
+        while True:
+            held = self._verdicts.get(directory)
+            if held is not None and now - held[0] < self._ttl:
+                verdict = held[1]
+                break
+            visited.append(directory)
+            try:
+                up = os.lstat(directory)
+            except OSError:
+                verdict = False
+                break
+            if not stat.S_ISDIR(up.st_mode) or not _roots(up):
+                verdict = False
+                break
+            if directory == b"/":
+                verdict = True
+                break
+            directory = os.path.dirname(directory)
+        if len(self._verdicts) + len(visited) > self._limit:
+            self._verdicts.clear()
+        for checked in visited:  # each below the one that decided takes its verdict
+            self._verdicts[checked] = (now, verdict)
+        return verdict
+
+
+def read_executable(procfs: str, pid: int, directories: Optional[RootDirectories] = None
+                    ) -> tuple[Optional[Executable], Optional[str]]:
     """The file process `pid` runs, and the read error to record (None when there is none).
 
     The link is read and the file stat'ed through it (the very file the process runs, wherever
@@ -53,7 +100,7 @@ def read_executable(procfs: str, pid: int) -> tuple[Optional[Executable], Option
     except OSError:
         return None, None
     return Executable(path=target.decode(_FS_ENCODING, "replace"), owner_uid=st.st_uid,
-                      root_controlled=(_root_controlled(target, st)
+                      root_controlled=(_root_controlled(target, st, directories)
                                        and _in_our_user_namespace(procfs, pid))), None
 
 
@@ -83,7 +130,8 @@ def _own_user_namespace() -> Optional[tuple[int, int]]:
     return (st.st_dev, st.st_ino)
 
 
-def _root_controlled(path: bytes, st: os.stat_result) -> bool:
+def _root_controlled(path: bytes, st: os.stat_result,
+                     directories: Optional[RootDirectories] = None) -> bool:
     """Whether `st` (the file a process runs) is the file at `path`, and only root could have put
     it there: it and every directory above it owned by root, writable by neither group nor others
     (/tmp, writable by all, fails however sticky: a hard link left there is nobody's proof)."""
@@ -95,17 +143,7 @@ def _root_controlled(path: bytes, st: os.stat_result) -> bool:
         return False  # deleted or replaced since it was executed, or not in our view at all
     if (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino):
         return False  # another file at that path here: another mount namespace's, or replaced
-    directory = os.path.dirname(path)
-    while True:
-        try:
-            up = os.lstat(directory)
-        except OSError:
-            return False
-        if not stat.S_ISDIR(up.st_mode) or not _roots(up):
-            return False
-        if directory == b"/":
-            return True
-        directory = os.path.dirname(directory)
+    return (directories or RootDirectories(ttl=0.0)).root_only(os.path.dirname(path))
 
 
 def _roots(st: os.stat_result) -> bool:

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Generic, Optional, TypeVar
 
 from gpuwatch.model import Executable, Job
-from gpuwatch.sources.authority import read_executable, system_unit
+from gpuwatch.sources.authority import RootDirectories, read_executable, system_unit
 from gpuwatch.sources.jobs import CgroupInfo, attribute_job, parse_cgroup, parse_environ
 from gpuwatch.sources.kernel_files import read_file, read_head
 from gpuwatch.sources.redact import redact_cmdline, redact_env
@@ -86,6 +86,7 @@ class StaticReader:
         self._environs: _Parsed[bytes, Mapping[str, str]] = _Parsed(_PARSED_BYTES)
         self._cmdlines: _Parsed[tuple[str, ...], tuple[str, ...]] = _Parsed(_PARSED_BYTES)
         self._statics: _Parsed[tuple[object, ...], Static] = _Parsed(_PARSED_BYTES)
+        self._root_directories = RootDirectories()
         #: Texts cut at the read (TRUNCATED_TEXTS), counted once a read: each process's once.
         self.truncated: dict[str, int] = dict.fromkeys(TRUNCATED_TEXTS, 0)
 
@@ -132,7 +133,8 @@ class StaticReader:
             errors.append("environment not readable (other user's process; run as root)")
         # What it runs, from the kernel's link (a zombie has none left): what protects it, where
         # its comm and command line say nothing (gpuwatch.sources.authority).
-        exe, exe_error = read_executable(self._procfs, pid) if not zombie else (None, None)
+        exe, exe_error = (read_executable(self._procfs, pid, self._root_directories)
+                          if not zombie else (None, None))
         if exe_error is not None:
             errors.append(exe_error)
         texts = (comm, cmdline_raw, cmdline_cut, uid, namespace_pids, cgroup_raw, env_raw, exe,

@@ -165,6 +165,21 @@ def test_idle_and_slow_clients_are_dropped_on_time_and_never_delay_a_scrape() ->
                  or None, 5)
 
 
+def test_a_listener_with_no_connection_open_sleeps_until_one_comes() -> None:
+    """A daemon nobody scrapes wakes for its polls alone: the metrics port's loop does not turn
+    every second while no connection is open (each turn takes the interpreter's lock and the
+    poll's cache)."""
+    with metrics_server() as (server, base):
+        scrape(f"{base}/metrics")
+        wait_for("the scrape's connection closed",
+                 lambda: server.listener.open_connections == 0 or None, 5)
+        turns = server.listener.turns
+        time.sleep(4.0)  # the window counted: a loaded machine turns it less, never more
+        # At most the expiry the closed connection had set, and nothing after it.
+        assert server.listener.turns - turns <= 1
+        assert b"listener_test_events" in scrape(f"{base}/metrics")
+
+
 def test_past_the_cap_the_oldest_idle_connection_makes_room() -> None:
     with metrics_server(max_connections=8) as (server, base), \
             flood(server.port, None, idle=8, slow=0) as socks:

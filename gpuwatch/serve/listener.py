@@ -32,6 +32,7 @@ import collections
 import contextlib
 import errno
 import logging
+import math
 import selectors
 import socket
 import sys
@@ -187,6 +188,8 @@ class Listener:
         self._stopping = False
         self._accept_paused_until: Optional[float] = None
         self._next_expiry = 0.0
+        #: Turns of the loop: each wake-up, for whatever reason (for tests).
+        self.turns = 0
         self._thread: Optional[threading.Thread] = None
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -220,10 +223,14 @@ class Listener:
         try:
             while not self._stopping:
                 now = time.monotonic()
-                timeout = max(0.0, min(self._next_expiry - now, 1.0))
+                # With no connection open nothing can expire: the loop sleeps until a client
+                # connects or it is woken (a daemon nobody scrapes does not wake every second).
+                timeout: Optional[float] = max(0.0, self._next_expiry - now)
                 if self._accept_paused_until is not None:
                     timeout = min(timeout, max(0.0, self._accept_paused_until - now))
-                for key, _ in self._sel.select(timeout):
+                ready = self._sel.select(None if timeout == math.inf else timeout)
+                self.turns += 1
+                for key, _ in ready:
                     if key.data is None:
                         self._accept()
                     elif key.data is self._wake_r:
@@ -493,7 +500,7 @@ class Listener:
         now = time.monotonic()
         if now < self._next_expiry:
             return
-        soonest = now + 1.0
+        soonest = math.inf
         for conn in list(self._conns.values()):
             if conn.state == _HELD:
                 if conn.release <= now:

@@ -66,25 +66,41 @@ def test_a_program_only_root_could_have_put_there_is_roots_and_the_same_file_in_
         assert exe_of(pid) == Executable(str(loose), owner_uid=0, root_controlled=False)
 
 
-def test_a_directorys_verdict_is_kept_a_second_and_made_again_once_it_changed() -> None:
-    """The processes a poll sees first share a few directories: each is looked at once a
-    poll. A directory a root made writable by others is judged again within the second, and
-    what is below it with it."""
-    now = [0.0]
-    directories = RootDirectories(ttl=1.0, clock=lambda: now[0])
+def test_a_directorys_verdict_is_kept_for_one_read_and_made_again_at_the_next() -> None:
+    """The processes a poll sees first share a few directories: each is looked at once a read
+    of the process source. A directory a root made writable by others is judged again at the
+    next read, and what is below it with it."""
+    directories = RootDirectories()
     with roots_own_program("gpu-agent") as program:
         directory, inner = os.fsencode(program.parent), os.fsencode(program.parent / "lib")
         os.mkdir(inner, 0o755)
         assert directories.root_only(inner) and directories.root_only(directory)
         os.chmod(directory, 0o777)
-        assert directories.root_only(inner), "kept for a second"
-        now[0] = 1.0
+        assert directories.root_only(inner), "kept until forgotten"
+        directories.forget()
         assert not directories.root_only(inner) and not directories.root_only(directory)
         os.chmod(directory, 0o755)
-        assert not directories.root_only(directory), "kept for a second, that way too"
-        now[0] = 2.5
+        assert not directories.root_only(directory), "kept until forgotten, that way too"
+        directories.forget()
         assert directories.root_only(inner) and directories.root_only(b"/")
     assert not RootDirectories().root_only(b"/tmp")  # writable by all, however sticky
+
+
+def test_the_process_source_judges_a_directory_again_at_each_read() -> None:
+    """A root's chmod shows at the next poll, as it did before directories were remembered."""
+    with roots_own_program("gpu-agent") as program, started([str(program), "600"],
+                                                            str(program)) as pid:
+        source = ProcessSource()
+        assert source.read([pid]).processes[pid].exe == Executable(
+            str(program), owner_uid=0, root_controlled=True)
+        os.chmod(program.parent, 0o777)
+        try:
+            fresh = ProcessSource()  # what never changes is kept per process: a new source
+            fresh._statics.root_directories = source._statics.root_directories
+            exe = fresh.read([pid]).processes[pid].exe
+        finally:
+            os.chmod(program.parent, 0o755)
+        assert exe == Executable(str(program), owner_uid=0, root_controlled=False)
 
 
 def test_a_link_set_by_prctl_in_a_user_namespace_is_not_roots_even_for_a_root_process(

@@ -15,8 +15,7 @@ import os
 import re
 import stat
 import sys
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 from gpuwatch.model import Executable
 
@@ -32,28 +31,26 @@ EXE_NOT_READABLE = "executable not readable (another user's process; needs CAP_S
 
 class RootDirectories:
     """Whether a directory and every one above it is root's alone (owned by root, writable by
-    neither group nor others), each verdict kept for `ttl` seconds.
+    neither group nor others), each directory judged once until `forget()`.
 
     The processes a poll sees first mostly run files of a few directories (a job's ranks, its
-    workers: one Python), and each directory up to / costs an lstat and a dirname: a poll asks
-    each directory once. Only root can change what is said of a directory root owns, and a
-    process's executable is judged once, at its first sight (gpuwatch.sources.proc_static), so
-    a second's memory adds nothing a root could not do anyway."""
+    workers: one Python), and each directory up to / costs an lstat and a dirname. The process
+    source forgets at each of its reads, so a verdict is never older than the read that uses it
+    (milliseconds): a chmod is seen by the next poll, as it was without the memory."""
 
-    def __init__(self, ttl: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 limit: int = 1024) -> None:
-        self._ttl = ttl
-        self._clock = clock
+    def __init__(self, limit: int = 1024) -> None:
         self._limit = limit
-        self._verdicts: dict[bytes, tuple[float, bool]] = {}
+        self._verdicts: dict[bytes, bool] = {}
+
+    def forget(self) -> None:
+        if self._verdicts:
+            self._verdicts = {}
 
     def root_only(self, directory: bytes) -> bool:
-        now = self._clock()
         visited: list[bytes] = []
         while True:
-            held = self._verdicts.get(directory)
-            if held is not None and now - held[0] < self._ttl:
-                verdict = held[1]
+            verdict = self._verdicts.get(directory)
+            if verdict is not None:
                 break
             visited.append(directory)
             try:
@@ -69,9 +66,9 @@ class RootDirectories:
                 break
             directory = os.path.dirname(directory)
         if len(self._verdicts) + len(visited) > self._limit:
-            self._verdicts.clear()
+            self._verdicts = {}
         for checked in visited:  # each below the one that decided takes its verdict
-            self._verdicts[checked] = (now, verdict)
+            self._verdicts[checked] = verdict
         return verdict
 
 
@@ -143,7 +140,7 @@ def _root_controlled(path: bytes, st: os.stat_result,
         return False  # deleted or replaced since it was executed, or not in our view at all
     if (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino):
         return False  # another file at that path here: another mount namespace's, or replaced
-    return (directories or RootDirectories(ttl=0.0)).root_only(os.path.dirname(path))
+    return (directories or RootDirectories()).root_only(os.path.dirname(path))
 
 
 def _roots(st: os.stat_result) -> bool:

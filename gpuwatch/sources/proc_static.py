@@ -86,7 +86,9 @@ class StaticReader:
         self._environs: _Parsed[bytes, Mapping[str, str]] = _Parsed(_PARSED_BYTES)
         self._cmdlines: _Parsed[tuple[str, ...], tuple[str, ...]] = _Parsed(_PARSED_BYTES)
         self._statics: _Parsed[tuple[object, ...], Static] = _Parsed(_PARSED_BYTES)
-        self._root_directories = RootDirectories()
+        #: What was found of the directories above executables, during one read of the
+        #: process source (ProcessSource.read forgets it at each).
+        self.root_directories = RootDirectories()
         #: Texts cut at the read (TRUNCATED_TEXTS), counted once a read: each process's once.
         self.truncated: dict[str, int] = dict.fromkeys(TRUNCATED_TEXTS, 0)
 
@@ -133,7 +135,7 @@ class StaticReader:
             errors.append("environment not readable (other user's process; run as root)")
         # What it runs, from the kernel's link (a zombie has none left): what protects it, where
         # its comm and command line say nothing (gpuwatch.sources.authority).
-        exe, exe_error = (read_executable(self._procfs, pid, self._root_directories)
+        exe, exe_error = (read_executable(self._procfs, pid, self.root_directories)
                           if not zombie else (None, None))
         if exe_error is not None:
             errors.append(exe_error)

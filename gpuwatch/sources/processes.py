@@ -122,6 +122,7 @@ class ProcessSource:
         The result holds `known` too, so a poll can read in several steps.
         """
         usage = gpu_usage or {}
+        self._statics.root_directories.forget()
         found: dict[int, HostProcess] = dict(known or {})
         errors: list[SourceError] = []
         for pid in sorted(set(pids)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 import reprlib
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -54,6 +55,10 @@ def frozen_dataclass(cls: type[T]) -> type[T]:
     # staticmethod: a lambda read through an instance would otherwise bind to it.
     cls._gw_compared = staticmethod(_getter(compared))  # type: ignore[attr-defined]
     cls._gw_hashed = staticmethod(_getter(hashed))  # type: ignore[attr-defined]
+    # What an instance keeps of itself beyond its fields (functools.cached_property): a copy
+    # made by evolve() works it out again from its own fields.
+    cls._gw_cached = tuple(name for name, value in vars(cls).items()  # type: ignore[attr-defined]
+                           if isinstance(value, cached_property))
     cls.__repr__ = _repr  # type: ignore[assignment]
     cls.__eq__ = _eq  # type: ignore[assignment]
     cls.__hash__ = _hash  # type: ignore[assignment]
@@ -87,7 +92,10 @@ def evolve(instance: T, **changes: Any) -> T:
         unknown = ", ".join(sorted(changes.keys() - names))
         raise TypeError(f"{type(instance).__name__} has no field {unknown}")
     copy = object.__new__(type(instance))
-    copy.__dict__.update(instance.__dict__, **changes)
+    kept = copy.__dict__
+    kept.update(instance.__dict__, **changes)
+    for name in getattr(instance, "_gw_cached", ()):
+        kept.pop(name, None)
     return copy
 
 

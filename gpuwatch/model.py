@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any, NamedTuple, Optional
 
@@ -303,7 +304,9 @@ class HostProcess:
     uss_bytes: Optional[int] = None
     pss_bytes: Optional[int] = None
 
-    @property
+    # Asked of every process several times a poll (the history, the job trees, each detector):
+    # worked out once per record (gpuwatch.frozen.evolve's copies work them out again).
+    @cached_property
     def holds_gpu(self) -> bool:
         return bool(self.gpu_usage)
 
@@ -318,7 +321,7 @@ class HostProcess:
             total += u.memory_bytes
         return total
 
-    @property
+    @cached_property
     def identity(self) -> tuple[int, Optional[float]]:
         return (self.pid, self.start_time)
 

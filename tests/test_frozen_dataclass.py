@@ -98,6 +98,21 @@ def test_evolve_makes_what_replace_makes_and_leaves_the_original_as_it_was() -> 
         evolve(p, nope=1)
 
 
+def test_what_a_record_works_out_once_is_worked_out_again_for_its_evolved_copy() -> None:
+    """A process's identity and whether it holds a GPU are asked several times a poll and kept
+    on the record; a copy with other fields (a pod's job, its private memory) has its own."""
+    from gpuwatch.model import GpuProcessUsage
+
+    p = HostProcess(pid=5, start_time=1.0)
+    assert p.identity == (5, 1.0) and not p.holds_gpu  # worked out, and kept
+    usage = (GpuProcessUsage(gpu_index=0, gpu_uuid=None, pid=6, memory_bytes=1),)
+    q = evolve(p, pid=6, gpu_usage=usage)
+    assert q.identity == (6, 1.0) and q.holds_gpu
+    assert p.identity == (5, 1.0) and not p.holds_gpu
+    assert q == HostProcess(pid=6, start_time=1.0, gpu_usage=usage)
+    assert repr(q) == repr(HostProcess(pid=6, start_time=1.0, gpu_usage=usage))
+
+
 def test_build_makes_what_init_makes_from_every_field_and_refuses_fewer_or_others() -> None:
     values: dict[str, Any] = {f.name: getattr(HostProcess(pid=0), f.name)
                               for f in dataclasses.fields(HostProcess)}

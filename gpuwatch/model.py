@@ -251,8 +251,7 @@ class HostProcess:
     """One process as /proc described it in one poll."""
 
     pid: int
-    #: False when NVML lists the PID but /proc has no such process: another PID namespace
-    #: (a container's driver view), or it exited between the two reads.
+    #: False when NVML lists the PID and /proc has none: another PID namespace, or it exited.
     in_procfs: bool = True
     ppid: Optional[int] = None
     #: Process group and session: Ctrl+C reaches a process group; a login shell leads a session.
@@ -304,9 +303,7 @@ class HostProcess:
     uss_bytes: Optional[int] = None
     pss_bytes: Optional[int] = None
 
-    # Asked of every process several times a poll (the history, the job trees, each detector):
-    # worked out once per record (gpuwatch.frozen.evolve's copies work them out again).
-    @cached_property
+    @cached_property  # asked several times a poll: once per record (evolve's copies anew)
     def holds_gpu(self) -> bool:
         return bool(self.gpu_usage)
 

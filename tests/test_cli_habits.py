@@ -422,6 +422,23 @@ def test_status_hands_every_other_command_line_to_click(argv: list[str],
     assert "Traceback" not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("argv", [["--json"], ["--json", "--verbose"]])
+def test_status_json_into_a_pipe_nobody_reads_ends_quietly_as_click_ends_it(
+        argv: list[str], cli_env: dict[str, str]) -> None:
+    """`gpuwatch status --json | head -1`: the reader is gone before the document is written.
+    Without click (`--json`) as with it (`--verbose`): exit 1, and no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write into the pipe fails: EPIPE
+    try:
+        result = subprocess.run([sys.executable, "-m", "gpuwatch", "status", *argv],
+                                env=cli_env, stdout=write_end, stderr=subprocess.PIPE,
+                                text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and "Broken pipe" not in result.stderr, result.stderr
+
+
 def test_a_bad_configuration_under_status_json_is_said_as_click_says_it(
         tmp_path: Path, cli_env: dict[str, str]) -> None:
     bad = tmp_path / "gpuwatch.toml"

@@ -9,6 +9,7 @@ click's `status` words) returns None, and gpuwatch.cli answers it, through the s
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
@@ -39,6 +40,11 @@ def main(argv: Sequence[str]) -> Optional[int]:
         print_json(doc)
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`| head`, a script that stopped reading): said by nobody, and
+        # the exit code click's commands end with then. What is left unflushed goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return ExitCode.ERROR
     return document_exit_code(doc)
 
 

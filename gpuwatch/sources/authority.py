@@ -72,14 +72,15 @@ class RootDirectories:
         return verdict
 
 
-def read_executable(procfs: str, pid: int, directories: Optional[RootDirectories] = None
+def read_executable(procfs: str, pid: int, directories: RootDirectories
                     ) -> tuple[Optional[Executable], Optional[str]]:
     """The file process `pid` runs, and the read error to record (None when there is none).
 
     The link is read and the file stat'ed through it (the very file the process runs, wherever
     it is now); then the path the link names is looked up in this process's own view of the file
     system, and must name that same file (device and inode) in directories owned by root and
-    writable by no one else, for the file to count as root's (`Executable.root_controlled`).
+    writable by no one else, for the file to count as root's (`Executable.root_controlled`);
+    the directories are judged through `directories`, the reader's for its current read.
     Another user's process without CAP_SYS_PTRACE: None and the error (protection by executable
     needs proof, so none is granted). A kernel thread, a zombie, a process gone: None, no error.
 
@@ -127,8 +128,7 @@ def _own_user_namespace() -> Optional[tuple[int, int]]:
     return (st.st_dev, st.st_ino)
 
 
-def _root_controlled(path: bytes, st: os.stat_result,
-                     directories: Optional[RootDirectories] = None) -> bool:
+def _root_controlled(path: bytes, st: os.stat_result, directories: RootDirectories) -> bool:
     """Whether `st` (the file a process runs) is the file at `path`, and only root could have put
     it there: it and every directory above it owned by root, writable by neither group nor others
     (/tmp, writable by all, fails however sticky: a hard link left there is nobody's proof)."""
@@ -140,7 +140,7 @@ def _root_controlled(path: bytes, st: os.stat_result,
         return False  # deleted or replaced since it was executed, or not in our view at all
     if (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino):
         return False  # another file at that path here: another mount namespace's, or replaced
-    return (directories or RootDirectories()).root_only(os.path.dirname(path))
+    return directories.root_only(os.path.dirname(path))
 
 
 def _roots(st: os.stat_result) -> bool:

@@ -23,7 +23,7 @@ import pytest
 
 from gpuwatch.simulate.demo import wait_for
 from gpuwatch.simulate.fakenvml import FakeNode
-from tests.daemonproc import WatchedNode, running_daemon
+from tests.daemonproc import WatchedNode, by_pid, running_daemon
 from tests.realprocs import GIB
 from tests.scenarios import (
     hung_at_exit,
@@ -126,6 +126,10 @@ def test_the_epilog_ends_the_helpers_a_finished_job_left_and_nothing_else(
         assert other.workers[0] in {p["pid"] for p in watched.doc()["processes"]
                                     if p["holds_gpu"]}
 
+        # The daemon's view follows at its next poll, which the epilog does not wait for.
+        helpers = set(job.helpers.values())
+        watched.doc_when("the daemon to see the helpers gone",
+                         lambda d: not helpers & set(by_pid(d, "leftover")))
         again = epilog.run("4242")
         assert again.returncode == 0
         assert "nothing to do" in again.stdout.lower(), again.stdout

@@ -76,7 +76,9 @@ def mine(pid: int) -> Optional[PrivateMemory]:
 def test_uss_and_pss_read_as_psutil_reads_them_for_a_parent_and_its_forked_child() -> None:
     with sharing_processes() as (parent, child):
         for pid in (parent, child, os.getpid()):
-            for _ in range(5):  # this process's own figures move while it reads them
+            # This process's own figures move while it reads them: PSS with every process
+            # sharing a page that starts or exits, and the suite's other workers start many.
+            for _ in range(50):
                 before = psutil_figures(pid)
                 figures = mine(pid)
                 after = psutil_figures(pid)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuwatch.jobs.walker import DEAD_PIDS_PER_LIVE, MAX_NEW_PIDS, JobWalker
+from gpuwatch.jobs.walker import DEAD_PIDS_PER_LIVE, MAX_NEW_PIDS, JobWalker, _parents
 from gpuwatch.model import GpuDevice, GpuProcessUsage, NodeSnapshot, NvmlReading, NvmlStatus
 from gpuwatch.poll import Poller
 from gpuwatch.simulate.demo import wait_for
@@ -95,6 +95,14 @@ class _CountingWalker(JobWalker):
     def descendants(self, roots: frozenset[int]) -> set[int]:
         self.walks += 1
         return super().descendants(roots)
+
+    def assert_kept_as_read(self, snap: NodeSnapshot) -> None:
+        """What the walker keeps of the trees (changed poll by poll, not worked out again) is
+        what the poll's records say of them."""
+        last = self._last
+        assert last is not None
+        assert last.shape == self._shape(last.roots | last.members, snap.processes)
+        assert last.parents == _parents(last.shape)
 
 
 class _Holds:
@@ -207,6 +215,7 @@ def test_a_job_tree_that_changes_is_followed_without_walking_it_again(
         assert _members(snap, root) == _members(fresh, root) == truth, step
         assert set(snap.processes) == set(fresh.processes), step
         assert not set(orphaned) & set(snap.processes), "an orphan left the job's tree"
+        walker.assert_kept_as_read(snap)
         if _last_pid() - before <= MAX_NEW_PIDS:  # else the host was too busy to look: walked
             assert walker.walks == walked, f"{step}: the tree was walked again"
 
@@ -227,6 +236,7 @@ def test_a_job_starting_hundreds_of_short_lived_processes_between_polls_is_not_w
         snap = poller.poll()
         assert _members(snap, root) == _tree(root), "the tree as a walk finds it"
         assert stays in snap.processes
+        walker.assert_kept_as_read(snap)
         # Unless the host handed out more PIDs than are looked at before walking.
         if _last_pid() - before <= DEAD_PIDS_PER_LIVE * MAX_NEW_PIDS:
             assert walker.walks == walked, "the tree was walked again"

@@ -65,10 +65,41 @@ class _Walk(NamedTuple):
     #: Each member's and root's start time and parent: a PID reused, or a child reparented
     #: (its parent exited), shows in these.
     shape: dict[int, tuple[Optional[float], Optional[int]]]
+    #: How many of the shape's processes each PID is the parent of: whether a member that
+    #: exited leaves children in the trees, without a look at every member.
+    parents: dict[Optional[int], int]
     #: New PIDs that /proc did not have yet when last looked at (a fork not yet complete),
     #: looked at once more.
     unseen: frozenset[int]
     polls: int
+
+
+class _Trees(NamedTuple):
+    """The members of the trees, their shape and its parents (as in _Walk)."""
+
+    members: set[int]
+    shape: dict[int, tuple[Optional[float], Optional[int]]]
+    parents: dict[Optional[int], int]
+
+
+def _parents(shape: Mapping[int, tuple[Optional[float], Optional[int]]]
+             ) -> dict[Optional[int], int]:
+    parents: dict[Optional[int], int] = {}
+    for _, ppid in shape.values():
+        parents[ppid] = parents.get(ppid, 0) + 1
+    return parents
+
+
+def _parent_of_others(gone: set[int], shape: Mapping[int, tuple[Optional[float], Optional[int]]],
+                      parents: Mapping[Optional[int], int]) -> bool:
+    """Whether a process of `gone` is the parent of one in the shape that is not gone."""
+    if not any(pid in parents for pid in gone):
+        return False
+    among_gone: dict[Optional[int], int] = {}
+    for pid in gone:
+        if (was := shape.get(pid)) is not None:
+            among_gone[was[1]] = among_gone.get(was[1], 0) + 1
+    return any(parents.get(pid, 0) > among_gone.get(pid, 0) for pid in gone)
 
 
 class JobWalker:
@@ -103,22 +134,24 @@ class JobWalker:
                 born, unseen = forks
                 candidates = last.members | born if born else last.members
                 reading = self._processes.read(candidates - known.keys(), gpu_usage, known=known)
-                members = self._members_now(last, born, reading.processes)
-                if members is last.members:  # most polls: the trees as they were
+                now = self._members_now(last, born, reading.processes)
+                if now is not None and now.members is last.members:  # most polls: as they were
                     self._last = last._replace(last_pid=last_pid, unseen=unseen,
                                                polls=last.polls + 1)
                     return reading
-                if members is not None and len(members) <= MAX_JOB_MEMBERS:
-                    self._last = _Walk(roots, members, last_pid,
-                                       self._shape(roots | members, reading.processes),
+                if now is not None and len(now.members) <= MAX_JOB_MEMBERS:
+                    self._last = _Walk(roots, now.members, last_pid, now.shape, now.parents,
                                        unseen, last.polls + 1)
-                    return self._without(reading, candidates - members - known.keys())
+                    return self._without(reading, candidates - now.members - known.keys())
                 # Read again from the new walk, as if this read had not been.
         members = self.descendants(roots)
         reading = self._processes.read(members - known.keys(), gpu_usage, known=known)
-        self._last = None if last_pid is None else _Walk(
-            roots, members, max(0, last_pid - WALK_SLACK),
-            self._shape(roots | members, reading.processes), frozenset(), 0)
+        if last_pid is None:
+            self._last = None
+        else:
+            shape = self._shape(roots | members, reading.processes)
+            self._last = _Walk(roots, members, max(0, last_pid - WALK_SLACK), shape,
+                               _parents(shape), frozenset(), 0)
         return reading
 
     def _forks_since(self, walk: _Walk, last_pid: int
@@ -180,10 +213,11 @@ class JobWalker:
 
     @staticmethod
     def _members_now(walk: _Walk, born: set[int],
-                     processes: Mapping[int, HostProcess]) -> Optional[set[int]]:
+                     processes: Mapping[int, HostProcess]) -> Optional[_Trees]:
         """The members among the last walk's and the processes born since, from each one's
-        parent as read now; None when a root is not the process it was, or when a record
-        cannot say who its parent is."""
+        parent as read now, and their shape (the walk's members, as they were, when nothing
+        changed); None when a root is not the process it was, or when a record cannot say who
+        its parent is."""
         for root in walk.roots:
             p = processes.get(root)
             if p is None or not p.in_procfs or walk.shape.get(root) != (p.start_time, p.ppid):
@@ -193,18 +227,28 @@ class JobWalker:
                    if not ((p := processes.get(pid)) is not None and p.in_procfs
                            and shape.get(pid) == (p.start_time, p.ppid))]
         if not changed and not born:
-            return walk.members  # most polls: nothing changed
+            return _Trees(walk.members, shape, walk.parents)  # most polls: nothing changed
         gone = {pid for pid in changed
                 if (p := processes.get(pid)) is None or not p.in_procfs}
-        alive = {pid: p.ppid for pid in born
+        alive = {pid: p for pid in born
                  if (p := processes.get(pid)) is not None and p.in_procfs}
-        if (len(gone) == len(changed) and None not in alive.values()
-                and gone.isdisjoint(alive.values())
-                and not any(shape[pid][1] in gone for pid in walk.members if pid not in gone)):
+        if (len(gone) == len(changed) and gone.isdisjoint(p.ppid for p in alive.values())
+                and all(p.ppid is not None for p in alive.values())
+                and not _parent_of_others(gone, shape, walk.parents)):
             # Under churn, most polls: processes born under the trees since (each found in its
             # parent's children file) and members gone with no member under them: no parent
-            # to follow.
-            return (walk.members - gone) | alive.keys()
+            # to follow. The shape changes by as much.
+            now = dict(shape)
+            parents = dict(walk.parents)
+            for pid in gone:
+                was = now.pop(pid, None)  # (none for a member unreadable at the walk)
+                if was is not None:
+                    parents[was[1]] -= 1
+            for pid, p in alive.items():
+                now[pid] = (p.start_time, p.ppid)
+                parents[p.ppid] = parents.get(p.ppid, 0) + 1
+            return _Trees((walk.members - gone) | alive.keys(), now,
+                          {ppid: n for ppid, n in parents.items() if n})
         # Whether each process is under a root, worked out once per process.
         under: dict[int, bool] = dict.fromkeys(walk.roots, True)
         for pid in walk.members | born:
@@ -228,13 +272,15 @@ class JobWalker:
             verdict = under[pid]
             for link in chain:
                 under[link] = verdict
-        return {pid for pid in walk.members | born if under[pid]}
+        members = {pid for pid in walk.members | born if under[pid]}
+        now = JobWalker._shape(walk.roots | members, processes)
+        return _Trees(members, now, _parents(now))
 
     @staticmethod
     def _without(reading: ProcessReading, pids: set[int]) -> ProcessReading:
         """`reading` less processes that left the trees. Their ancestors stay: each is an
         ancestor of a root too (an orphan goes to init or to a subreaper above it)."""
-        if not pids:
+        if pids.isdisjoint(reading.processes):  # (under churn: born, and gone by the read)
             return reading
         kept = {pid: p for pid, p in reading.processes.items() if pid not in pids}
         return ProcessReading(processes=MappingProxyType(kept), errors=reading.errors)

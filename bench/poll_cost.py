@@ -13,6 +13,12 @@
     is what the first sighting of a process costs; beside it, that sighting's floor: the files
     a process seen first needs beyond a warm poll's stat line (status, cmdline, cgroup, environ,
     its children), read through os.open/os.read and nothing else.
+    Each variant runs in blocks of back-to-back runs, the blocks taking turns: a warm figure is
+    the median of a block's runs after its first, whose code and data the other variants, a
+    poll's several times their size, have pushed out of the CPU's caches. Those first runs are
+    reported too ("after"): one run each of variants as different as these, in turn, measures
+    which of them the caches favour, never a warm poll. Cold polls run in blocks of three: the
+    first sighting is the data a poll meets for the first time, with its code warm.
 (d) A dataloader node: 8 ranks holding GPU memory, each with 16 dataloader workers that hold
     none. Steady, and churning: every few polls one rank's workers are killed and the rank starts
     new ones, as a DataLoader does each epoch; the excess CPU over the steady polls, per process
@@ -32,7 +38,7 @@ still runs (a pidfd each, all in one poll() at most once per 20 ms), which a rea
 the floors make the same calls.
 
     python bench/poll_cost.py [--polls 300] [--gpu-procs 8,64,512] [--host-procs 200,2000,10000]
-        [--ratio-procs 64,512] [--rounds 300] [--churn-rounds 4] [--against DIR]
+        [--ratio-procs 64,512] [--rounds 60] [--churn-rounds 4] [--against DIR]
 
 --against DIR measures (c), (d) and (e) for the gpuwatch package in DIR too (another revision's
 checkout), alternating with this one in the same run: before/after ratios on a shared machine.
@@ -101,7 +107,7 @@ from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors import assess
 from gpuwatch.history import History
 from gpuwatch.poll import Poller
-rounds, cold_every = int(sys.argv[1]), int(sys.argv[2])
+rounds, cold_every, block = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 clock = time.process_time
 config = DetectorConfig(leak_warmup_seconds=0, leak_min_span_seconds=1, min_age=0)
 poller, history = Poller(), History()
@@ -156,22 +162,30 @@ variants = {
     "floor_full": lambda: (nvml_calls(), read(("stat", "status", "cmdline"))),
     "first_floor": first_floor,
 }
+# Each variant runs in a block of back to back runs: the first of a block follows the other
+# variants (whose code and data evicted its own from the caches), the rest are warm. Both are
+# kept: "after" the first, "times" the rest.
 times = {name: [] for name in variants}
-cold, cold_processes = [], 0
+after = {name: [] for name in variants}
+cold, cold_after, cold_processes = [], [], 0
 for i in range(rounds):
     for name, fn in variants.items():
-        c0 = clock()
-        fn()
-        times[name].append(clock() - c0)
+        for j in range(block):
+            c0 = clock()
+            fn()
+            (after if j == 0 else times)[name].append(clock() - c0)
     if i % cold_every == 0:
-        fresh, fresh_history = Poller(nvml=poller.nvml), History()
-        c0 = clock()
-        snap = fresh.poll(watch=fresh_history.watch_pids())
-        assess(snap, fresh_history, config)
-        cold.append(clock() - c0)
-        cold_processes = len(snap.processes)
-times["cold"] = cold
-print(json.dumps({"times": times, "processes": len(pids), "cold_processes": cold_processes}))
+        for j in range(3):
+            fresh, fresh_history = Poller(nvml=poller.nvml), History()
+            c0 = clock()
+            snap = fresh.poll(watch=fresh_history.watch_pids())
+            assess(snap, fresh_history, config)
+            (cold_after if j == 0 else cold).append(clock() - c0)
+            cold_processes = len(snap.processes)
+            fresh.processes.close()
+times["cold"], after["cold"] = cold, cold_after
+print(json.dumps({"times": times, "after": after, "processes": len(pids),
+                  "cold_processes": cold_processes}))
 """
 
 # (d): a dataloader node, steady and churning, in alternating blocks of polls.
@@ -302,6 +316,7 @@ def median_ms(xs: list[float]) -> float:
 
 def ratios(r: dict[str, Any]) -> dict[str, float]:
     t = {name: median_ms(xs) for name, xs in r["times"].items()}
+    a = {name: median_ms(xs) for name, xs in r["after"].items()}
     poll, nvml = t["poll"], t["nvml_read"]
     return {
         "poll_ms": poll, "floor_ms": t["floor"], "floor_full_ms": t["floor_full"],
@@ -315,6 +330,9 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
         "first_floor_us": t["first_floor"] / r["processes"] * 1e3,
         "first_over_floor": ((t["cold"] - poll) / r["cold_processes"])
                             / (t["first_floor"] / r["processes"]),
+        # The first run of each block: after the other variants, its caches taken by them.
+        "poll_after_ms": a["poll"], "floor_after_ms": a["floor"],
+        "vs_floor_after": a["poll"] / a["floor"], "cold_after_ms": a["cold"],
     }
 
 
@@ -333,12 +351,14 @@ def print_ratios(label: str, f: dict[str, float]) -> None:
           f"{f['floor_full_ms']:>8.2f} {f['vs_floor_full']:>6.2f}x {f['nvml_read_ms']:>6.2f} "
           f"{100 * f['nvml_share']:>5.0f}% {f['vs_floor_without_nvml']:>7.2f}x "
           f"{f['cold_ms']:>7.2f} {f['first_sighting_us']:>8.1f} {f['first_floor_us']:>7.1f} "
-          f"{f['first_over_floor']:>6.2f}x", flush=True)
+          f"{f['first_over_floor']:>6.2f}x  {f['poll_after_ms']:>7.2f} {f['floor_after_ms']:>6.2f} "
+          f"{f['vs_floor_after']:>6.2f}x", flush=True)
 
 
 RATIO_HEADER = (f"{'':<24} {'poll ms':>8} {'floor':>7} {'/floor':>7} {'full fl.':>8} "
                 f"{'/full':>7} {'NVML':>6} {'share':>6} {'-NVML':>8} {'cold ms':>7} "
-                f"{'us/first':>8} {'floor':>7} {'/floor':>7}")
+                f"{'us/first':>8} {'floor':>7} {'/floor':>7}  {'after:':>7} {'floor':>6} "
+                f"{'/floor':>7}")
 
 
 def print_dataloader(label: str, f: dict[str, float]) -> None:
@@ -386,7 +406,8 @@ def main() -> None:
         host_procs=([200, 2000, 10000], "idle host process counts of sweep (b)"),
         base_gpu_procs=(64, "GPU processes during sweep (b)"),
         ratio_procs=([64, 512], "GPU process counts measured against the floors (c)"),
-        rounds=(300, "rounds of (c), each variant once a round; blocks of (d)"), ranks=8,
+        rounds=(60, "rounds of (c), a block of runs of each variant a round; blocks of (d)"),
+        ranks=8,
         workers=(16, "dataloader workers per rank"),
         churn_every=(5, "(d): one rank's workers replaced every this many polls"),
         churn_rounds=(4, "(e): rounds of a churning and a steady block of 10 polls, 1 s apart"),
@@ -396,7 +417,7 @@ def main() -> None:
                         help="a directory holding another revision's gpuwatch package: (c) and "
                              "(d) for it too, alternating with this one")
     args = parse_args(parser, quick={"polls": 40, "gpu_procs": [8, 64], "host_procs": [200, 1000],
-                                     "ratio_procs": [64], "rounds": 40, "churn_rounds": 1},
+                                     "ratio_procs": [64], "rounds": 8, "churn_rounds": 1},
                       smoke={"polls": 5, "host_procs": [50, 100], "rounds": 5,
                              "churn_rounds": 1, "churn_procs": 16})
     if args.only_floors:
@@ -464,17 +485,27 @@ def main() -> None:
     })
 
 
+#: (c): each variant runs this many times back to back a round, the first not counted as warm.
+BLOCK = 5
+#: (c): a block of cold polls every this many rounds.
+COLD_EVERY = 2
+
+
 def floors(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """(c), for this checkout and, alternating, for --against."""
     codes = [("", None)] + ([("against ", args.against)] if args.against else [])
     found: dict[str, dict[str, float]] = {}
-    print(f"(c) against the floors, {args.rounds} rounds, medians; floor: NVML calls + stat of "
-          "the same PIDs; full: + status + cmdline; -NVML: poll and floor without their NVML")
+    print(f"(c) against the floors, {args.rounds} rounds of a block of {BLOCK} runs of each "
+          f"variant, the first a warm-up; medians; floor: NVML calls + stat of the same PIDs; "
+          "full: + status + cmdline; -NVML: poll and floor without their NVML; cold: blocks of 3 "
+          f"cold polls every {COLD_EVERY} rounds, the first a warm-up; after: the first runs of "
+          "the blocks, each after the other variants")
     print(RATIO_HEADER)
     for n in args.ratio_procs:
         with bench_node(args.gpus, n) as b:
             for label, code in codes * (2 if args.against else 1):
-                f = ratios(run_child(_RATIOS, [str(args.rounds), "10"], b.node, code))
+                f = ratios(run_child(_RATIOS, [str(args.rounds), str(COLD_EVERY),
+                                               str(BLOCK)], b.node, code))
                 print_ratios(f"{label}{n} GPU processes", f)
                 found.setdefault(f"{label}{n}", f)
     print(flush=True)
@@ -486,7 +517,7 @@ def dataloader(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     codes = [("", None)] + ([("against", args.against)] if args.against else [])
     found: dict[str, dict[str, float]] = {}
     block = 4 * args.churn_every
-    rounds = max(2, args.rounds // block)
+    rounds = max(2, args.rounds * BLOCK // block)  # as many polls as (c) runs of each variant
     print(f"(d) dataloader node: {args.ranks} ranks x {args.workers} workers; {rounds} rounds of "
           f"{block} steady and {block} churning polls (one rank's workers replaced every "
           f"{args.churn_every} polls); CPU per poll, medians of the blocks")

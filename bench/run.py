@@ -136,6 +136,10 @@ def floor_rows(ratios: Figures, gpus: int) -> list[Row]:
             Row(f"warm poll / stat-only floor (NVML calls + stat of the same PIDs), {at}",
                 f"{_ms(r['poll_ms'])} / {_ms(r['floor_ms'])} = {r['vs_floor']:.2f}x",
                 f"<= {FLOOR_GOAL}x", r["vs_floor"] <= FLOOR_GOAL),
+            Row(f"the same, each the first of its block (after the other variants took the "
+                f"caches), {at}",
+                f"{_ms(r['poll_after_ms'])} / {_ms(r['floor_after_ms'])} = "
+                f"{r['vs_floor_after']:.2f}x"),
             Row(f"warm poll / floor reading stat + status + cmdline, {at}",
                 f"{_ms(r['poll_ms'])} / {_ms(r['floor_full_ms'])} = {r['vs_floor_full']:.2f}x"),
             Row(f"NVML's share of a warm poll (fake driver), {at}; poll / floor without NVML",

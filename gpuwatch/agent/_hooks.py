@@ -143,7 +143,25 @@ def _start_ticker() -> None:
     # A daemon thread: it never keeps the program alive, and it ends at the first step.
     _state.ticker = threading.Thread(target=_tick_loop, args=(_state.st,),
                                      name="gpuwatch-agent-tick", daemon=True)
-    _state.ticker.start()
+    start_without_signals(_state.ticker)
+
+
+def start_without_signals(thread: threading.Thread) -> None:
+    """Start `thread` with every signal blocked in it (a new thread takes its creator's mask,
+    which is put back once it runs). The kernel hands a signal sent to the process to any thread
+    that does not block it, and passes over the main thread while one is pending there already
+    (a SIGCONT it has not run since, a first Ctrl+C); Python runs the handler in the main thread
+    alone, when that thread next runs bytecode. A program asleep in signal.pause() or a long
+    time.sleep() would sleep on through a SIGTERM the agent's thread took."""
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None:
+        thread.start()
+        return
+    old = mask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        thread.start()
+    finally:
+        mask(signal.SIG_SETMASK, old)
 
 
 def _tick_loop(st: _State) -> None:

@@ -120,10 +120,19 @@ def _tick_later() -> None:
 
 def _arm() -> None:
     """One thread that sleeps, then ticks: a raw _thread (threading is not loaded at start in
-    every Python, and the thread must never keep the program alive)."""
+    every Python, and the thread must never keep the program alive). It starts with every
+    signal blocked, as the agent's ticker does (gpuwatch.agent._hooks.start_without_signals):
+    a signal sent to the program goes to a thread of the program's own."""
     try:
+        import _signal  # type: ignore[import-not-found]  # signal's C half, no enum built
         import _thread
-        _thread.start_new_thread(_tick_later, ())
+        mask = getattr(_signal, "pthread_sigmask", None)
+        old = mask(_signal.SIG_BLOCK, _signal.valid_signals()) if mask is not None else None
+        try:
+            _thread.start_new_thread(_tick_later, ())
+        finally:
+            if mask is not None and old is not None:
+                mask(_signal.SIG_SETMASK, old)
     except Exception as exc:
         _say(f"could not start the timer ({_describe(exc)}){_WITHOUT}")
 

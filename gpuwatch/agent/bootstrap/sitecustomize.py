@@ -127,12 +127,14 @@ def _arm() -> None:
         import _signal  # type: ignore[import-not-found]  # signal's C half, no enum built
         import _thread
         mask = getattr(_signal, "pthread_sigmask", None)
-        old = mask(_signal.SIG_BLOCK, _signal.valid_signals()) if mask is not None else None
+        if mask is None:
+            _thread.start_new_thread(_tick_later, ())
+            return
+        old = mask(_signal.SIG_BLOCK, _signal.valid_signals())
         try:
             _thread.start_new_thread(_tick_later, ())
         finally:
-            if mask is not None and old is not None:
-                mask(_signal.SIG_SETMASK, old)
+            mask(_signal.SIG_SETMASK, old)
     except Exception as exc:
         _say(f"could not start the timer ({_describe(exc)}){_WITHOUT}")
 

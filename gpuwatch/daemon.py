@@ -66,6 +66,7 @@ from gpuwatch.sources.memory import read_mem_total
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.pods import pod_source
 from gpuwatch.sources.proc_static import TRUNCATED_TEXTS
+from gpuwatch.threads import start_without_signals
 from gpuwatch.units import plural
 
 log = logging.getLogger("gpuwatch.daemon")
@@ -387,7 +388,7 @@ class Daemon:
             self._wake.set()
 
         self._reload_thread = threading.Thread(target=read, name="gpuwatch-reload", daemon=True)
-        self._reload_thread.start()
+        start_without_signals(self._reload_thread)
 
     def reload(self) -> bool:
         """Read and apply the configuration now (the poll loop does the two apart)."""

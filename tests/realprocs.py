@@ -164,3 +164,22 @@ def proc_without_children_files(root: Path, proc: str = "/proc") -> Path:
             os.symlink(f"{proc}/{pid}/{name}", root / pid / name)
             os.symlink(f"{proc}/{pid}/task/{pid}/{name}", root / pid / "task" / pid / name)
     return root
+
+
+#: Every signal a thread can block (SIGKILL and SIGSTOP cannot be), among the standard ones.
+BLOCKABLE_SIGNALS = set(range(1, 32)) - {signal.SIGKILL, signal.SIGSTOP}
+
+
+def threads_of(pid: int) -> list[int]:
+    """The thread IDs of `pid` (none once it has gone)."""
+    try:
+        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return []
+
+
+def blocked_signals(pid: int, tid: int) -> set[int]:
+    """The signals thread `tid` of `pid` blocks (SigBlk in its status)."""
+    with open(f"/proc/{pid}/task/{tid}/status") as f:
+        mask = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+    return {s for s in range(1, 65) if mask >> (s - 1) & 1}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gpuwatch.launch_env import AGENT_BOOTSTRAP_DIR
 from gpuwatch.simulate.demo import wait_for
+from tests.realprocs import BLOCKABLE_SIGNALS, blocked_signals, threads_of
 from tests.scenarios import state
 
 #: Under the bootstrap: the ticker started at once (not after the bootstrap's 5 s), a SIGTERM
@@ -32,9 +33,6 @@ print(os.getpid(), flush=True)
 while True:
     signal.pause()
 """
-
-#: Every signal a thread can block (SIGKILL and SIGSTOP cannot be), among the standard ones.
-BLOCKABLE = {s for s in range(1, 32)} - {signal.SIGKILL, signal.SIGSTOP}
 
 
 @contextmanager
@@ -55,28 +53,15 @@ def paused_programs(tmp_path: Path, n: int) -> Iterator[list[subprocess.Popen[st
             p.wait()
 
 
-def _threads(pid: int) -> list[int]:
-    try:
-        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
-    except OSError:
-        return []
-
-
-def _blocked(pid: int, tid: int) -> set[int]:
-    with open(f"/proc/{pid}/task/{tid}/status") as f:
-        mask = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
-    return {s for s in range(1, 65) if mask >> (s - 1) & 1}
-
-
 def test_the_agents_threads_block_every_signal_and_the_main_thread_none(tmp_path: Path) -> None:
     with paused_programs(tmp_path, 1) as (proc,):
         # The bootstrap's timer thread and the ticker beside the main thread.
-        threads = wait_for("the agent's threads", lambda: t if len(t := _threads(proc.pid)) >= 3
+        threads = wait_for("the agent's threads", lambda: t if len(t := threads_of(proc.pid)) >= 3
                            else None, 30)
-        assert not _blocked(proc.pid, proc.pid) & BLOCKABLE
+        assert not blocked_signals(proc.pid, proc.pid) & BLOCKABLE_SIGNALS
         for tid in threads:
             if tid != proc.pid:
-                assert _blocked(proc.pid, tid) >= BLOCKABLE, f"thread {tid}"
+                assert blocked_signals(proc.pid, tid) >= BLOCKABLE_SIGNALS, f"thread {tid}"
 
 
 def test_a_sigterm_that_waited_while_the_program_was_stopped_ends_it_when_continued(
@@ -85,7 +70,7 @@ def test_a_sigterm_that_waited_while_the_program_was_stopped_ends_it_when_contin
     it is continued: the main thread alone may take it."""
     with paused_programs(tmp_path, 8) as procs:
         for p in procs:
-            wait_for("the agent's threads", lambda p=p: len(_threads(p.pid)) >= 3 or None, 30)
+            wait_for("the agent's threads", lambda p=p: len(threads_of(p.pid)) >= 3 or None, 30)
             os.kill(p.pid, signal.SIGSTOP)
             wait_for("the program stopped", lambda p=p: state(p.pid) == "T" or None, 10)
             os.kill(p.pid, signal.SIGTERM)

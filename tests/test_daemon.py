@@ -29,7 +29,16 @@ from gpuwatch.simulate.fakenvml import FakeNode
 from gpuwatch.sinks.exporter import SUMMARY_LABEL_MAX, ReportCollector
 from tests import leakreports
 from tests.daemonproc import pids_with_series, running_daemon, value
-from tests.realprocs import GIB, MIB, gpuwatch, running_job
+from tests.realprocs import (
+    BLOCKABLE_SIGNALS,
+    GIB,
+    MIB,
+    blocked_signals,
+    gpuwatch,
+    running_job,
+    threads_of,
+)
+from tests.scenarios import state
 
 
 def test_a_daemon_a_test_starts_has_finished_its_first_poll_when_the_test_gets_it(
@@ -80,6 +89,31 @@ def test_daemon_serves_per_process_series_for_a_real_job_and_stops_on_sigterm(
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(30) == 0
         assert not sock.exists() and not (d.runtime_dir / "daemon.json").exists()
+
+
+def test_the_daemons_threads_block_every_signal_so_a_sigterm_ends_it_at_once(
+        fake_node: FakeNode, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """Only the main thread takes the daemon's signals: one a listener's thread took would be
+    handled when the main thread next woke, an interval later (here a minute). A SIGTERM sent
+    while the daemon is stopped waits for whichever thread runs first once it is continued."""
+    from gpuwatch.serve.state_client import fetch_status
+
+    with running_daemon(cli_env, tmp_path, args=("--interval", "60")) as d:
+        d.scrape_text()  # the metrics port's listener and its worker running
+        fetch_status(d.runtime_dir / "state.sock")  # the state socket's too
+        pid = d.proc.pid
+        threads = threads_of(pid)
+        assert len(threads) >= 4, threads
+        assert not blocked_signals(pid, pid) & BLOCKABLE_SIGNALS
+        for tid in threads:
+            if tid != pid:
+                assert blocked_signals(pid, tid) >= BLOCKABLE_SIGNALS, f"thread {tid}"
+        d.proc.send_signal(signal.SIGSTOP)
+        wait_for("the daemon stopped", lambda: state(pid) == "T" or None, 10)
+        d.proc.send_signal(signal.SIGHUP)  # pending in the main thread, as a reload asked
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.send_signal(signal.SIGCONT)
+        assert d.proc.wait(30) == 0
 
 
 def test_the_node_is_named_as_configured_in_metrics_and_status(

@@ -152,7 +152,9 @@ def start_without_signals(thread: threading.Thread) -> None:
     that does not block it, and passes over the main thread while one is pending there already
     (a SIGCONT it has not run since, a first Ctrl+C); Python runs the handler in the main thread
     alone, when that thread next runs bytecode. A program asleep in signal.pause() or a long
-    time.sleep() would sleep on through a SIGTERM the agent's thread took."""
+    time.sleep() would sleep on through a SIGTERM the agent's thread took. (The daemon's
+    threads start the same way through gpuwatch.threads, which the agent does not import: it
+    takes of gpuwatch only the protocol and the launch variables.)"""
     mask = getattr(signal, "pthread_sigmask", None)
     if mask is None:
         thread.start()

@@ -28,6 +28,7 @@ from gpuwatch.actions.reaper import Reaper
 from gpuwatch.config import Config
 from gpuwatch.forwarded import Forwarded
 from gpuwatch.model import NodeReport
+from gpuwatch.threads import start_without_signals
 from gpuwatch.units import plural
 
 # The daemon's reaping logs as the daemon always has: its lines keep their logger's name.
@@ -196,4 +197,4 @@ class DaemonReaping:
                 log.error("auto-reap: cannot write the audit log: %s", exc)
 
         self._reaping = threading.Thread(target=run, name="auto-reap", daemon=True)
-        self._reaping.start()
+        start_without_signals(self._reaping)

@@ -53,6 +53,7 @@ from gpuwatch.sinks.top.view import (
     glyphs_for,
     overlay,
 )
+from gpuwatch.threads import start_without_signals
 from gpuwatch.vocabulary import ReapOutcome
 
 NO_TERMINAL = ("gpuwatch top needs a terminal; use `gpuwatch status --watch` or "
@@ -221,7 +222,7 @@ class Reaping:
     def start(self, plan: Plan) -> None:
         self._thread = threading.Thread(target=self._execute, args=(plan,),
                                         name="gpuwatch-top-reap", daemon=True)
-        self._thread.start()
+        start_without_signals(self._thread)
 
     def _execute(self, plan: Plan) -> None:
         try:

@@ -19,6 +19,7 @@ from gpuwatch.doctor.nvml import check_nvml
 from gpuwatch.doctor.privileges import check_executables, check_privileges
 from gpuwatch.doctor.proc import check_pid_namespace, check_proc_children, check_proc_mount
 from gpuwatch.doctor.systemd import check_systemd
+from gpuwatch.threads import start_without_signals
 
 #: NVML's first initialisation without persistence mode takes seconds per GPU; beyond this the
 #: driver is stuck, not slow.
@@ -78,7 +79,7 @@ def run_one(ctx: Context, spec: Spec) -> list[Check]:
 
     # A daemon thread: one stuck in the driver must not keep the command from exiting.
     thread = threading.Thread(target=target, name=f"doctor-{spec.name}", daemon=True)
-    thread.start()
+    start_without_signals(thread)
     thread.join(deadline)
     if not outcome:
         return [Check(spec.name, FAIL, f"this check did not finish within {deadline:g} s",

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from gpuwatch.serve.connections import ConnectionStats
 from gpuwatch.serve.work_pool import WorkPool
+from gpuwatch.threads import start_without_signals
 
 if TYPE_CHECKING:
     import ssl
@@ -202,7 +203,7 @@ class Listener:
         self._sel.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-listener",
                                         daemon=True)
-        self._thread.start()
+        start_without_signals(self._thread)
 
     def stop(self) -> None:
         """Close every connection and the listening socket; return once the loop has ended."""

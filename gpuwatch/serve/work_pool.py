@@ -7,6 +7,8 @@ import itertools
 import threading
 from typing import Any, Callable, Optional
 
+from gpuwatch.threads import start_without_signals
+
 
 class WorkPool:
     """One worker thread fed by a priority queue (lowest first, then first come); started when
@@ -37,7 +39,7 @@ class WorkPool:
     def submit(self, cid: int, fn: Callable[[], Any], priority: int = 0) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-            self._thread.start()
+            start_without_signals(self._thread)
         self._put((max(priority, 0), next(self._seq), cid, fn))
 
     def _work(self) -> None:

@@ -39,6 +39,7 @@ from typing import Callable, Optional
 
 from gpuwatch.protocol import MAX_DATAGRAM, PRIVATE_SOCKET_DIR
 from gpuwatch.runtime_dir import FileIdentity, TrustedDir, UnsafeDirectory, open_private_dir
+from gpuwatch.threads import start_without_signals
 
 log = logging.getLogger("gpuwatch.sources.agent_socket")
 
@@ -130,7 +131,7 @@ class AgentTransport:
         self._stopping.clear()
         self._thread = threading.Thread(target=self._receive_loop, args=(sock,),
                                         name="agent-socket", daemon=True)
-        self._thread.start()
+        start_without_signals(self._thread)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -52,6 +52,7 @@ from gpuwatch.sources.podresources import (
     grpc_missing,
     is_socket,
 )
+from gpuwatch.threads import start_without_signals
 
 DEFAULT_POD_LOGS_DIR = "/var/log/pods"
 #: containerd's task directories of the CRI's namespace, and CRI-O's container storage.
@@ -321,7 +322,7 @@ class PodSource:
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="gpuwatch-pods", daemon=True)
-        self._thread.start()
+        start_without_signals(self._thread)
 
     def stop(self) -> None:
         self._stop.set()

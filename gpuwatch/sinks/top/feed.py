@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 from gpuwatch.model import NodeReport, gpu_memory
+from gpuwatch.threads import start_without_signals
 
 #: How many refreshes of each process the sparklines and the details' figures go back.
 SAMPLES_PER_PROCESS = 120
@@ -54,7 +55,7 @@ class Feed:
         self._thread = threading.Thread(target=self._run, name="gpuwatch-top-feed", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        start_without_signals(self._thread)
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop refreshing. A poll under way is not interrupted: after `timeout` the thread is

@@ -58,7 +58,8 @@ from gpuwatch.serve.state_socket import STATE_SOCKET_NAME, StateServer
 from gpuwatch.sinks.daemon_metrics import DaemonMetrics
 from gpuwatch.sinks.document import SOURCE_DAEMON, DocumentWriter
 from gpuwatch.sinks.exit_reports import ExitReportLog
-from gpuwatch.sinks.exporter import SERIES_DROPPED_REASONS, ReportCollector
+from gpuwatch.sinks.exported_processes import SERIES_DROPPED_REASONS
+from gpuwatch.sinks.exporter import ReportCollector
 from gpuwatch.sinks.exposition_text import LineWriter
 from gpuwatch.sinks.pod_metrics import PodSourceCollector
 from gpuwatch.sources.agent_socket import AgentReceiver

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Optional
 
+from gpuwatch.agent_budget import fair_shares
 from gpuwatch.model import (
     AgentReading,
     Finding,
@@ -16,7 +17,8 @@ from gpuwatch.model import (
     NodeSnapshot,
     NvmlStatus,
 )
-from gpuwatch.sinks.exporter import ReportCollector, dropped_by_cap, fair_shares
+from gpuwatch.sinks.exported_processes import dropped_by_cap
+from gpuwatch.sinks.exporter import ReportCollector
 
 GIB = 1 << 30
 ALICE, MALLORY, BOB = 1001, 1002, 1003

@@ -18,7 +18,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from gpuwatch.metrics import choose_encoder
-from gpuwatch.model import Job, NodeReport
+from gpuwatch.model import GpuDevice, Job, NodeReport
 from gpuwatch.serve.exposition import RenderedMetrics
 from gpuwatch.sinks.document import DocumentWriter, bounded_json, status_document
 from gpuwatch.sinks.exporter import ReportCollector
@@ -131,6 +131,67 @@ def test_a_kept_process_is_written_again_when_its_pod_is_named_or_the_clock_step
     moved = [line for line in body.splitlines()
              if line.startswith(b"gpuwatch_process_start_time_seconds{") and b'pid="799"' in line]
     assert len(moved) == 1 and float(moved[0].split()[-1]) == round(start + 3600.0, 2)
+
+
+def _families(collector: ReportCollector) -> dict[str, object]:
+    return {f.name: f for f in collector.collect()}
+
+
+def test_a_section_whose_inputs_did_not_change_is_the_same_families_written_from_their_text(
+) -> None:
+    """The exporter hands in the very families of its last render where what a section is made
+    of did not change (the GPUs, the findings, the processes' rows, the agent counters), and
+    the writer writes them from the text it kept: byte for byte what prometheus-client writes,
+    before and after a GPU's figure, a process's RSS and the findings change."""
+    report = _hostile_report()
+    report = replace(report, snapshot=replace(report.snapshot, gpus=tuple(
+        GpuDevice(i, f"GPU-{i}", "NVIDIA H200", memory_total_bytes=141 * GIB,
+                  memory_used_bytes=(i + 1) * GIB) for i in range(2))))
+    collector = ReportCollector(lambda: report)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    writer = LineWriter()
+    _same_as_prometheus_client(registry, writer)
+    before = _families(collector)
+    formatted = writer.formatted
+    _same_as_prometheus_client(registry, writer)
+    assert writer.formatted == formatted
+    again = _families(collector)
+    for name in ("gpuwatch_gpu_memory_used_bytes", "gpuwatch_findings",
+                 "gpuwatch_process_resident_memory_bytes", "gpuwatch_leak_projected_oom_step",
+                 "gpuwatch_build"):
+        assert again[name] is before[name], name
+    # Built again each poll: when the poll was taken.
+    assert again["gpuwatch_last_poll_timestamp_seconds"] is not before[
+        "gpuwatch_last_poll_timestamp_seconds"]
+
+    gpu = report.snapshot.gpus[0]
+    assert gpu.memory_used_bytes is not None
+    report = replace(report, snapshot=replace(report.snapshot, gpus=(
+        replace(gpu, memory_used_bytes=gpu.memory_used_bytes + 1), *report.snapshot.gpus[1:])))
+    used = {dict(labels)["gpu"]: value for name, _, _, sample, labels, value
+            in _samples(_same_as_prometheus_client(registry, writer))
+            if sample == "gpuwatch_gpu_memory_used_bytes"}
+    assert used[str(gpu.index)] == gpu.memory_used_bytes + 1
+    after = _families(collector)
+    assert after["gpuwatch_gpu_memory_used_bytes"] is not before["gpuwatch_gpu_memory_used_bytes"]
+    assert after["gpuwatch_findings"] is before["gpuwatch_findings"]
+    assert (after["gpuwatch_process_resident_memory_bytes"]
+            is before["gpuwatch_process_resident_memory_bytes"])
+
+    report = replace(report, snapshot=replace(report.snapshot, processes=MappingProxyType({
+        **report.snapshot.processes, 799: replace(report.snapshot.processes[799],
+                                                  rss_bytes=7 * GIB)})))
+    assert b"7.516192768e+09" in _same_as_prometheus_client(registry, writer)
+    moved = _families(collector)
+    assert (moved["gpuwatch_process_resident_memory_bytes"]
+            is not after["gpuwatch_process_resident_memory_bytes"])
+
+    served = _same_as_prometheus_client(registry, writer).count(b"gpuwatch_finding{")
+    report = replace(report, findings=report.findings[1:])
+    body = _same_as_prometheus_client(registry, writer)
+    assert _families(collector)["gpuwatch_findings"] is not after["gpuwatch_findings"]
+    assert body.count(b"gpuwatch_finding{") == served - 1
 
 
 # Runs on the fake node: a daemon object's real poll of a real job, rendered both ways.

@@ -1,7 +1,9 @@
 """Prometheus exporter: a custom collector that renders the latest snapshot on every scrape.
 
-Metrics are built fresh from the snapshot each time, so a process that exited leaves no stale
-series behind, and a scrape never polls: it only reads what the daemon's last poll produced.
+Metrics are built from the latest snapshot each time, so a process that exited leaves no stale
+series behind, and a scrape never polls: it only reads what the daemon's last poll produced. A
+section whose inputs are equal to its last build's hands in the families built then
+(sinks/built_families.py).
 docs/metrics.md lists every metric; names and labels are an interface for dashboards and alerts.
 
 What a scraper learns is identity, as `ps` shows it on a node without hidepid: PIDs, `comm`,
@@ -16,6 +18,7 @@ daemon's group reads (docs/security.md, rule 5). A finding's evidence is served 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,7 +31,6 @@ from gpuwatch.agent_budget import (
     PARTS,
     REFUSED_WHAT,
     BudgetStats,
-    fair_shares,
 )
 from gpuwatch.evidence import CopyOnWrite, Culprit, LeakEvidence
 from gpuwatch.metrics import Collector, CounterMetricFamily, InfoMetricFamily, Metric
@@ -41,6 +43,8 @@ from gpuwatch.model import (
     NodeReport,
     NodeSnapshot,
 )
+from gpuwatch.sinks.built_families import BuiltFamilies
+from gpuwatch.sinks.exported_processes import agent_series_cap, exported_processes
 from gpuwatch.sinks.exposition_text import Family, Row
 from gpuwatch.sinks.process_rows import (
     BUFFER_LABELS,
@@ -111,109 +115,6 @@ def summary_label(summary: str) -> str:
     return summary[:SUMMARY_LABEL_MAX - 3] + "..."
 
 
-#: Why a process that mattered got no per-process series (the `reason` label of
-#: gpuwatch_process_series_dropped_total): its user was over its share while another user's
-#: processes all fit (`user_share`), or the cap left every user short (`max_process_series`:
-#: raise it).
-SERIES_DROPPED_REASONS = ("max_process_series", "user_share")
-
-
-def dropped_by_cap(report: NodeReport, cap: int) -> dict[str, int]:
-    """How many processes that mattered exported_processes leaves out, by reason."""
-    return exported_processes(report, cap)[1]
-
-
-def exported_processes(report: NodeReport, cap: int
-                       ) -> tuple[list[HostProcess], dict[str, int]]:
-    """The processes that get per-process series under exporter.max_process_series, in
-    processes_that_matter's order, and those left out by reason (SERIES_DROPPED_REASONS).
-
-    While they fit, all of them. When the cap binds, GPU holders come first, then the rest
-    (findings, agent reporters), and within each tier the room left is shared by user, by
-    max-min fairness: every user keeps all of its processes up to an even share, and what users
-    below it leave goes to the others, evenly; a user's own processes are kept in
-    processes_that_matter's order. One user's flood of reporting processes (or of findings it
-    can raise against itself) thus never takes another user's series."""
-    matter = processes_that_matter(report)
-    dropped = dict.fromkeys(SERIES_DROPPED_REASONS, 0)
-    if len(matter) <= cap:
-        return matter, dropped
-    kept: set[int] = set()
-    room = cap
-    for tier in ([p for p in matter if p.holds_gpu], [p for p in matter if not p.holds_gpu]):
-        by_user: dict[Optional[int], list[HostProcess]] = {}
-        for p in tier:
-            by_user.setdefault(p.uid, []).append(p)
-        shares = fair_shares({uid: len(ps) for uid, ps in by_user.items()}, room)
-        for ps in by_user.values():
-            share = shares[ps[0].uid]
-            kept.update(p.pid for p in ps[:share])
-            room -= min(share, len(ps))
-    short = {p.uid for p in matter if p.pid not in kept}
-    # A user left short while another user kept all of its processes was over its share.
-    over = len(short) < len({p.uid for p in matter})
-    for p in matter:
-        if p.pid not in kept:
-            dropped["user_share" if over else "max_process_series"] += 1
-    return [p for p in matter if p.pid in kept], dropped
-
-
-def agent_series_cap(report: NodeReport, processes: Iterable[HostProcess], cap: int
-                     ) -> tuple[dict[int, int], int]:
-    """The per-user cap on series from instrumented processes (agent.max_series_per_user).
-
-    Counted per user (the kernel's UID of the reports): each process's agent series (its step
-    and step time, and its RSS and start time when it matters only as a reporter), then its
-    buffers' series in the order it reports them, over `processes` in their order (those with
-    findings first). Returns {pid: buffers that get series, or -1 when none of its agent
-    series fits} for the instrumented ones, and how many series the cap left out."""
-    agents = report.snapshot.agents
-    flagged = {f.pid for f in report.findings if f.pid is not None}
-    room: dict[int, int] = {}
-    allowed: dict[int, int] = {}
-    dropped = 0
-    for p in processes:
-        agent = agents.get(p.pid)
-        if agent is None:
-            continue
-        base = 0
-        if agent.step is not None:
-            base += 1 + (agent.step_changed_at is not None)
-        if not (p.holds_gpu or p.pid in flagged):
-            base += (p.rss_bytes is not None) + (p.start_time is not None)
-        buffers = ([(size.items is not None) + (size.bytes is not None)
-                    for size in agent.latest.buffers.values()]
-                   if agent.latest is not None else [])
-        left = room.get(agent.uid, cap)
-        if left < base:
-            allowed[p.pid] = -1
-            dropped += base + sum(buffers)
-            continue
-        left -= base
-        fit = 0
-        for n in buffers:
-            if n > left:
-                break
-            left -= n
-            fit += 1
-        dropped += sum(buffers[fit:])
-        allowed[p.pid] = fit
-        room[agent.uid] = left
-    return allowed, dropped
-
-
-def processes_that_matter(report: NodeReport) -> list[HostProcess]:
-    """Processes that get per-process series: GPU holders, processes with findings and agent
-    reporters; those with findings first, then the most GPU memory (within a user's share,
-    exported_processes keeps the first)."""
-    flagged = {f.pid for f in report.findings if f.pid is not None}
-    agents = report.snapshot.agents
-    chosen = [p for p in report.snapshot.processes.values()
-              if p.holds_gpu or p.pid in flagged or p.pid in agents]
-    return sorted(chosen, key=lambda p: (p.pid not in flagged, -(p.gpu_memory_bytes or 0),
-                                         -(p.rss_bytes or 0), p.pid))
-
-
 class ReportCollector(Collector):
     def __init__(self, latest: Callable[[], Optional[NodeReport]],
                  max_process_series: int = 1000,
@@ -236,6 +137,11 @@ class ReportCollector(Collector):
         #: Each exported process's rows at the last render, by PID: made again only when what
         #: they are made of changed (most processes' between two polls do not). Replaced whole.
         self._process_rows: dict[int, tuple[tuple[object, ...], ProcessFamilies]] = {}
+        #: The sections whose inputs are few, built again only when those change.
+        self._built = BuiltFamilies()
+        #: The processes section's families, with the number of agents and the rows (by
+        #: identity, as kept in _process_rows) they were made of.
+        self._process_families: Optional[tuple[int, list[object], list[Metric]]] = None
 
     def exported(self, report: NodeReport) -> tuple[list[HostProcess], dict[str, int]]:
         """exported_processes of `report` under max_process_series, worked out once a report."""
@@ -289,22 +195,32 @@ class ReportCollector(Collector):
 
     def _sections(self, report: Optional[NodeReport]
                   ) -> Iterator[tuple[str, Callable[[], Iterable[Metric]]]]:
-        yield "build", self._build
+        built = self._built
+        yield "build", lambda: built.get("build", (), self._build)
         if self._agent_counts is not None:
             counts = self._agent_counts
-            yield "agent_reports", lambda: self._agent_totals(*counts())
+            yield "agent_reports", lambda: self._agent_reports(*counts())
         if self._agent_budget is not None:
             budget = self._agent_budget
-            yield "agent_memory", lambda: self._agent_memory(budget())
+            yield "agent_memory", lambda: self._agent_memory_kept(budget())
         if report is None:
             return
-        yield "node", lambda: self._node(report.snapshot)
-        yield "gpus", lambda: self._gpus(report.snapshot)
+        s = report.snapshot
+        yield "node", lambda: self._node(s)
+        yield "gpus", lambda: built.get("gpus", s.gpus, lambda: self._gpus(s))
         yield "processes", lambda: self._processes(report, self.exported(report)[0])
-        yield "findings", lambda: self._findings(
-            _findings_with_series(report, self.exported(report)[0]), report.findings)
-        yield "leaks", lambda: self._leaks(
-            report, _findings_with_series(report, self.exported(report)[0]))
+
+        def findings() -> tuple[Finding, ...]:
+            return _findings_with_series(report, self.exported(report)[0])
+
+        yield "findings", lambda: built.get(
+            "findings", (findings(), report.findings),
+            lambda: self._findings(findings(), report.findings))
+        # A leak's projected OOM is a time from the poll's: the only input that moves alone.
+        yield "leaks", lambda: built.get(
+            "leaks", (findings(), s.wall(s.taken_at) if any(f.kind == Kind.LEAK
+                                                            for f in report.findings) else None),
+            lambda: self._leaks(report, findings()))
 
     def _build(self) -> Iterator[Metric]:
         build = InfoMetricFamily("gpuwatch_build", "Version of the running gpuwatch, and the "
@@ -316,6 +232,19 @@ class ReportCollector(Collector):
         yield build
 
     def _node(self, s: NodeSnapshot) -> Iterator[Metric]:
+        yield from self._built.get("node_info", (s.hostname, s.nvml), lambda: self._node_info(s))
+        yield _gauge("gpuwatch_last_poll_timestamp_seconds",
+                     "When the snapshot being served was taken (seconds since the epoch).",
+                     [], [([], s.wall(s.taken_at))])
+        yield _gauge("gpuwatch_clock_step_seconds",
+                     "How far the wall clock has stepped since the daemon started (an NTP step, "
+                     "a VM resumed): durations are timed on a clock that does not step, and "
+                     "times shown are corrected by this.", [], [([], round(s.clock_step, 3))])
+        yield _gauge("gpuwatch_last_poll_duration_seconds",
+                     "Wall time of the poll that produced the snapshot being served.",
+                     [], [([], s.poll_duration_seconds)])
+
+    def _node_info(self, s: NodeSnapshot) -> Iterator[Metric]:
         node = InfoMetricFamily(
             "gpuwatch_node", "The node as its daemon names it (daemon.node_name, else the "
             "hostname), with its driver and gpuwatch versions: join on instance for a node name "
@@ -338,16 +267,6 @@ class ReportCollector(Collector):
                                  "nvml_version": s.nvml.nvml_version or "",
                                  "cuda_driver_version": s.nvml.cuda_driver_version or ""})
             yield info
-        yield _gauge("gpuwatch_last_poll_timestamp_seconds",
-                     "When the snapshot being served was taken (seconds since the epoch).",
-                     [], [([], s.wall(s.taken_at))])
-        yield _gauge("gpuwatch_clock_step_seconds",
-                     "How far the wall clock has stepped since the daemon started (an NTP step, "
-                     "a VM resumed): durations are timed on a clock that does not step, and "
-                     "times shown are corrected by this.", [], [([], round(s.clock_step, 3))])
-        yield _gauge("gpuwatch_last_poll_duration_seconds",
-                     "Wall time of the poll that produced the snapshot being served.",
-                     [], [([], s.poll_duration_seconds)])
 
     def _gpus(self, s: NodeSnapshot) -> Iterator[Metric]:
         keyed = [([str(g.index), g.uuid or "", g.name or ""], g) for g in s.gpus]
@@ -356,11 +275,7 @@ class ReportCollector(Collector):
                          [(key, float(value)) for key, g in keyed
                           if (value := figure(g)) is not None])
 
-    def _processes(self, report: NodeReport, exported: list[HostProcess]
-                   ) -> Iterator[Metric]:
-        yield _gauge("gpuwatch_agent_processes", "Processes with an agent slot at the last "
-                     "poll (at most agent.max_processes).", [],
-                     [([], float(len(report.snapshot.agents)))])
+    def _processes(self, report: NodeReport, exported: list[HostProcess]) -> list[Metric]:
         snapshot = report.snapshot
         agents, wall = snapshot.agents, snapshot.wall
         allowed, _ = agent_series_cap(report, exported, self.max_agent_series)
@@ -387,6 +302,21 @@ class ReportCollector(Collector):
                 entry = (key, process_rows(p, job, agent, fit, started, stepped))
             made[p.pid] = entry
         self._process_rows = made
+        # The families of the last render, where every process's rows are those kept then.
+        entries: list[object] = list(made.values())
+        was = self._process_families
+        if (was is not None and was[0] == len(agents) and len(was[1]) == len(entries)
+                and all(map(operator.is_, was[1], entries))):
+            return was[2]
+        families = list(self._process_families_of(made, len(agents)))
+        self._process_families = (len(agents), entries, families)
+        return families
+
+    @staticmethod
+    def _process_families_of(made: dict[int, tuple[tuple[object, ...], ProcessFamilies]],
+                             agents: int) -> Iterator[Metric]:
+        yield _gauge("gpuwatch_agent_processes", "Processes with an agent slot at the last "
+                     "poll (at most agent.max_processes).", [], [([], float(agents))])
         gpu_mem, rss, start, steps, step_at, items, sizes = (
             [r for _, families in made.values() for r in families[i]]
             for i in range(PROCESS_FAMILIES))
@@ -407,6 +337,16 @@ class ReportCollector(Collector):
                       "watches (agent.watch).", BUFFER_LABELS, items)
         yield _family("gpuwatch_agent_buffer_bytes", "Bytes in a buffer an instrumented process "
                       "watches, where the agent can size them.", BUFFER_LABELS, sizes)
+
+    def _agent_reports(self, accepted: int, rejected: Mapping[str, int]) -> list[Metric]:
+        return self._built.get("agent_reports",
+                               (accepted, dict(rejected), self._agent_series_dropped),
+                               lambda: self._agent_totals(accepted, rejected))
+
+    def _agent_memory_kept(self, stats: BudgetStats) -> list[Metric]:
+        return self._built.get("agent_memory", (stats.max_bytes, dict(stats.by_part), stats.users,
+                                                dict(stats.refused), dict(stats.evicted)),
+                               lambda: self._agent_memory(stats))
 
     def _agent_totals(self, accepted: int, rejected: Mapping[str, int]) -> Iterator[Metric]:
         ok = CounterMetricFamily("gpuwatch_agent_reports", "Agent reports accepted.")

@@ -119,6 +119,14 @@ class _One:
 
 
 _EOF = b"# EOF\n"
+#: A Family of at most this many rows keeps its whole text (header and lines) beside its lines,
+#: to be written again as it is when its collector hands in the very same family object (one it
+#: kept because nothing it is made of changed: sinks/built_families.py). A larger one (the
+#: per-process families on a node of hundreds of processes) keeps its lines alone: its text would
+#: hold the body twice.
+FAMILY_TEXT_KEPT_ROWS = 256
+#: Lines by (label values) -> (value, line), by family name.
+_Lines = dict[str, dict[tuple[str, ...], tuple[float, str]]]
 
 
 #: A family written whole, as a key: its header fields and every sample (name, labels in their
@@ -150,7 +158,11 @@ class LineWriter:
     whole, never changed in place."""
 
     def __init__(self) -> None:
-        self._lines: dict[tuple[str, tuple[str, ...]], tuple[float, str]] = {}
+        self._lines: _Lines = {}
+        #: By family name, the Family object of the last body, its whole text and the output
+        #: it was written for (OpenMetrics or not), for families of at most
+        #: FAMILY_TEXT_KEPT_ROWS rows.
+        self._texts: dict[str, tuple[Family, tuple[str, bool]]] = {}
         #: By family name, by id() of a row kept from the last body: (the row, its line). The
         #: row is held, so its id is not another object's while it is here.
         self._by_row: dict[str, dict[int, tuple[Row, str]]] = {}
@@ -175,20 +187,43 @@ class LineWriter:
         chunks: list[bytes] = []
         assert isinstance(encoder, Format)  # encoder_form said so
         output = (form, encoder.escaping)
-        old, old_by_row = self._lines, self._by_row
+        old, old_by_row, old_texts = self._lines, self._by_row, self._texts
         old_whole = self._whole.get(output, {})
-        new: dict[tuple[str, tuple[str, ...]], tuple[float, str]] = {}
+        new: _Lines = {}
         new_by_row: dict[str, dict[int, tuple[Row, str]]] = {}
+        new_texts: dict[str, tuple[Family, tuple[str, bool]]] = {}
         new_whole: dict[WholeKey, bytes] = {}
         formatted = kept = whole_kept = 0
         for metric in registry.collect():
             if isinstance(metric, Family) and metric.written_whole:
+                name = metric.name
+                held = old_texts.get(name)
+                if held is not None and held[0] is metric and held[1][1] == form:
+                    # The same family as in the last body: its text, and its lines kept.
+                    out.append(held[1][0])
+                    new_texts[name] = held
+                    if name in old:
+                        new[name] = old[name]
+                    if name in old_by_row:
+                        new_by_row[name] = old_by_row[name]
+                    kept += len(metric.rows)
+                    continue
+                start = len(out)
                 out.append(self._header(metric, form))
                 by_row: dict[int, tuple[Row, str]] = {}
+                lines: dict[tuple[str, ...], tuple[float, str]] = {}
                 formatted_here, kept_here = self._rows(
-                    metric, old, new, old_by_row.get(metric.name, _NONE), by_row, out)
+                    metric, old.get(name, _NO_LINES), lines, old_by_row.get(name, _NONE),
+                    by_row, out)
+                if lines:
+                    new[name] = lines
                 if by_row:
-                    new_by_row[metric.name] = by_row
+                    new_by_row[name] = by_row
+                if len(metric.rows) <= FAMILY_TEXT_KEPT_ROWS:
+                    text = "".join(out[start:])
+                    del out[start:]
+                    out.append(text)
+                    new_texts[name] = (metric, (text, form))
                 formatted += formatted_here
                 kept += kept_here
                 continue
@@ -213,6 +248,7 @@ class LineWriter:
         with self._lock:
             self._lines = new
             self._by_row = new_by_row
+            self._texts = new_texts
             self._whole = {**self._whole, output: new_whole}
             self.formatted += formatted
             self.kept += kept
@@ -233,8 +269,8 @@ class LineWriter:
         return header
 
     @staticmethod
-    def _rows(family: Family, old: dict[tuple[str, tuple[str, ...]], tuple[float, str]],
-              new: dict[tuple[str, tuple[str, ...]], tuple[float, str]],
+    def _rows(family: Family, old: dict[tuple[str, ...], tuple[float, str]],
+              new: dict[tuple[str, ...], tuple[float, str]],
               old_by_row: dict[int, tuple[Row, str]], new_by_row: dict[int, tuple[Row, str]],
               out: list[str]) -> tuple[int, int]:
         """Appends the family's lines to `out`. A row found by identity is kept in `new_by_row`
@@ -250,8 +286,7 @@ class LineWriter:
                 kept += 1
                 continue
             values, value = r
-            key = (name, values)
-            entry = old.get(key)
+            entry = old.get(values)
             # 0.0 == -0.0, but they are written apart (a clock step of -0.0 is "-0.0").
             if entry is None or entry[0] != value or (
                     value == 0.0 and copysign(1.0, value) != copysign(1.0, entry[0])):
@@ -265,10 +300,11 @@ class LineWriter:
                 formatted += 1
             else:
                 kept += 1
-            new[key] = entry
+            new[values] = entry
             new_by_row[id(r)] = (r, entry[1])
             out.append(entry[1])
         return formatted, kept
 
 
 _NONE: dict[int, tuple[Row, str]] = {}
+_NO_LINES: dict[tuple[str, ...], tuple[float, str]] = {}

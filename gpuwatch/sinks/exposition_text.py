@@ -152,7 +152,9 @@ class LineWriter:
     A line is found again two ways: by its row, where a collector hands in the very row object
     of the last body (it keeps a process's rows while the process is unchanged: no key to build,
     nothing to compare), else by the family's name and the row's label values, written again
-    where the value changed. The lines kept are those of the last body written: a series gone
+    where the value changed. A family handed in again as the very object of the last body (one
+    its collector kept: sinks/built_families.py) is written from the text kept for it, without a
+    look at its rows. The lines kept are those of the last body written: a series gone
     from the report is gone from the cache at the next render. Renders on several threads at
     once (two formats asked for together) each write a whole body; the caches are replaced
     whole, never changed in place."""

@@ -18,7 +18,6 @@ daemon's group reads (docs/security.md, rule 5). A finding's evidence is served 
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -139,9 +138,6 @@ class ReportCollector(Collector):
         self._process_rows: dict[int, tuple[tuple[object, ...], ProcessFamilies]] = {}
         #: The sections whose inputs are few, built again only when those change.
         self._built = BuiltFamilies()
-        #: The processes section's families, with the number of agents and the rows (by
-        #: identity, as kept in _process_rows) they were made of.
-        self._process_families: Optional[tuple[int, list[object], list[Metric]]] = None
 
     def exported(self, report: NodeReport) -> tuple[list[HostProcess], dict[str, int]]:
         """exported_processes of `report` under max_process_series, worked out once a report."""
@@ -209,18 +205,20 @@ class ReportCollector(Collector):
         yield "node", lambda: self._node(s)
         yield "gpus", lambda: built.get("gpus", s.gpus, lambda: self._gpus(s))
         yield "processes", lambda: self._processes(report, self.exported(report)[0])
+        yield "findings", lambda: self._findings_kept(report)
+        yield "leaks", lambda: self._leaks_kept(report)
 
-        def findings() -> tuple[Finding, ...]:
-            return _findings_with_series(report, self.exported(report)[0])
+    def _findings_kept(self, report: NodeReport) -> list[Metric]:
+        shown = _findings_with_series(report, self.exported(report)[0])
+        return self._built.get("findings", (shown, report.findings),
+                               lambda: self._findings(shown, report.findings))
 
-        yield "findings", lambda: built.get(
-            "findings", (findings(), report.findings),
-            lambda: self._findings(findings(), report.findings))
+    def _leaks_kept(self, report: NodeReport) -> list[Metric]:
+        shown = _findings_with_series(report, self.exported(report)[0])
+        s = report.snapshot
         # A leak's projected OOM is a time from the poll's: the only input that moves alone.
-        yield "leaks", lambda: built.get(
-            "leaks", (findings(), s.wall(s.taken_at) if any(f.kind == Kind.LEAK
-                                                            for f in report.findings) else None),
-            lambda: self._leaks(report, findings()))
+        now = s.wall(s.taken_at) if any(f.kind == Kind.LEAK for f in shown) else None
+        return self._built.get("leaks", (shown, now), lambda: self._leaks(report, shown))
 
     def _build(self) -> Iterator[Metric]:
         build = InfoMetricFamily("gpuwatch_build", "Version of the running gpuwatch, and the "
@@ -302,15 +300,10 @@ class ReportCollector(Collector):
                 entry = (key, process_rows(p, job, agent, fit, started, stepped))
             made[p.pid] = entry
         self._process_rows = made
-        # The families of the last render, where every process's rows are those kept then.
-        entries: list[object] = list(made.values())
-        was = self._process_families
-        if (was is not None and was[0] == len(agents) and len(was[1]) == len(entries)
-                and all(map(operator.is_, was[1], entries))):
-            return was[2]
-        families = list(self._process_families_of(made, len(agents)))
-        self._process_families = (len(agents), entries, families)
-        return families
+        # The families of the last render where every process's rows are those kept then
+        # (compared by identity first: most are the very entries of _process_rows).
+        return self._built.get("processes", (len(agents), list(made.values())),
+                               lambda: self._process_families_of(made, len(agents)))
 
     @staticmethod
     def _process_families_of(made: dict[int, tuple[tuple[object, ...], ProcessFamilies]],

@@ -164,7 +164,7 @@ class LineWriter:
         #: By family name, the Family object of the last body, its whole text and the output
         #: it was written for (OpenMetrics or not), for families of at most
         #: FAMILY_TEXT_KEPT_ROWS rows.
-        self._texts: dict[str, tuple[Family, tuple[str, bool]]] = {}
+        self._texts: dict[str, tuple[Family, str, bool]] = {}
         #: By family name, by id() of a row kept from the last body: (the row, its line). The
         #: row is held, so its id is not another object's while it is here.
         self._by_row: dict[str, dict[int, tuple[Row, str]]] = {}
@@ -193,16 +193,16 @@ class LineWriter:
         old_whole = self._whole.get(output, {})
         new: _Lines = {}
         new_by_row: dict[str, dict[int, tuple[Row, str]]] = {}
-        new_texts: dict[str, tuple[Family, tuple[str, bool]]] = {}
+        new_texts: dict[str, tuple[Family, str, bool]] = {}
         new_whole: dict[WholeKey, bytes] = {}
         formatted = kept = whole_kept = 0
         for metric in registry.collect():
             if isinstance(metric, Family) and metric.written_whole:
                 name = metric.name
                 held = old_texts.get(name)
-                if held is not None and held[0] is metric and held[1][1] == form:
+                if held is not None and held[0] is metric and held[2] == form:
                     # The same family as in the last body: its text, and its lines kept.
-                    out.append(held[1][0])
+                    out.append(held[1])
                     new_texts[name] = held
                     if name in old:
                         new[name] = old[name]
@@ -225,7 +225,7 @@ class LineWriter:
                     text = "".join(out[start:])
                     del out[start:]
                     out.append(text)
-                    new_texts[name] = (metric, (text, form))
+                    new_texts[name] = (metric, text, form)
                 formatted += formatted_here
                 kept += kept_here
                 continue

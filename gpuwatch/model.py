@@ -92,12 +92,12 @@ class GpuDevice:
     def ok(self) -> bool:
         return not self.errors
 
-    @property
+    @cached_property  # (these three: asked several times a poll, worked out once a record)
     def process_list_unread(self) -> bool:
         """A process list was asked for and could not be read (or the GPU is lost)."""
         return self.lost or any("RunningProcesses" in e.call for e in self.errors)
 
-    @property
+    @cached_property
     def holders_unknown(self) -> bool:
         """Who holds memory on this GPU is not known: a process list could not be read, the GPU
         is lost, or not even its handle could be had (so no list was asked for)."""
@@ -108,7 +108,7 @@ class GpuDevice:
     def attributed_memory_bytes(self) -> int:
         return sum(p.memory_bytes or 0 for p in self.processes)
 
-    @property
+    @cached_property
     def unattributed_memory_bytes(self) -> Optional[int]:
         """Used memory that no listed process accounts for (driver reservations excluded).
 

@@ -36,7 +36,7 @@ from gpuwatch.model import (
     Pod,
     SourceError,
 )
-from gpuwatch.sources.memory import CgroupMemory, read_mem_available
+from gpuwatch.sources.memory import CgroupMemory, NodeMemory
 from gpuwatch.sources.nvml import NvmlSource
 from gpuwatch.sources.private_memory import PrivateMemorySource
 from gpuwatch.sources.processes import ProcessSource
@@ -72,6 +72,7 @@ class Poller:
         #: Each named job made so far, by its id, source and names: one record, not one a poll.
         self._named_jobs: dict[tuple[str, str, str, str, Optional[str]], Job] = {}
         self.cgroup_memory = CgroupMemory()
+        self.node_memory = NodeMemory()
         self.hostname = hostname or socket.gethostname()
         #: Every time in a snapshot is on this clock (gpuwatch.clock): the agent receiver that
         #: feeds this poller must stamp its reports on the same one.
@@ -131,7 +132,7 @@ class Poller:
             poll_duration_seconds=time.perf_counter() - started,
             job_roots=MappingProxyType(job_roots(processes, seed_roots)),
             agents=MappingProxyType(agents),
-            mem_available_bytes=read_mem_available(),
+            mem_available_bytes=self.node_memory.available(),
             cgroup_memory=MappingProxyType(self.cgroup_memory.read(limited)),
             run_supervisors=MappingProxyType(self._run_supervisors(processes)),
             observer_pid=self._observer_pid(),
@@ -282,6 +283,8 @@ class Poller:
 
     def close(self) -> None:
         self.nvml.close()
+        self.cgroup_memory.close()
+        self.node_memory.close()
         stop = getattr(self.pods, "stop", None)
         if stop is not None:
             stop()

@@ -352,6 +352,34 @@ def test_every_nth_figure_is_values_every_nth_filling_full_and_wrapped_at_every_
             ring.append(float(n * 4096))
 
 
+def test_a_rise_read_in_place_is_the_one_values_gives_filling_full_and_wrapped() -> None:
+    for capacity in (1, 2, 7, 30):
+        ring = FigureRing(capacity)
+        for n in range(3 * capacity + 2):
+            values = ring.values()
+            assert [ring.rise(i) for i in range(len(ring))] == [v - values[0] for v in values], (
+                capacity, n)
+            ring.append(float(n * n * 4096))
+
+
+def test_the_time_based_leak_pre_check_reads_the_rise_to_a_sample_with_unknowns_as_nan() -> None:
+    mib = 1 << 20
+    history = History(samples=8)
+    usage = (GpuProcessUsage(0, "GPU-0", 10, 100 * mib),)
+    for t in range(13):  # past the capacity: the rings wrap
+        rss = None if t == 10 else (1 << 30) + t * mib
+        history.record(_snapshot(float(t), replace(_proc(10, 1.0, rss=rss), gpu_usage=usage)))
+    h = history.get((10, 1.0))
+    assert h is not None and len(h) == 8
+    for i in range(8):
+        rss_rise, gpu_rise = h.rises(i)
+        assert gpu_rise == 0.0
+        if i == 5:  # the poll at t=10: RSS unknown
+            assert math.isnan(rss_rise)
+        else:
+            assert rss_rise == i * mib == h.rss[i] - h.rss[0]
+
+
 def test_a_figure_a_32_bit_float_would_round_turns_the_ring_into_exact_doubles() -> None:
     ring = FigureRing(4)
     for value in (5 * 4096, (1 << 36) + 4096, 2**62 + 4096, float(2**64), 1e300):

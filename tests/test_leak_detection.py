@@ -662,17 +662,17 @@ def test_the_leak_test_by_time_runs_once_per_sample_not_at_every_poll(
     """Whether a series grows depends on its samples alone: at polls that take no sample
     (closer than sample_spacing to the last), a test that found no growth is not run again;
     at the next sample it is, and the growth is found as it was."""
-    from gpuwatch.detectors import leaks as leak_detector
+    from gpuwatch.history.samples import ProcessHistory
 
     tested: list[float] = []
-    real = leak_detector.may_grow
+    real = ProcessHistory.rises
 
-    def counting(*args: Any) -> bool:
+    def counting(self: ProcessHistory, i: int) -> tuple[float, float]:
         if found is None:  # (a growth found is tested again at every poll: it is reported)
             tested.append(now)
-        return real(*args)
+        return real(self, i)
 
-    monkeypatch.setattr(leak_detector, "may_grow", counting)
+    monkeypatch.setattr(ProcessHistory, "rises", counting)
     config = DetectorConfig(leak_warmup_seconds=0, leak_min_span_seconds=30,
                             leak_min_bytes_per_second=10 * 1024)
     history = History(300, sample_spacing=3.0)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,6 +150,24 @@ def test_the_process_metrics_are_prometheus_clients() -> None:
         assert mine[name].samples == their[name].samples
     assert [s.name for m in mine.values() for s in m.samples] == [
         s.name for m in their.values() for s in m.samples]
+
+
+def test_the_process_figures_read_through_the_kept_stat_file_move_as_the_process_does() -> None:
+    collector = ours.ProcessCollector()
+
+    def figure(name: str) -> float:
+        (family,) = [m for m in collector.collect() if m.name == name]
+        return family.samples[0].value
+
+    cpu, rss = figure("process_cpu_seconds"), figure("process_resident_memory_bytes")
+    deadline = time.monotonic() + 30
+    while figure("process_cpu_seconds") <= cpu + 0.05:  # clock ticks: 10 ms each
+        assert time.monotonic() < deadline
+        sum(range(100_000))
+    held = bytearray(64 << 20)
+    held[::4096] = b"\x01" * len(held[::4096])  # every page touched: resident
+    assert figure("process_resident_memory_bytes") >= rss + (32 << 20)
+    del held
 
 
 def test_open_fds_counts_the_descriptors_open_whichever_way_the_kernel_answers() -> None:

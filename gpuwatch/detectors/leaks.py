@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from gpuwatch.config import DetectorConfig
 from gpuwatch.detectors.common import Evidence, finding, is_protected
@@ -89,6 +89,7 @@ _CRITICAL_WITHIN = 3600.0
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
            ) -> Iterator[Finding]:
     flagged: set[int] = set()
+    windows: dict[int, Optional[_Window]] = {}
     for p in snapshot.processes.values():
         if not p.in_procfs or p.state == ProcState.ZOMBIE or is_protected(p, config):
             continue
@@ -99,11 +100,11 @@ def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig
         if steps is not None and steps.ticking:
             # An agent that has not stepped, reporting on a timer: tested by time, whatever
             # its job, with the containers its discovery names for culprits.
-            found = _by_time(p, h, snapshot, config, steps)
+            found = _by_time(p, h, snapshot, config, windows, steps)
         elif steps is not None and len(steps.times):
             found = _by_step(p, steps, snapshot, history, config)
         elif p.holds_gpu or _in_gpu_job(p, history):
-            found = _by_time(p, h, snapshot, config)
+            found = _by_time(p, h, snapshot, config, windows)
         else:
             found = None
         if found is not None:
@@ -253,8 +254,46 @@ def _seconds_per_step(steps: StepSeries, g: Growth) -> Optional[float]:
     return median(rates) if rates else None
 
 
+class _Window(NamedTuple):
+    """The time-based test's window for a process with so many samples (the same for every
+    process with as many: the newest of the history's sample times, gpuwatch.history.samples):
+    one sample in `stride`, at most leak_window of them, from the oldest to sample `last`."""
+
+    #: When each of the samples was taken (the SampleClock's newest, as many).
+    taken: memoryview
+    stride: int
+    last: int
+    #: Seconds from the window's first point to its last.
+    run: float
+    #: Half the least rise over `run` that matters: trend.may_grow's pre-check.
+    least_rise: float
+
+
+def _window(h: ProcessHistory, config: DetectorConfig,
+            windows: dict[int, Optional[_Window]]) -> Optional[_Window]:
+    """`h`'s window, worked out once a detection for each number of samples; None where it
+    would hold one point (nothing can grow)."""
+    n = len(h)
+    if n in windows:
+        return windows[n]
+    # Every poll's sample is kept, but a window of leak_window points spread over all of them
+    # answers the question as well at a fraction of the cost.
+    # (Rounded up, so that the window's points spread over every sample kept: rounded down, the
+    # newest leak_window of them could cover half the samples, and less than the span.)
+    stride = max(1, -(-n // config.leak_window))
+    last = (n - 1) // stride * stride if n else 0
+    window = None
+    if last > 0:
+        taken = h.times
+        run = taken[last] - taken[0]
+        window = _Window(taken, stride, last, run, 0.5 * config.leak_min_bytes_per_second * run)
+    windows[n] = window
+    return window
+
+
 def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
-             config: DetectorConfig, ticks: Optional[StepSeries] = None) -> Optional[Finding]:
+             config: DetectorConfig, windows: dict[int, Optional[_Window]],
+             ticks: Optional[StepSeries] = None) -> Optional[Finding]:
     """The leak test per second on the poll's samples; `ticks`: what the process's agent
     reported on its timer (it has not stepped), by time, where a culprit may be found."""
     # Whether a series grows depends on the samples and the settings alone, and most polls
@@ -263,28 +302,37 @@ def _by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
     sampled = h.sampled
     if h.quiet is not None and h.quiet[0] == sampled and h.quiet[1] is config:
         return None
-    found = _growing_by_time(p, h, snapshot, config, ticks)
+    found = _growing_by_time(p, h, snapshot, config, windows, ticks)
     h.quiet = (sampled, config) if found is None else None
     return found
 
 
 def _growing_by_time(p: HostProcess, h: ProcessHistory, snapshot: NodeSnapshot,
-                     config: DetectorConfig, ticks: Optional[StepSeries]) -> Optional[Finding]:
+                     config: DetectorConfig, windows: dict[int, Optional[_Window]],
+                     ticks: Optional[StepSeries]) -> Optional[Finding]:
+    # (This runs at every sample for every GPU holder: most leave at one of the next checks.)
+    w = _window(h, config, windows)
+    if w is None:
+        return None
     after = h.first_seen + config.leak_warmup_seconds
-    taken = h.times
-    if not len(taken) or taken[-1] - max(after, taken[0]) < config.leak_min_span_seconds:
-        return None  # runs every poll for every GPU holder: leave early while nothing can show
-    # Every poll's sample is kept, but a window of leak_window points spread over all of them
-    # answers the question as well at a fraction of the cost.
-    # (Rounded up, so that the window's points spread over every sample kept: rounded down, the
-    # newest leak_window of them could cover half the samples, and less than the span.)
-    stride = max(1, -(-len(taken) // config.leak_window))
-    times = taken[::stride]
-    for series, every, limit_of in ((Series.RSS, h.rss_every, host_limit),
-                                    (Series.GPU_MEMORY, h.gpu_memory_every, None)):
-        sampled = every(stride)
-        if not may_grow(times, sampled, config.leak_window, config.leak_min_bytes_per_second):
+    taken = w.taken
+    if taken[-1] - max(after, taken[0]) < config.leak_min_span_seconds:
+        return None
+    # The window is taken[::stride], at most leak_window points, so trend.may_grow's pre-check
+    # compares its first point, the oldest sample, with its last, sample `last`: read in place
+    # here, and the window copied only for a process that passes.
+    run, least = w.run, w.least_rise
+    rss_rise, gpu_rise = h.rises(w.last)
+    # (A NaN rise, an unknown figure at either end, compares false: the full test decides.)
+    if run > 0 and rss_rise < least and gpu_rise < least:
+        return None
+    times = taken[::w.stride]
+    for series, rise, every, limit_of in (
+            (Series.RSS, rss_rise, h.rss_every, host_limit),
+            (Series.GPU_MEMORY, gpu_rise, h.gpu_memory_every, None)):
+        if run > 0 and rise < least:
             continue
+        sampled = every(w.stride)
         g = growth(times, sampled, after, config.leak_window, config.leak_min_points)
         if g is None or g.last_x - g.first_x < config.leak_min_span_seconds:
             continue

@@ -75,6 +75,13 @@ class Ring:
         first = data[start::stride]
         return first + data[len(first) * stride - (len(data) - start):start:stride]
 
+    def rise(self, i: int) -> float:
+        """values()[i] - values()[0], for 0 <= i < len(self), read in place."""
+        data = self._data
+        # (Before the ring is full `_start` is 0 and the index negative: counted from the end.)
+        first = self._start - len(data)
+        return data[first + i] - data[first]
+
     def resize(self, capacity: int) -> None:
         kept = self.values()[-max(1, capacity):]
         self._data = array(self._data.typecode, [_NAN]) * max(1, capacity)
@@ -234,6 +241,12 @@ class ProcessHistory:
     def gpu_memory_every(self, stride: int) -> array[float]:
         """gpu_memory[::stride], without copying the rest."""
         return self._gpu_memory.every(stride)
+
+    def rises(self, i: int) -> tuple[float, float]:
+        """How much its RSS and its GPU memory rose from the oldest sample to sample `i` (NaN
+        where either end is unknown), read in place: the time-based leak test's pre-check, for
+        every process at every sample."""
+        return self._rss.rise(i), self._gpu_memory.rise(i)
 
     @property
     def uss(self) -> Optional[array[float]]:

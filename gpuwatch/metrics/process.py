@@ -3,8 +3,10 @@ scrape: prometheus-client's ProcessCollector's families, names and help."""
 
 from __future__ import annotations
 
+import io
 import os
-from collections.abc import Callable
+import resource
+from typing import Optional
 
 from gpuwatch.metrics.core import Collector, CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -25,11 +27,13 @@ def _count_fds(fd_dir: str) -> int:
 
 class ProcessCollector(Collector):
     """process_virtual_memory_bytes, process_resident_memory_bytes, process_start_time_seconds,
-    process_cpu_seconds_total, process_open_fds and process_max_fds of a process (this one)."""
+    process_cpu_seconds_total, process_open_fds and process_max_fds of this process.
 
-    def __init__(self, pid: Callable[[], int | str] = lambda: "self",
-                 proc: str = "/proc") -> None:
-        self._pid = pid
+    Read at every render: the stat line through a descriptor kept open (a read at offset 0
+    makes the kernel write the line afresh), the limit on descriptors from getrlimit (what
+    /proc/self/limits shows as "Max open files", without reading and splitting its table)."""
+
+    def __init__(self, proc: str = "/proc") -> None:
         self._proc = proc
         self._prefix = "process_"
         try:
@@ -37,6 +41,8 @@ class ProcessCollector(Collector):
         except (ValueError, TypeError, OSError):
             self._ticks = 100.0
         self._btime = self._boot_time()
+        #: /proc/self/stat, open, for the PID it was opened by (a fork's child opens its own).
+        self._stat: Optional[tuple[int, io.FileIO]] = None
 
     def _boot_time(self) -> float:
         """The boot time, or 0.0 where /proc cannot tell it (then no family is collected)."""
@@ -52,12 +58,10 @@ class ProcessCollector(Collector):
     def collect(self) -> list[Metric]:
         if not self._btime:
             return []
-        pid = os.path.join(self._proc, str(self._pid()).strip())
         result: list[Metric] = []
         p = self._prefix
         try:
-            with open(os.path.join(pid, "stat"), "rb") as stat:
-                parts = stat.read().split(b")")[-1].split()
+            parts = self._stat_line().rpartition(b")")[2].split()
             result.extend([
                 GaugeMetricFamily(p + "virtual_memory_bytes", "Virtual memory size in bytes.",
                                   value=float(parts[20])),
@@ -71,22 +75,25 @@ class ProcessCollector(Collector):
                                     value=float(parts[11]) / self._ticks
                                     + float(parts[12]) / self._ticks),
             ])
-        except OSError:
+        except (OSError, IndexError, ValueError):
             pass
         try:
-            max_fds = None
-            with open(os.path.join(pid, "limits"), "rb") as limits:
-                for line in limits:
-                    if line.startswith(b"Max open file"):
-                        max_fds = GaugeMetricFamily(p + "max_fds",
-                                                    "Maximum number of open file descriptors.",
-                                                    value=float(line.split()[3]))
-                        break
-            open_fds = GaugeMetricFamily(p + "open_fds", "Number of open file descriptors.",
-                                         _count_fds(os.path.join(pid, "fd")))
-            result.append(open_fds)
-            if max_fds is not None:
-                result.append(max_fds)
+            result.append(GaugeMetricFamily(p + "open_fds", "Number of open file descriptors.",
+                                            _count_fds(f"{self._proc}/self/fd")))
         except OSError:
-            pass
+            return result
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY:
+            result.append(GaugeMetricFamily(p + "max_fds",
+                                            "Maximum number of open file descriptors.",
+                                            value=float(soft)))
         return result
+
+
+    def _stat_line(self) -> bytes:
+        pid = os.getpid()
+        kept = self._stat
+        if kept is None or kept[0] != pid:
+            # (A FileIO, not a bare descriptor: it is closed with the collector.)
+            kept = self._stat = (pid, io.FileIO(f"{self._proc}/self/stat"))
+        return os.pread(kept[1].fileno(), 4096, 0)

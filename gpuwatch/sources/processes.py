@@ -38,7 +38,7 @@ from gpuwatch.model import (
 from gpuwatch.sources.jobs import (
     parse_environ,
 )
-from gpuwatch.sources.kernel_files import read_file, read_head, read_or_none
+from gpuwatch.sources.kernel_files import KeptFiles, read_file, read_head, read_or_none
 from gpuwatch.sources.proc_stat import (
     ARG_START,
     NUM_THREADS,
@@ -113,6 +113,10 @@ class ProcessSource:
         #: Without children files, the children of each PID as the last scan of /proc found them;
         #: kept until the poll is over (forget_others).
         self._by_parent: Optional[dict[int, list[int]]] = None
+        #: This process's PID, and /proc/self's (own_pid) as read while it was.
+        self._own_pid: Optional[tuple[int, Optional[int]]] = None
+        #: /proc/loadavg, kept open: last_pid reads it at every poll.
+        self._loadavg = KeptFiles(1)
 
     def read(self, pids: Iterable[int],
              gpu_usage: Optional[Mapping[int, tuple[GpuProcessUsage, ...]]] = None,
@@ -179,6 +183,7 @@ class ProcessSource:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._loadavg.close()
         self._by_parent = None
 
     def _stat_line(self, pid: int) -> Optional[bytes]:
@@ -379,11 +384,16 @@ class ProcessSource:
 
     def own_pid(self) -> Optional[int]:
         """This process's PID in the /proc read (/proc/self), or None where that /proc does
-        not show this process (mounted for another PID namespace, or a fixture directory)."""
-        try:
-            return int(os.readlink(os.path.join(self._procfs, "self")))
-        except (OSError, ValueError):
-            return None
+        not show this process (mounted for another PID namespace, or a fixture directory).
+        Looked up once for each PID of this process's own (a fork's child looks again)."""
+        pid = os.getpid()
+        if self._own_pid is None or self._own_pid[0] != pid:
+            try:
+                own: Optional[int] = int(os.readlink(os.path.join(self._procfs, "self")))
+            except (OSError, ValueError):
+                own = None
+            self._own_pid = (pid, own)
+        return self._own_pid[1]
 
     def live(self, pids: Iterable[int]) -> list[int]:
         """Those of `pids` that are a process or thread now, in their order: kill(pid, 0) each,
@@ -406,14 +416,12 @@ class ProcessSource:
     def last_pid(self) -> Optional[int]:
         """The PID most recently handed out in this process's PID namespace (the last field of
         /proc/loadavg), or None when /proc is not this namespace's, or unreadable."""
-        if self._procfs != "/proc":
-            return None
+        if self._procfs != "/proc" or self.own_pid() != os.getpid():
+            return None  # /proc mounted for another PID namespace than ours
+        raw = self._loadavg.read("/proc/loadavg")
         try:
-            if os.readlink("/proc/self") != str(os.getpid()):
-                return None  # /proc mounted for another PID namespace than ours
-            raw = read_file("/proc/loadavg")
             return int(raw.rsplit(None, 1)[-1]) if raw else None
-        except (OSError, ValueError):
+        except ValueError:
             return None
 
     def descendants(self, root: int) -> set[int]:

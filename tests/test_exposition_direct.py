@@ -225,6 +225,38 @@ print(json.dumps({"pairs": out, "kept": writer.kept, "written": daemon.document_
 """
 
 
+def test_an_unchanged_counter_or_histogram_is_the_same_family_written_from_its_text() -> None:
+    """gpuwatch.metrics' counters and histograms hand out the family they collected last while
+    nothing in them changed, and the writer writes it from what it wrote then: byte for byte
+    prometheus-client's, before and after each is counted, a series added included."""
+    from gpuwatch import metrics
+
+    polls = metrics.Counter("x_polls", "Polls.")
+    errors = metrics.Counter("x_errors", "Errors, by source.", ["source"])
+    took = metrics.Histogram("x_seconds", "Time.", buckets=(0.01, 0.1, 1.0))
+    registry = CollectorRegistry()
+    for instrument in (polls, errors, took):
+        registry.register(instrument)  # type: ignore[arg-type]
+    writer = LineWriter()
+    first = _same_as_prometheus_client(registry, writer)
+    kept = writer.whole_kept
+    assert all(a is b for a, b in zip(polls.collect() + errors.collect() + took.collect(),
+                                      polls.collect() + errors.collect() + took.collect()))
+    assert _same_as_prometheus_client(registry, writer) == first
+    assert writer.whole_kept > kept
+    before = {i.name: i.collect()[0] for i in (polls, errors, took)}
+    polls.inc()
+    errors.labels("nvml").inc()  # a series added
+    took.observe(0.05)
+    body = _same_as_prometheus_client(registry, writer)
+    assert body != first and b"x_polls_total 1.0" in body
+    assert b'x_errors_total{source="nvml"} 1.0' in body and b"x_seconds_count 1.0" in body
+    assert all(i.collect()[0] is not before[i.name] for i in (polls, errors, took))
+    errors.labels("nvml")  # asked for, not counted: nothing changed
+    assert errors.collect()[0] is errors.collect()[0]
+    assert _same_as_prometheus_client(registry, writer) == body
+
+
 def test_the_daemons_metrics_and_document_are_the_formatters_own_on_a_real_job(
         fake_node: object, cli_env: dict[str, str], tmp_path: Path) -> None:
     with running_job(tmp_path, workers=3) as job:

@@ -587,3 +587,58 @@ def test_a_process_the_log_records_as_ended_is_not_planned_again(tmp_path: Path)
     news = earlier.poll()
     assert news.counts == {("orphan", "killed"): 1}
     assert earlier.not_ended_yet(later) == [action(4001, 200.0), refused]
+
+
+def _killed(pid: int) -> dict[str, Any]:
+    """An entry recording that a reap killed the orphan `pid`."""
+    from gpuwatch.actions.reap_plan import TERMINATE, Action
+
+    action = Action(kind="orphan", action=TERMINATE, reason="r", pid=pid, start_time=100.0,
+                    target=pid, target_start_time=100.0)
+    return {"phase": "executed", "id": None, **Result(action, "killed", "after SIGKILL").as_json()}
+
+
+def test_a_rotated_log_is_read_from_the_new_files_start_however_long_it_has_grown(
+        tmp_path: Path) -> None:
+    """The daemon reads the log it opened while the path names that file; once the path names
+    another (logrotate renamed it, a reaper made a new one) the new file is read whole, even
+    where it has grown past where the old one was read to."""
+    from gpuwatch.actions.reap_audit import AuditFollower, AuditWriter
+
+    path = tmp_path / "reap.jsonl"
+    writer = AuditWriter(path, "daemon", os.geteuid())
+    writer.touch()
+    follower = AuditFollower(path, writer)
+    follower.poll()
+    writer.write([_killed(4001)])
+    assert follower.poll().counts == {("orphan", "killed"): 1}
+    assert follower.poll().counts == {}  # nothing new: nothing counted again
+    path.rename(tmp_path / "reap.jsonl.1")
+    writer.write([_killed(pid) for pid in (4002, 4003, 4004)])  # a new file, longer
+    assert follower.poll().counts == {("orphan", "killed"): 3}
+    writer.write([_killed(4005)])
+    assert follower.poll().counts == {("orphan", "killed"): 1}
+
+
+def test_a_log_put_in_place_of_the_one_read_meets_the_directorys_checks_again(
+        tmp_path: Path) -> None:
+    """Another user who can write the log's directory can put a file of their own in the log's
+    place: the daemon reads it only through the directory's checks, which now refuse it (and
+    say so once)."""
+    from gpuwatch.actions.reap_audit import AuditFollower, AuditWriter
+
+    states = tmp_path / "state"
+    states.mkdir(mode=0o750)
+    path = states / "reap.jsonl"
+    writer = AuditWriter(path, "daemon", os.geteuid())
+    writer.write([_killed(4001)])
+    follower = AuditFollower(path, writer)
+    assert follower.poll().error is None
+    os.chmod(states, 0o777)  # a mistake: anyone may write it
+    forged = states / "forged"
+    forged.write_text(json.dumps(_killed(4009)) * 3 + "\n")
+    forged.replace(path)
+    news = follower.poll()
+    assert news.counts == {} and news.error is not None and "refused" in news.error
+    assert follower.poll().error is None  # said once
+    os.chmod(states, 0o750)

@@ -14,6 +14,7 @@ import datetime
 import errno
 import fcntl
 import functools
+import io
 import json
 import os
 import stat
@@ -169,10 +170,10 @@ def _open_in(directory: TrustedDir, path: Path, flags: int, mode: int = 0o640) -
         raise
 
 
-def _read_audit(path: Path) -> Any:
+def _read_audit(path: Path) -> io.FileIO:
     """The audit log, open for reading (FileNotFoundError when there is none yet)."""
     with _audit_dir(path) as directory:
-        return os.fdopen(_open_in(directory, path, os.O_RDONLY), "rb")
+        return io.FileIO(_open_in(directory, path, os.O_RDONLY), "rb")
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -259,6 +260,10 @@ class AuditFollower:
         self._ended: dict[tuple[Any, Any], None] = {}
         self._started = False
         self._failing: Optional[str] = None
+        #: The log as last opened (through its checked directory), with the file's identity:
+        #: read again while the path names that file, so a poll with nothing new costs an
+        #: lstat and an fstat, not the directory's checks and an open.
+        self._log: Optional[tuple[io.FileIO, tuple[int, int]]] = None
 
     def poll(self) -> AuditNews:
         """What was appended since the last look, and what stopped reapers left. The first look
@@ -341,21 +346,52 @@ class AuditFollower:
         return self._signals.state(ProcessRef(*ident)) == SAME
 
     def _read(self, news: AuditNews) -> None:
-        try:
-            f = _read_audit(self.path)
-        except FileNotFoundError:
+        log = self._open_log()
+        if log is None:
             self.offset = 0
             return
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            if size < self.offset:  # rotated (or truncated): read the new file from its start
-                self.offset = 0
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
+        size = os.fstat(log.fileno()).st_size
+        if size < self.offset:  # truncated: read the file from its start
+            self.offset = 0
+        if size == self.offset:
+            return
+        data = os.pread(log.fileno(), size - self.offset, self.offset)
         # Only whole lines: a line being written is read once its newline is there.
         complete = data.rfind(b"\n") + 1
         self.offset += complete
         self._take(data[:complete], news)
+
+    def _open_log(self) -> Optional[io.FileIO]:
+        """The log open for reading, None while there is none. The file opened at the last
+        poll while the path still names it (one lstat: the path is only asked which file it
+        names, if any, never read through); else it is opened again through its checked
+        directory. A log rotated (renamed, a new one made) is read from the new file's start;
+        one put in its place by another user is the new file, and meets the directory's
+        checks."""
+        named: Optional[tuple[int, int]]
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+            named = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            named = None  # no log yet (or rotated away, none made since): nothing to read
+        except OSError:
+            named = (-1, -1)  # the checks below say why
+        kept = self._log
+        if kept is not None:
+            if named == kept[1]:
+                return kept[0]
+            self._log = None
+            kept[0].close()
+            self.offset = 0
+        if named is None:
+            return None
+        try:
+            log = _read_audit(self.path)
+        except FileNotFoundError:
+            return None
+        st = os.fstat(log.fileno())
+        self._log = (log, (st.st_dev, st.st_ino))
+        return log
 
     def _take(self, data: bytes, news: AuditNews) -> AuditNews:
         for line in data.splitlines():

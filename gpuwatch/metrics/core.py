@@ -175,6 +175,11 @@ class _Instrument:
         self._series: dict[tuple[str, ...], list[float]] = {}
         if not self.labelnames:
             self._series[()] = self._zero()
+        #: Changes so far (a series added, a value moved), and the family collected at that
+        #: count: handed out again while nothing changed, so an exposition writer that keeps
+        #: what it wrote of a family object (sinks/exposition_text.py) writes it as it was.
+        self._changes = 0
+        self._collected: Optional[tuple[int, Metric]] = None
 
     def _zero(self) -> list[float]:
         raise NotImplementedError
@@ -188,17 +193,23 @@ class _Instrument:
             values = self._series.get(key)
             if values is None:
                 values = self._series[key] = self._zero()
+                self._changes += 1
         return values
 
     def describe(self) -> list[Metric]:
         return [Metric(self.name, self.documentation, self.typ)]
 
     def collect(self) -> list[Metric]:
-        metric = Metric(self.name, self.documentation, self.typ)
         with self._lock:
+            changes, kept = self._changes, self._collected
+            if kept is not None and kept[0] == changes:
+                return [kept[1]]
             series = [(key, list(values)) for key, values in self._series.items()]
+        metric = Metric(self.name, self.documentation, self.typ)
         for key, values in series:
             self._add_samples(metric, dict(zip(self.labelnames, key)), values)
+        with self._lock:
+            self._collected = (changes, metric)
         return [metric]
 
     def _add_samples(self, metric: Metric, labels: dict[str, str], values: list[float]) -> None:
@@ -215,8 +226,10 @@ class _CounterSeries:
     def inc(self, amount: float = 1) -> None:
         if amount < 0:
             raise ValueError("Counters can only be incremented by non-negative amounts.")
-        with self._counter._lock:
+        counter = self._counter
+        with counter._lock:
             self._values[0] += amount
+            counter._changes += 1
 
 
 class Counter(_Instrument):
@@ -265,6 +278,7 @@ class Histogram(_Instrument):
     def observe(self, amount: float) -> None:
         values = self._values(())
         with self._lock:
+            self._changes += 1
             values[-1] += amount
             for i, bound in enumerate(self.bounds):
                 if amount <= bound:

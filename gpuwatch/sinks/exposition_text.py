@@ -173,6 +173,10 @@ class LineWriter:
         #: versions scrapers ask for), each family of its last body written whole, by its key
         #: (whole_key). Scrapers asking for different formats do not undo each other's.
         self._whole: dict[tuple[bool, str], dict[WholeKey, bytes]] = {}
+        #: By output, the other families of its last body by id(): (the family, its text), for
+        #: one handed in again as the very same object (gpuwatch.metrics' counters and
+        #: histograms do while they are unchanged), written without building its key.
+        self._objects: dict[tuple[bool, str], dict[int, tuple[Metric, bytes]]] = {}
         self._lock = threading.Lock()
         #: Lines written from their values / kept from an earlier body (for tests and benches).
         self.formatted = 0
@@ -191,6 +195,8 @@ class LineWriter:
         output = (form, encoder.escaping)
         old, old_by_row, old_texts = self._lines, self._by_row, self._texts
         old_whole = self._whole.get(output, {})
+        old_objects = self._objects.get(output, {})
+        new_objects: dict[int, tuple[Metric, bytes]] = {}
         new: _Lines = {}
         new_by_row: dict[str, dict[int, tuple[Row, str]]] = {}
         new_texts: dict[str, tuple[Family, str, bool]] = {}
@@ -229,16 +235,22 @@ class LineWriter:
                 formatted += formatted_here
                 kept += kept_here
                 continue
-            key = whole_key(metric)
-            body = old_whole.get(key) if key is not None else None
-            if body is None:
-                body = encoder(_One(metric))
-                if form and body.endswith(_EOF):
-                    body = body[:-len(_EOF)]
-            else:
+            same = old_objects.get(id(metric))
+            if same is not None and same[0] is metric:
+                body = same[1]  # (kept by identity alone, while it is handed in as it was)
                 whole_kept += 1
-            if key is not None:
-                new_whole[key] = body
+            else:
+                key = whole_key(metric)
+                body = old_whole.get(key) if key is not None else None
+                if body is None:
+                    body = encoder(_One(metric))
+                    if form and body.endswith(_EOF):
+                        body = body[:-len(_EOF)]
+                else:
+                    whole_kept += 1
+                if key is not None:
+                    new_whole[key] = body
+            new_objects[id(metric)] = (metric, body)
             if out:
                 chunks.append("".join(out).encode("utf-8"))
                 out = []
@@ -252,6 +264,7 @@ class LineWriter:
             self._by_row = new_by_row
             self._texts = new_texts
             self._whole = {**self._whole, output: new_whole}
+            self._objects = {**self._objects, output: new_objects}
             self.formatted += formatted
             self.kept += kept
             self.whole_kept += whole_kept

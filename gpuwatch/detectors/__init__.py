@@ -39,9 +39,8 @@ def assess(snapshot: NodeSnapshot, history: History, config: DetectorConfig) -> 
     history.record(snapshot)
     findings = history.findings.stamp(detect(snapshot, history, config), snapshot.processes,
                                       snapshot.taken_at, history.job_label)
-    jobs = {pid: job for pid, p in snapshot.processes.items()
-            if (job := history.job_label(p)) is not None}
-    return NodeReport(snapshot, tuple(findings), MappingProxyType(jobs))
+    return NodeReport(snapshot, tuple(findings),
+                      MappingProxyType(history.job_labels(snapshot.processes)))
 
 
 def detect(snapshot: NodeSnapshot, history: History, config: DetectorConfig) -> list[Finding]:

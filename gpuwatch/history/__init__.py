@@ -26,7 +26,7 @@ gone (evicted, or the process exited) loses its step history at the next poll.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple, Optional
 
 from gpuwatch.agent_budget import AgentBudget, fair_shares
@@ -127,6 +127,20 @@ class History:
             return p.job
         record = self.job_of(p)
         return record.label if record is not None else None
+
+    def job_labels(self, processes: Mapping[int, HostProcess]) -> dict[int, Job]:
+        """job_label of each of `processes` that has one, by PID (one pass, for a report)."""
+        by_identity, jobs = self._by_identity, self._jobs
+        labels: dict[int, Job] = {}
+        for pid, p in processes.items():
+            job = p.job
+            if job is None:
+                h = by_identity.get(p.identity)
+                record = jobs.get(h.job_key) if h is not None else None
+                job = record.label if record is not None else None
+            if job is not None:
+                labels[pid] = job
+        return labels
 
     def unattributed_held(self, gpu: int, min_bytes: int, seconds: float, now: float) -> bool:
         """Whether GPU `gpu` has had at least `min_bytes` of unattributed memory at every

@@ -89,7 +89,6 @@ class ProcessCollector(Collector):
                                             value=float(soft)))
         return result
 
-
     def _stat_line(self) -> bytes:
         pid = os.getpid()
         kept = self._stat

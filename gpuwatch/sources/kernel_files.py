@@ -66,9 +66,6 @@ class KeptFiles:
         #: The paths read since the last forget_unread().
         self._read: set[str] = set()
 
-    def __len__(self) -> int:
-        return len(self._fds)
-
     def read(self, path: str) -> Optional[bytes]:
         """The whole file; None when it is missing or cannot be read."""
         self._read.add(path)

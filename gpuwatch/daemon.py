@@ -125,7 +125,7 @@ class Daemon:
         # No `_created` series (gpuwatch.metrics writes none): they would double every counter
         # for no use on a node exporter.
         self.registry = Registry()
-        self.rendered = RenderedMetrics(self.registry, writer=LineWriter().write)
+        self.rendered = RenderedMetrics(self.registry, writer=LineWriter().write_parts)
         self.collector = ReportCollector(
             lambda: self._latest, config.exporter.max_process_series,
             agent_counts=lambda: (self.agents.accepted, self.agents.rejected),

@@ -24,16 +24,18 @@ import copy
 import gzip
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import Callable, Optional
 
 from gpuwatch.metrics import Metric, Registry
+from gpuwatch.serve.gzip_parts import PartsGzip
 
 Encoder = Callable[[Registry], bytes]
-#: How a body is written: `encoder(registry)`, or what the application layer hands in its place
-#: (the exporter's writer, which keeps lines that did not change: sinks/exposition_text.py).
-Writer = Callable[[Encoder, "Registry | Selection"], bytes]
+#: How a body is written, in parts whose concatenation is what `encoder(registry)` returns: the
+#: application layer hands one in (the exporter's writer, which keeps lines that did not change
+#: and gives a part a family: sinks/exposition_text.py).
+Writer = Callable[[Encoder, "Registry | Selection"], Sequence[bytes]]
 #: (encoder_key of the encoder, gzipped): equal for the equal encoders of two requests.
 Key = tuple[object, bool]
 #: zlib's fastest level. A scraped body is mostly the same label sets again, which level 1
@@ -42,6 +44,9 @@ Key = tuple[object, bool]
 #: for 6.7 KiB and 1.88 ms for 28 KiB: a tenth more bytes on the wire for a quarter to a half of
 #: the CPU, paid at every scrape.
 GZIP_LEVEL = 1
+#: Gzipped formats whose last body's deflate is kept (text and OpenMetrics under each escaping
+#: of names a scraper may ask for).
+GZIPPERS_KEPT = 8
 #: A format nobody asked for in this long is no longer rendered ahead.
 FORGET_AFTER = 300.0
 #: Gaps between scrapes remembered per format: the shortest says when the next may come.
@@ -60,11 +65,19 @@ def encoder_key(encoder: Encoder) -> object:
 
 
 def render(encoder: Encoder, registry: Registry | Selection, gzipped: bool,
-           writer: Optional[Writer] = None) -> bytes:
-    # The encoders call only collect(), which a Selection has.
-    body = (writer(encoder, registry) if writer is not None
-            else encoder(registry))  # type: ignore[arg-type]
-    return gzip.compress(body, compresslevel=GZIP_LEVEL) if gzipped else body
+           writer: Optional[Writer] = None, gzipper: Optional[PartsGzip] = None) -> bytes:
+    """The body, gzipped where asked: by `gzipper` from the writer's parts where both are
+    given (compressing only the parts that changed since its last body), else whole."""
+    if writer is None:
+        # The encoders call only collect(), which a Selection has.
+        body = encoder(registry)  # type: ignore[arg-type]
+        return gzip.compress(body, compresslevel=GZIP_LEVEL) if gzipped else body
+    parts = writer(encoder, registry)
+    if not gzipped:
+        return b"".join(parts)
+    if gzipper is not None:
+        return gzipper.compress(parts)
+    return gzip.compress(b"".join(parts), compresslevel=GZIP_LEVEL)
 
 
 class Selection:
@@ -131,6 +144,9 @@ class RenderedMetrics:
         self._encoders: dict[Key, Encoder] = {}
         #: Writes a body in the encoder's place, where one is given.
         self.writer = writer
+        #: By key, what compresses its gzipped bodies (the deflate of each group of families kept
+        #: for the next render of that key: serve/gzip_parts.py).
+        self._gzippers: dict[Key, PartsGzip] = {}
         #: Renders done, for tests and benches: one per scrape, at most one per poll and format.
         self.renders = 0
 
@@ -150,7 +166,7 @@ class RenderedMetrics:
             generation = self._generation
         if kept is not None:
             return kept
-        body = self._render(encoder, gzipped)
+        body = self._render(encoder, gzipped, key)
         with self._lock:
             if generation == self._generation:  # a poll ended meanwhile: this one is older
                 self._bodies[key] = body
@@ -171,7 +187,7 @@ class RenderedMetrics:
                       if s.due_within(now, now + next_poll_in)]
             generation = self._generation
         for key, encoder in wanted:
-            body = self._render(encoder, key[1])
+            body = self._render(encoder, key[1], key)
             with self._lock:
                 if generation != self._generation:
                     return
@@ -186,6 +202,14 @@ class RenderedMetrics:
         else:
             scrapes.asked(now)
 
-    def _render(self, encoder: Encoder, gzipped: bool) -> bytes:
+    def _render(self, encoder: Encoder, gzipped: bool, key: Key) -> bytes:
         self.renders += 1
-        return render(encoder, self.registry, gzipped, self.writer)
+        gzipper = None
+        if gzipped and self.writer is not None:
+            with self._lock:
+                gzipper = self._gzippers.get(key)
+                if gzipper is None:
+                    if len(self._gzippers) >= GZIPPERS_KEPT:  # a bound all the same
+                        self._gzippers.clear()
+                    gzipper = self._gzippers[key] = PartsGzip(GZIP_LEVEL)
+        return render(encoder, self.registry, gzipped, self.writer, gzipper)

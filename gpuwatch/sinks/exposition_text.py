@@ -164,7 +164,7 @@ class LineWriter:
         #: By family name, the Family object of the last body, its whole text and the output
         #: it was written for (OpenMetrics or not), for families of at most
         #: FAMILY_TEXT_KEPT_ROWS rows.
-        self._texts: dict[str, tuple[Family, str, bool]] = {}
+        self._texts: dict[str, tuple[Family, bytes, bool]] = {}
         #: By family name, by id() of a row kept from the last body: (the row, its line). The
         #: row is held, so its id is not another object's while it is here.
         self._by_row: dict[str, dict[int, tuple[Row, str]]] = {}
@@ -186,10 +186,17 @@ class LineWriter:
 
     def write(self, encoder: Encoder, registry: Any) -> bytes:
         """What `encoder(registry)` returns, written faster where it can be."""
+        return b"".join(self.write_parts(encoder, registry))
+
+    def write_parts(self, encoder: Encoder, registry: Any) -> list[bytes]:
+        """What `write` returns, in parts: a family each (the trailer of OpenMetrics, one of its
+        own), or the whole body where the encoder is not one this module writes. A family
+        written as it was in the last body is the very bytes object of that body's part, for
+        families of at most FAMILY_TEXT_KEPT_ROWS rows (serve/gzip_parts.py compresses what
+        changed)."""
         form = encoder_form(encoder)
         if form is None:
-            return encoder(registry)
-        out: list[str] = []
+            return [encoder(registry)]
         chunks: list[bytes] = []
         assert isinstance(encoder, Format)  # encoder_form said so
         output = (form, encoder.escaping)
@@ -199,7 +206,7 @@ class LineWriter:
         new_objects: dict[int, tuple[Metric, bytes]] = {}
         new: _Lines = {}
         new_by_row: dict[str, dict[int, tuple[Row, str]]] = {}
-        new_texts: dict[str, tuple[Family, str, bool]] = {}
+        new_texts: dict[str, tuple[Family, bytes, bool]] = {}
         new_whole: dict[WholeKey, bytes] = {}
         formatted = kept = whole_kept = 0
         for metric in registry.collect():
@@ -208,7 +215,7 @@ class LineWriter:
                 held = old_texts.get(name)
                 if held is not None and held[0] is metric and held[2] == form:
                     # The same family as in the last body: its text, and its lines kept.
-                    out.append(held[1])
+                    chunks.append(held[1])
                     new_texts[name] = held
                     if name in old:
                         new[name] = old[name]
@@ -216,8 +223,7 @@ class LineWriter:
                         new_by_row[name] = old_by_row[name]
                     kept += len(metric.rows)
                     continue
-                start = len(out)
-                out.append(self._header(metric, form))
+                out = [self._header(metric, form)]
                 by_row: dict[int, tuple[Row, str]] = {}
                 lines: dict[tuple[str, ...], tuple[float, str]] = {}
                 formatted_here, kept_here = self._rows(
@@ -227,11 +233,10 @@ class LineWriter:
                     new[name] = lines
                 if by_row:
                     new_by_row[name] = by_row
+                text = "".join(out).encode("utf-8")
                 if len(metric.rows) <= FAMILY_TEXT_KEPT_ROWS:
-                    text = "".join(out[start:])
-                    del out[start:]
-                    out.append(text)
                     new_texts[name] = (metric, text, form)
+                chunks.append(text)
                 formatted += formatted_here
                 kept += kept_here
                 continue
@@ -251,12 +256,7 @@ class LineWriter:
                 if key is not None:
                     new_whole[key] = body
             new_objects[id(metric)] = (metric, body)
-            if out:
-                chunks.append("".join(out).encode("utf-8"))
-                out = []
             chunks.append(body)
-        if out:
-            chunks.append("".join(out).encode("utf-8"))
         if form:
             chunks.append(_EOF)
         with self._lock:
@@ -268,7 +268,7 @@ class LineWriter:
             self.formatted += formatted
             self.kept += kept
             self.whole_kept += whole_kept
-        return b"".join(chunks)
+        return chunks
 
     def _header(self, family: Family, openmetrics: bool) -> str:
         key = (family.name, family.documentation, openmetrics)

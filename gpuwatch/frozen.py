@@ -18,6 +18,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 T = TypeVar("T")
+Inst = TypeVar("Inst")
+Asker = TypeVar("Asker")
 
 if TYPE_CHECKING:
     # So that a type checker reads a decorated class as the frozen dataclass it is.
@@ -96,7 +98,27 @@ def evolve(instance: T, **changes: Any) -> T:
     kept.update(instance.__dict__, **changes)
     for name in getattr(instance, "_gw_cached", ()):
         kept.pop(name, None)
+    kept.pop(_MEMO, None)
     return copy
+
+
+#: Where `memo` keeps what was worked out of an instance (dropped by evolve, as cached
+#: properties are).
+_MEMO = "_gw_memo"
+
+
+def memo(work: Callable[[Inst, Asker], T], instance: Inst, asker: Asker) -> T:
+    """`work(instance, asker)`, for a pure function `work` of a frozen dataclass instance and
+    of an `asker` (the settings a judgement depends on, compared by identity), worked out once:
+    asked of one record several times a poll, and of the same record at every poll while its
+    process does not change. One answer is kept per instance, for one function and its last
+    asker; a copy made by evolve() keeps none."""
+    kept = instance.__dict__.get(_MEMO)
+    if kept is not None and kept[1] is asker and kept[0] is work:
+        return kept[2]  # type: ignore[no-any-return]
+    value = work(instance, asker)
+    instance.__dict__[_MEMO] = (work, asker, value)
+    return value
 
 
 def build(cls: type[T], values: dict[str, Any]) -> T:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import pytest
 
 from gpuwatch.config import Config
-from gpuwatch.frozen import build, evolve, frozen_dataclass
+from gpuwatch.frozen import build, evolve, frozen_dataclass, memo
 from gpuwatch.model import BufferSize, HostProcess, Job
 
 
@@ -111,6 +111,34 @@ def test_what_a_record_works_out_once_is_worked_out_again_for_its_evolved_copy()
     assert p.identity == (5, 1.0) and not p.holds_gpu
     assert q == HostProcess(pid=6, start_time=1.0, gpu_usage=usage)
     assert repr(q) == repr(HostProcess(pid=6, start_time=1.0, gpu_usage=usage))
+
+
+def test_a_judgement_is_worked_out_once_per_settings_and_again_for_an_evolved_copy() -> None:
+    """Whether a process is protected is asked of every process by two detectors at every
+    poll: worked out once for a record and the settings asked with, again for other settings
+    (a reloaded configuration) and for a copy made by evolve (its fields may differ)."""
+    from gpuwatch.config import DetectorConfig
+    from gpuwatch.detectors import is_protected, protected_by
+
+    calls: list[tuple[int, object]] = []
+
+    def judged(p: HostProcess, settings: object) -> int:
+        calls.append((p.pid, settings))
+        return p.pid
+
+    first, second = object(), object()
+    p = HostProcess(pid=5, start_time=1.0, user="alice")
+    assert memo(judged, p, first) == memo(judged, p, first) == 5
+    assert calls == [(5, first)]
+    assert memo(judged, p, second) == 5 and calls[-1] == (5, second)
+    q = evolve(p, pid=6)
+    assert memo(judged, q, second) == 6 and calls[-1] == (6, second)
+    assert p == HostProcess(pid=5, start_time=1.0, user="alice")  # equality sees fields only
+
+    guarded = DetectorConfig(protected_users=("alice",))
+    assert not is_protected(p, Config().detectors) and is_protected(p, guarded)
+    assert protected_by(p, guarded) == "its user alice is in detectors.protected_users"
+    assert not is_protected(evolve(p, user="bob"), guarded)
 
 
 def test_build_makes_what_init_makes_from_every_field_and_refuses_fewer_or_others() -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import NamedTuple, Optional, Union
 
 from gpuwatch.config import DetectorConfig
+from gpuwatch.frozen import memo
 from gpuwatch.launch_env import RUN_ID_KEY, WORKER_MARKER_KEYS, process_title, run_supervisor
 from gpuwatch.model import COMM_CHARS, Finding, HostProcess, Job, Kind, NodeSnapshot
 from gpuwatch.units import human_bytes, short_command
@@ -29,6 +30,8 @@ _BOOT_TIME_STEPS = 2
 
 def protected_by(p: HostProcess, config: DetectorConfig) -> Optional[str]:
     """Why `p` is protected (never reported, never reaped), in words; None when it is not.
+    Worked out once per record and settings (the leak and orphan detectors both ask of every
+    process, and a record is the same object from poll to poll while its process is unchanged).
 
     Only from what its user cannot set (docs/security.md, rule 2): its real uid
     (`protected_users`), the system unit systemd started it in (`protected_units`), or, for a
@@ -38,6 +41,10 @@ def protected_by(p: HostProcess, config: DetectorConfig) -> Optional[str]:
     their own code in it (LD_PRELOAD, its modules), and keep it from every reap. The detectors
     and the reaper's refusal both ask here.
     """
+    return memo(_protected_by, p, config)
+
+
+def _protected_by(p: HostProcess, config: DetectorConfig) -> Optional[str]:
     if p.user is not None and p.user in config.protected_users:
         return f"its user {p.user} is in detectors.protected_users"
     if p.system_unit is not None and p.system_unit in config.protected_units:
@@ -54,7 +61,7 @@ def protected_by(p: HostProcess, config: DetectorConfig) -> Optional[str]:
 
 
 def is_protected(p: HostProcess, config: DetectorConfig) -> bool:
-    return protected_by(p, config) is not None
+    return memo(_protected_by, p, config) is not None
 
 
 class Evidence(NamedTuple):

@@ -66,13 +66,11 @@ def encoder_key(encoder: Encoder) -> object:
 
 def render(encoder: Encoder, registry: Registry | Selection, gzipped: bool,
            writer: Optional[Writer] = None, gzipper: Optional[PartsGzip] = None) -> bytes:
-    """The body, gzipped where asked: by `gzipper` from the writer's parts where both are
-    given (compressing only the parts that changed since its last body), else whole."""
-    if writer is None:
-        # The encoders call only collect(), which a Selection has.
-        body = encoder(registry)  # type: ignore[arg-type]
-        return gzip.compress(body, compresslevel=GZIP_LEVEL) if gzipped else body
-    parts = writer(encoder, registry)
+    """The body, gzipped where asked: by `gzipper` where one is given (compressing only the
+    parts that changed since its last body), else whole."""
+    # The encoders call only collect(), which a Selection has.
+    parts = (writer(encoder, registry) if writer is not None
+             else [encoder(registry)])  # type: ignore[arg-type]
     if not gzipped:
         return b"".join(parts)
     if gzipper is not None:
